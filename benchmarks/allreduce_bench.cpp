@@ -1,0 +1,146 @@
+// all_reduce bus bandwidth through loom::Communicator against raw MPI_Allreduce, in the same
+// processes and the same run, following nccl-tests' conventions:
+//   algbw = bytes / time,  busbw = algbw * 2 (n - 1) / n,
+// warm-up iterations first, then the median of the timed iterations (each iteration's time is
+// the slowest rank's). The two are interleaved iteration by iteration so that machine noise
+// hits both alike; results are checked after every iteration.
+//
+//   mpirun -np 2 build/benchmarks/allreduce_bench --json allreduce_np2.json
+#include <ATen/ATen.h>
+#include <mpi.h>
+
+#include <CLI/CLI.hpp>
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <vector>
+
+#include "loom/loom.h"
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  const size_t n = v.size();
+  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+// The slowest rank's time for this iteration.
+double slowest(double seconds) {
+  double result = 0;
+  MPI_Allreduce(&seconds, &result, 1, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
+  return result;
+}
+
+std::string human(int64_t bytes) {
+  char text[32];
+  if (bytes >= (1 << 20))
+    std::snprintf(text, sizeof(text), "%lld MB", static_cast<long long>(bytes >> 20));
+  else if (bytes >= 1024)
+    std::snprintf(text, sizeof(text), "%lld KB", static_cast<long long>(bytes >> 10));
+  else
+    std::snprintf(text, sizeof(text), "%lld B", static_cast<long long>(bytes));
+  return text;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"all_reduce bandwidth: loom::Communicator vs raw MPI_Allreduce"};
+  int64_t min_bytes = 4;
+  int64_t max_bytes = 256ll << 20;
+  int warmup = 3;
+  int max_iters = 40;
+  double seconds_per_size = 3.0;
+  std::string json_path;
+  app.add_option("--min-bytes", min_bytes, "smallest message (bytes)");
+  app.add_option("--max-bytes", max_bytes, "largest message (bytes)");
+  app.add_option("--warmup", warmup, "untimed iterations per size");
+  app.add_option("--max-iters", max_iters, "timed iterations per size at most (at least 5)");
+  app.add_option("--seconds-per-size", seconds_per_size, "time budget per size, both variants together");
+  app.add_option("--json", json_path, "write the results here");
+  CLI11_PARSE(app, argc, argv);
+
+  auto rt = loom::init();
+  auto comm = rt->world_comm();
+  const int n = comm->size();
+  const int rank = comm->rank();
+  MPI_Comm raw_comm;
+  MPI_Comm_dup(MPI_COMM_WORLD, &raw_comm);
+  const double bus_factor = n > 1 ? 2.0 * (n - 1) / n : 1.0;
+
+  nlohmann::json results = nlohmann::json::array();
+  if (rank == 0) {
+    std::printf("all_reduce float32 sum, %d ranks, in place; median of timed iterations (slowest rank)\n", n);
+    std::printf("%10s %6s %12s %12s %12s %12s %8s %12s\n", "size", "iters", "mpi us", "loom us", "mpi busbw",
+                "loom busbw", "ratio", "added us");
+  }
+  bool all_correct = true;
+  for (int64_t bytes = min_bytes; bytes <= max_bytes; bytes *= 4) {
+    const int64_t count = std::max<int64_t>(1, bytes / 4);
+    at::Tensor loom_buffer = at::empty({count}, at::kFloat);
+    at::Tensor raw_buffer = at::empty({count}, at::kFloat);
+    // Size the iteration count from one probe so each size takes about seconds_per_size.
+    raw_buffer.fill_(1);
+    auto probe_start = Clock::now();
+    MPI_Allreduce(MPI_IN_PLACE, raw_buffer.data_ptr(), static_cast<int>(count), MPI_FLOAT, MPI_SUM, raw_comm);
+    double probe = slowest(std::chrono::duration<double>(Clock::now() - probe_start).count());
+    int iters = static_cast<int>(std::clamp(seconds_per_size / (2 * std::max(probe, 1e-6)), 5.0, double(max_iters)));
+    MPI_Bcast(&iters, 1, MPI_INT, 0, MPI_COMM_WORLD);
+
+    std::vector<double> raw_times, loom_times;
+    bool correct = true;
+    for (int it = -warmup; it < iters; ++it) {
+      raw_buffer.fill_(rank + 1);
+      loom_buffer.fill_(rank + 1);
+      MPI_Barrier(MPI_COMM_WORLD);
+      auto t0 = Clock::now();
+      MPI_Allreduce(MPI_IN_PLACE, raw_buffer.data_ptr(), static_cast<int>(count), MPI_FLOAT, MPI_SUM, raw_comm);
+      double raw_time = slowest(std::chrono::duration<double>(Clock::now() - t0).count());
+      MPI_Barrier(MPI_COMM_WORLD);
+      auto t1 = Clock::now();
+      comm->all_reduce(loom_buffer)->wait();
+      double loom_time = slowest(std::chrono::duration<double>(Clock::now() - t1).count());
+      const float expected = n * (n + 1) / 2.0f;
+      correct = correct && loom_buffer[0].item<float>() == expected && loom_buffer[count - 1].item<float>() == expected &&
+                raw_buffer[0].item<float>() == expected;
+      if (it >= 0) {
+        raw_times.push_back(raw_time);
+        loom_times.push_back(loom_time);
+      }
+    }
+    all_correct = all_correct && correct;
+    const double raw_s = median(raw_times), loom_s = median(loom_times);
+    const double real_bytes = count * 4.0;
+    const double raw_busbw = real_bytes / raw_s * bus_factor / 1e9;
+    const double loom_busbw = real_bytes / loom_s * bus_factor / 1e9;
+    if (rank == 0) {
+      std::printf("%10s %6d %12.1f %12.1f %9.3f GB/s %9.3f GB/s %8.3f %12.2f%s\n", human(bytes).c_str(), iters,
+                  raw_s * 1e6, loom_s * 1e6, raw_busbw, loom_busbw, raw_s / loom_s, (loom_s - raw_s) * 1e6,
+                  correct ? "" : "  WRONG RESULT");
+      std::fflush(stdout);
+    }
+    results.push_back({{"bytes", real_bytes},
+                       {"iterations", iters},
+                       {"mpi_us", raw_s * 1e6},
+                       {"loom_us", loom_s * 1e6},
+                       {"mpi_busbw_gbps", raw_busbw},
+                       {"loom_busbw_gbps", loom_busbw},
+                       {"ratio_loom_over_mpi_bandwidth", raw_s / loom_s},
+                       {"added_latency_us", (loom_s - raw_s) * 1e6},
+                       {"correct", correct}});
+  }
+  if (rank == 0 && !json_path.empty()) {
+    nlohmann::json doc = {{"benchmark", "allreduce"}, {"ranks", n}, {"dtype", "float32"}, {"results", results}};
+    std::ofstream(json_path) << doc.dump(2) << "\n";
+  }
+  MPI_Comm_free(&raw_comm);
+  comm.reset();
+  rt.reset();
+  loom::finalize();
+  return all_correct ? 0 : 1;
+}

@@ -1,0 +1,11 @@
+// torchloom: distributed training for LibTorch programs. Include this for the whole public API.
+#pragma once
+
+#include "loom/comm/communicator.h"
+#include "loom/comm/groups.h"
+#include "loom/comm/mpi.h"
+#include "loom/comm/nccl.h"
+#include "loom/error.h"
+#include "loom/log.h"
+#include "loom/runtime.h"
+#include "loom/world.h"

@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# Installs everything torchloom needs on a Debian machine: system packages with apt-get and
+# Python packages (LibTorch comes from the pinned `torch` wheel) with pip. Idempotent: what is
+# already installed is skipped, so running it again costs a few seconds.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+APT_PACKAGES=(cmake ninja-build g++ openmpi-bin libopenmpi-dev libspdlog-dev nlohmann-json3-dev
+              libcli11-dev libhwloc-dev libxxhash-dev libgtest-dev libbenchmark-dev python3-dev)
+
+missing=()
+for pkg in "${APT_PACKAGES[@]}"; do
+  dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || missing+=("$pkg")
+done
+if ((${#missing[@]})); then
+  echo "[setup] apt-get install ${missing[*]}"
+  SUDO=""; [[ $(id -u) -ne 0 ]] && SUDO="sudo"
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+fi
+
+PYTHON=${PYTHON:-python3}
+if ! "$PYTHON" - <<'PY' 2>/dev/null
+import re, sys, importlib.metadata as md
+for line in open("requirements.txt"):
+    line = line.split("#")[0].strip()
+    if not line:
+        continue
+    name, _, pin = line.partition("==")
+    have = md.version(name)            # raises when missing
+    if pin and have.split("+")[0] != pin:
+        sys.exit(1)
+PY
+then
+  echo "[setup] pip install -r requirements.txt"
+  "$PYTHON" -m pip install -q --disable-pip-version-check -r requirements.txt
+fi
+echo "[setup] dependencies present"

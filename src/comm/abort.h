@@ -1,0 +1,26 @@
+// Ending the job after a fatal communication error, so that no rank is left hanging.
+//
+// Backends register how to tear themselves down (ncclCommAbort for device communicators); the
+// MPI runtime registers the final step (MPI_Abort, which makes mpirun end every rank). The abort
+// runs once, on its own thread, after a grace period that lets the failing operation's waiter
+// raise and log the error first.
+#pragma once
+
+#include <chrono>
+#include <functional>
+#include <string>
+
+namespace loom::detail {
+
+// Steps run in registration order; returns a handle for unregister_abort_step.
+int register_abort_step(std::function<void(const std::string& reason)> step);
+void unregister_abort_step(int handle);
+// The last step (MPI_Abort); replaces any previous one.
+void set_final_abort_step(std::function<void(const std::string& reason)> step);
+
+// Starts the abort once (later calls are ignored): waits `grace`, runs the steps, and if the
+// process is still alive after that, std::abort().
+void abort_job_after(std::chrono::milliseconds grace, const std::string& reason);
+bool abort_started();
+
+}  // namespace loom::detail

@@ -1,0 +1,41 @@
+#include "loom/comm/groups.h"
+
+#include <algorithm>
+
+#include "loom/error.h"
+
+namespace loom {
+
+ParallelGroups make_parallel_groups(Communicator& world, int tp_degree, const std::vector<int>& order) {
+  const int size = world.size();
+  const std::string where = "[rank " + std::to_string(world.rank()) + "] make_parallel_groups";
+  if (tp_degree < 1 || size % tp_degree != 0)
+    throw InvalidArgumentError(where + ": tensor-parallel degree " + std::to_string(tp_degree) +
+                               " must be at least 1 and divide the world size " + std::to_string(size));
+  ParallelGroups groups;
+  groups.tp_degree = tp_degree;
+  groups.dp_degree = size / tp_degree;
+  groups.order = order;
+  if (groups.order.empty()) {
+    for (int r = 0; r < size; ++r) groups.order.push_back(r);
+  }
+  std::vector<int> sorted = groups.order;
+  std::sort(sorted.begin(), sorted.end());
+  bool permutation = static_cast<int>(sorted.size()) == size;
+  for (int r = 0; permutation && r < size; ++r) permutation = sorted[r] == r;
+  if (!permutation)
+    throw InvalidArgumentError(where + ": order has " + std::to_string(groups.order.size()) +
+                               " entries; expected a permutation of 0.." + std::to_string(size - 1));
+
+  const int position = static_cast<int>(std::find(groups.order.begin(), groups.order.end(), world.rank()) -
+                                         groups.order.begin());
+  const int block = position / tp_degree;   // which TP group
+  const int offset = position % tp_degree;  // position inside it
+  groups.tp_rank = offset;
+  groups.dp_rank = block;
+  groups.tensor_parallel = world.split(block, offset, "tp" + std::to_string(block));
+  groups.data_parallel = world.split(offset, block, "dp" + std::to_string(offset));
+  return groups;
+}
+
+}  // namespace loom

@@ -1,0 +1,70 @@
+#include "loom/runtime.h"
+
+#include <mutex>
+
+#include "loom/comm/mpi.h"
+#include "loom/error.h"
+#include "loom/log.h"
+
+namespace loom {
+namespace {
+std::mutex g_mutex;
+std::shared_ptr<Runtime> g_runtime;
+
+// The environment told us what the launcher intended; MPI tells us what happened. They must agree.
+void reconcile(World& world, const mpi::Layout& layout) {
+  auto mismatch = [&](const std::string& what, int env_value, int mpi_value) {
+    return ConfigError("[rank " + std::to_string(layout.rank) + "] init: the " + world.launcher +
+                       " environment gives " + what + "=" + std::to_string(env_value) + " but MPI sees " +
+                       std::to_string(mpi_value) +
+                       (world.launcher == "torchrun" ? " (start torchloom programs with mpirun or srun, not torchrun)"
+                                                     : ""));
+  };
+  if (world.size_known && world.size != layout.size) throw mismatch("world size", world.size, layout.size);
+  if (world.rank != layout.rank && world.launcher != "single") throw mismatch("rank", world.rank, layout.rank);
+  if (world.local_known && world.local_size != layout.local_size)
+    throw mismatch("local size", world.local_size, layout.local_size);
+  world.rank = layout.rank;
+  world.size = layout.size;
+  world.size_known = true;
+  if (!world.local_known) {
+    world.local_rank = layout.local_rank;
+    world.local_size = layout.local_size;
+    world.local_known = true;
+  }
+  if (!world.node_known) {
+    world.node_index = layout.node_index;
+    world.num_nodes = layout.num_nodes;
+    world.node_known = true;
+  }
+}
+
+}  // namespace
+
+std::shared_ptr<Runtime> init(const InitOptions& options) {
+  std::lock_guard<std::mutex> lock(g_mutex);
+  if (g_runtime) return g_runtime;
+  auto runtime = std::shared_ptr<Runtime>(new Runtime());
+  runtime->world_ = world_from_environment(current_environment(), current_hostname());
+  mpi::initialize();
+  reconcile(runtime->world_, mpi::discover_layout());
+  log::set_rank(runtime->world_.rank, runtime->world_.size);
+  runtime->world_comm_ = mpi::world_communicator(options.comm);
+  LOOM_LOG(info, "initialized: rank " << runtime->world_.rank << "/" << runtime->world_.size << " local "
+                                      << runtime->world_.local_rank << "/" << runtime->world_.local_size << " node "
+                                      << runtime->world_.node_index << " (" << runtime->world_.hostname
+                                      << ") launcher " << runtime->world_.launcher);
+  g_runtime = runtime;
+  return g_runtime;
+}
+
+void finalize() {
+  std::lock_guard<std::mutex> lock(g_mutex);
+  if (g_runtime) {
+    g_runtime->world_comm_.reset();
+    g_runtime.reset();
+  }
+  mpi::finalize();
+}
+
+}  // namespace loom

@@ -1,0 +1,92 @@
+// Asynchronous behaviour: many operations in flight complete in submission order with correct
+// results; the caller computes while communication proceeds; wait(timeout) and is_completed().
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <thread>
+
+#include "test_util.h"
+
+using namespace loom;
+
+TEST(Async, ManyOperationsInFlightCompleteInOrder) {
+  auto comm = test::world();
+  const int n = comm->size();
+  const int count = 64;
+  std::vector<at::Tensor> tensors;
+  std::vector<WorkPtr> works;
+  for (int k = 0; k < count; ++k) {
+    // Mixed sizes and ops, so a reordering or a mixed-up buffer shows in the values.
+    tensors.push_back(at::full({1 + 97 * (k % 5)}, static_cast<double>(k + comm->rank()), at::kDouble));
+    works.push_back(comm->all_reduce(tensors.back(), {k % 2 ? ReduceOp::Max : ReduceOp::Sum}));
+  }
+  // Operations finish in order: when one is complete, every earlier one is too.
+  for (int k = count - 1; k >= 0; --k) {
+    works[k]->wait();
+    for (int j = 0; j < k; ++j) ASSERT_TRUE(works[j]->is_completed()) << "op " << j << " after op " << k;
+  }
+  for (int k = 0; k < count; ++k) {
+    double expected = k % 2 ? k + n - 1 : n * k + n * (n - 1) / 2.0;
+    EXPECT_TRUE(at::all(tensors[k].eq(expected)).item<bool>()) << "op " << k << ": " << tensors[k][0].item<double>();
+    EXPECT_EQ(works[k]->info().seq, works[0]->info().seq + k);
+  }
+}
+
+TEST(Async, CallerComputesWhileCommunicationProceeds) {
+  auto comm = test::world();
+  if (comm->size() == 1) GTEST_SKIP() << "needs a peer";
+  // Rank 0 submits an all_reduce and keeps computing; the other ranks join 300 ms later. The
+  // submission must return at once (the work is not complete yet), and the result must arrive
+  // without rank 0 calling into the communicator again.
+  at::Tensor t = at::ones({1024}, at::kFloat);
+  if (comm->rank() != 0) std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  auto start = std::chrono::steady_clock::now();
+  auto work = comm->all_reduce(t);
+  auto submit_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
+  if (comm->rank() == 0) {
+    EXPECT_LT(submit_ms, 50.0);
+    EXPECT_FALSE(work->is_completed());
+    while (!work->is_completed()) {
+      at::mm(at::ones({32, 32}), at::ones({32, 32}));  // the caller's own work
+    }
+  }
+  work->wait();
+  EXPECT_TRUE(at::all(t.eq(comm->size())).item<bool>());
+}
+
+TEST(Async, WaitWithTimeoutGivesUpButTheOperationGoesOn) {
+  auto comm = test::world();
+  if (comm->size() == 1) GTEST_SKIP() << "needs a peer";
+  at::Tensor t = at::ones({8}, at::kFloat);
+  if (comm->rank() == 0) {
+    auto work = comm->all_reduce(t);
+    try {
+      work->wait(std::chrono::milliseconds(100));  // the others come 500 ms later
+      FAIL() << "expected TimeoutError";
+    } catch (const TimeoutError& e) {
+      EXPECT_NE(std::string(e.what()).find("wait() gave up after 0.100 s; the operation is still running"),
+                std::string::npos)
+          << e.what();
+    }
+    work->wait();  // completes once the peers arrive
+  } else {
+    std::this_thread::sleep_for(std::chrono::milliseconds(500));
+    comm->all_reduce(t)->wait();
+  }
+  EXPECT_TRUE(at::all(t.eq(comm->size())).item<bool>());
+  EXPECT_FALSE(comm->is_broken());
+}
+
+TEST(Async, IndependentCommunicatorsProgressSeparately) {
+  auto comm = test::world();
+  auto other = comm->split(0, comm->rank(), "world_copy");
+  ASSERT_NE(other, nullptr);
+  at::Tensor a = at::full({100}, 1.0f);
+  at::Tensor b = at::full({100}, 2.0f);
+  auto wa = comm->all_reduce(a);
+  auto wb = other->all_reduce(b);
+  wb->wait();
+  wa->wait();
+  EXPECT_TRUE(at::all(a.eq(comm->size())).item<bool>());
+  EXPECT_TRUE(at::all(b.eq(2.0f * comm->size())).item<bool>());
+}

@@ -1,0 +1,64 @@
+// Helpers for the multi-rank tests: the world communicator, and inputs whose reductions are
+// exact in every supported dtype so that expected values can be computed independently.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <string>
+#include <vector>
+
+#include "loom/comm/communicator.h"
+#include "loom/error.h"
+#include "loom/runtime.h"
+
+namespace loom::test {
+
+inline std::shared_ptr<Communicator> world() { return loom::init()->world_comm(); }
+
+inline const std::vector<at::ScalarType>& all_dtypes() {
+  static const std::vector<at::ScalarType> dtypes = {at::kFloat, at::kDouble, at::kHalf, at::kBFloat16, at::kChar,
+                                                     at::kByte,  at::kInt,    at::kLong, at::kBool};
+  return dtypes;
+}
+
+// Rank r's input for a reduction: small integers, so sums and products over 4 ranks are exact
+// even in int8, float16 and bfloat16. For product the values are 1 or 2.
+inline at::Tensor rank_input(int rank, at::IntArrayRef shape, at::ScalarType dtype, bool for_product = false) {
+  int64_t numel = 1;
+  for (auto d : shape) numel *= d;
+  at::Tensor i = at::arange(numel, at::kLong);
+  at::Tensor values;
+  if (dtype == at::kBool) {
+    values = ((i + rank) % 3).eq(0);
+  } else if (for_product) {
+    values = 1 + (i + rank) % 2;
+  } else {
+    values = (rank + 1) + (i % 3) * ((rank % 2) ? -1 : 1) + (dtype == at::kByte || dtype == at::kBool ? 2 : 0);
+  }
+  return values.to(dtype).reshape(shape).contiguous();
+}
+
+// The reduction of every rank's input, computed on this rank alone in float64.
+inline at::Tensor expected_reduction(int size, at::IntArrayRef shape, at::ScalarType dtype, ReduceOp op) {
+  std::vector<at::Tensor> inputs;
+  for (int r = 0; r < size; ++r)
+    inputs.push_back(rank_input(r, shape, dtype, op == ReduceOp::Product).to(at::kDouble));
+  at::Tensor all = at::stack(inputs);
+  at::Tensor result;
+  switch (op) {
+    case ReduceOp::Sum: result = all.sum(0); break;
+    case ReduceOp::Avg: result = all.sum(0) / size; break;
+    case ReduceOp::Product: result = all.prod(0); break;
+    case ReduceOp::Min: result = std::get<0>(all.min(0)); break;
+    case ReduceOp::Max: result = std::get<0>(all.max(0)); break;
+  }
+  if (dtype == at::kBool) {
+    // Sum and max are logical or; min and product logical and.
+    result = (op == ReduceOp::Sum || op == ReduceOp::Max) ? all.ne(0).any(0) : all.ne(0).all(0);
+  }
+  return result.to(dtype);
+}
+
+inline std::string name_of(at::ScalarType t) { return c10::toString(t); }
+
+}  // namespace loom::test
