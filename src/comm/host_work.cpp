@@ -56,6 +56,16 @@ bool HostWork::fail(std::exception_ptr error) {
 }
 
 void HostWork::wait(Timeout timeout) {
+  // Not with an explicit timeout: the caller wants to get control back by then, and a thread
+  // inside a blocking MPI call cannot give up.
+  if (auto executor = timeout == kDefaultTimeout ? executor_.lock() : nullptr) {
+    bool queued;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      queued = state_ == State::Queued;
+    }
+    if (queued) executor->run_if_next(this);
+  }
   std::unique_lock<std::mutex> lock(mutex_);
   auto finished = [this] { return state_ == State::Done || state_ == State::Failed; };
   if (timeout == kDefaultTimeout) {

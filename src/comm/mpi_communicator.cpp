@@ -11,6 +11,7 @@
 #include <deque>
 #include <functional>
 #include <future>
+#include <optional>
 #include <mutex>
 #include <thread>
 
@@ -50,7 +51,7 @@ int element_count(const at::Tensor& t, const detail::Op& op) {
   return static_cast<int>(t.numel());
 }
 
-class MpiCommunicator final : public Communicator {
+class MpiCommunicator final : public Communicator, public detail::InlineExecutor {
  public:
   MpiCommunicator(MPI_Comm comm, int rank, int size, int world_rank, std::string name,
                   const CommunicatorOptions& options)
@@ -91,12 +92,37 @@ class MpiCommunicator final : public Communicator {
     std::vector<at::Tensor> keep_alive = op.inputs;
     keep_alive.insert(keep_alive.end(), op.outputs.begin(), op.outputs.end());
     auto work = std::make_shared<HostWork>(op.info, std::move(keep_alive));
+    const bool collective = op.info.type != OpType::Send && op.info.type != OpType::Recv;
+    // Only with LOOM_ON_ERROR=abort: a caller stuck inside MPI could not raise its timeout, but
+    // the abort still ends the job.
+    if (collective && on_error() == OnError::Abort)
+      work->set_inline_executor(std::shared_ptr<detail::InlineExecutor>(shared_from_this(), this));
     {
       std::lock_guard<std::mutex> lock(mutex_);
       queue_.push_back(Task{std::move(op), work, nullptr});
     }
     wake_.notify_one();
     return work;
+  }
+
+  bool run_if_next(HostWork* work) override {
+    std::optional<Task> task;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (running_ || queue_.empty() || queue_.front().work.get() != work) return false;
+      task.emplace(std::move(queue_.front()));
+      queue_.pop_front();
+      running_ = true;
+    }
+    run(*task);
+    bool more;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      running_ = false;
+      more = !queue_.empty();
+    }
+    if (more) wake_.notify_one();
+    return true;
   }
 
   std::shared_ptr<Communicator> launch_split(int color, int key, const std::string& name,
@@ -148,21 +174,28 @@ class MpiCommunicator final : public Communicator {
       std::optional<Task> task;
       {
         std::unique_lock<std::mutex> lock(mutex_);
-        if (queue_.empty()) {
-          if (stop_) break;
+        // A waiting caller may be running the head operation itself (run_if_next).
+        auto ready = [this] { return stop_ || (!queue_.empty() && !running_); };
+        if (!ready()) {
           if (pending_.empty()) {
-            wake_.wait(lock, [this] { return stop_ || !queue_.empty(); });
+            wake_.wait(lock, ready);
           } else {
             // Point-to-point operations in flight: poll them, but yield the core in between.
-            wake_.wait_for(lock, std::chrono::microseconds(50), [this] { return stop_ || !queue_.empty(); });
+            wake_.wait_for(lock, std::chrono::microseconds(50), ready);
           }
         }
-        if (!queue_.empty()) {
+        if (stop_ && queue_.empty() && !running_) break;
+        if (!queue_.empty() && !running_) {
           task.emplace(std::move(queue_.front()));
           queue_.pop_front();
+          running_ = true;
         }
       }
-      if (task) run(*task);
+      if (task) {
+        run(*task);
+        std::lock_guard<std::mutex> lock(mutex_);
+        running_ = false;
+      }
       if (!pending_.empty()) poll_p2p();
     }
     for (auto& p : pending_) {
@@ -360,6 +393,7 @@ class MpiCommunicator final : public Communicator {
   std::deque<Task> queue_;
   std::vector<PendingP2P> pending_;  // owned by the progress thread
   bool stop_ = false;
+  bool running_ = false;  // an operation is executing (on the progress thread or a waiter)
   std::atomic<bool> busy_{false};
   std::thread thread_;
 };

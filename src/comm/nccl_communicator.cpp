@@ -200,7 +200,7 @@ class NcclWork final : public Work {
     if (timeout.count() >= 0) {
       const auto start = Clock::now();
       if (!poll_until(start + timeout))
-        throw TimeoutError(info_.describe() + " wait timed out after " +
+        throw TimeoutError(info_.describe() + ": wait timed out after " +
                            seconds_text(std::chrono::duration<double>(Clock::now() - start).count()) + " s (timeout " +
                            seconds_text(timeout) + " s); the operation goes on under its own timeout of " +
                            seconds_text(info_.timeout) + " s");

@@ -24,11 +24,10 @@ Watchdog::~Watchdog() {
 }
 
 void Watchdog::watch(WorkPtr work, Clock::time_point deadline, std::function<void()> on_expire) {
-  {
-    std::lock_guard<std::mutex> lock(mutex_);
-    entries_.push_back({std::move(work), deadline, std::move(on_expire)});
-  }
-  wake_.notify_one();
+  // No wake-up: the thread checks every poll interval anyway, and a notify per operation would
+  // cost a system call on the hot path. Detection is at most one interval late.
+  std::lock_guard<std::mutex> lock(mutex_);
+  entries_.push_back({std::move(work), deadline, std::move(on_expire)});
 }
 
 void Watchdog::add_periodic(std::function<bool()> check) {

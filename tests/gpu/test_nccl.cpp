@@ -8,7 +8,6 @@
 #include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
-#include <cuda_runtime_api.h>
 #include <gtest/gtest.h>
 
 #include <chrono>
@@ -118,12 +117,26 @@ void expect_matches(const at::Tensor& actual_on_gpu, const at::Tensor& expected,
   }
 }
 
-// Queues a kernel that keeps the current stream busy for about `seconds` (at the peak clock; longer
-// when the GPU runs slower), so that what follows on that stream is late.
+// Cycles per second of at::cuda::sleep's spin loop, measured once on this GPU (the SM clock differs
+// between GPUs and under load, so a nominal clock rate would not say how long a sleep lasts).
+double spin_cycles_per_second() {
+  static const double rate = [] {
+    c10::cuda::CUDAStream stream = c10::cuda::getCurrentCUDAStream();
+    at::cuda::sleep(1000);  // the first launch loads the kernel
+    stream.synchronize();
+    const int64_t cycles = 100000000;
+    const auto start = Clock::now();
+    at::cuda::sleep(cycles);
+    stream.synchronize();
+    return cycles / std::chrono::duration<double>(Clock::now() - start).count();
+  }();
+  return rate;
+}
+
+// Queues a kernel that keeps the current stream busy for about `seconds`, so that what follows on
+// that stream is late.
 void busy_current_stream(double seconds) {
-  int khz = 0;
-  cudaDeviceGetAttribute(&khz, cudaDevAttrClockRate, c10::cuda::current_device());
-  at::cuda::sleep(static_cast<int64_t>(seconds * khz * 1000.0));
+  at::cuda::sleep(static_cast<int64_t>(seconds * spin_cycles_per_second()));
 }
 
 class Nccl : public ::testing::Test {
