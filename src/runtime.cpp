@@ -5,6 +5,7 @@
 #include "loom/comm/mpi.h"
 #include "loom/error.h"
 #include "loom/log.h"
+#include "loom/trace.h"
 
 namespace loom {
 namespace {
@@ -49,6 +50,7 @@ std::shared_ptr<Runtime> init(const InitOptions& options) {
   mpi::initialize();
   reconcile(runtime->world_, mpi::discover_layout());
   log::set_rank(runtime->world_.rank, runtime->world_.size);
+  trace::set_rank(runtime->world_.rank);
   runtime->world_comm_ = mpi::world_communicator(options.comm);
   LOOM_LOG(info, "initialized: rank " << runtime->world_.rank << "/" << runtime->world_.size << " local "
                                       << runtime->world_.local_rank << "/" << runtime->world_.local_size << " node "
@@ -60,6 +62,7 @@ std::shared_ptr<Runtime> init(const InitOptions& options) {
 
 void finalize() {
   std::lock_guard<std::mutex> lock(g_mutex);
+  trace::flush();
   if (g_runtime) {
     g_runtime->world_comm_.reset();
     g_runtime.reset();

@@ -226,7 +226,11 @@ void Communicator::check_fingerprint(const detail::Op& op) {
   const int64_t mine[6] = {static_cast<int64_t>(op.info.type), static_cast<int64_t>(op.info.seq),
                            static_cast<int64_t>(op.info.dtype), numel, static_cast<int64_t>(op.info.reduce),
                            op.info.type == OpType::Broadcast ? op.info.peer : -1};
-  auto options = at::TensorOptions().dtype(at::kLong).device(device_type());
+  // On the operation's own device (a device communicator accepts tensors of its device only).
+  at::Device device(device_type());
+  if (!op.inputs.empty()) device = op.inputs.front().device();
+  else if (!op.outputs.empty()) device = op.outputs.front().device();
+  auto options = at::TensorOptions().dtype(at::kLong).device(device);
   at::Tensor local = at::tensor(at::IntArrayRef(mine, 6), at::TensorOptions().dtype(at::kLong)).to(options.device());
   at::Tensor all = at::empty({size_ * 6}, options);
   detail::Op exchange;

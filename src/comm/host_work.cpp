@@ -24,6 +24,18 @@ HostWork::Clock::time_point HostWork::started_at() {
   return started_at_;
 }
 
+std::optional<HostWork::Clock::time_point> HostWork::started_at_time() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (state_ == State::Queued) return std::nullopt;
+  return started_at_;
+}
+
+std::optional<HostWork::Clock::time_point> HostWork::finished_at_time() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (state_ != State::Done) return std::nullopt;
+  return finished_at_;
+}
+
 bool HostWork::start() {
   std::lock_guard<std::mutex> lock(mutex_);
   if (state_ != State::Queued) return false;
@@ -37,6 +49,7 @@ void HostWork::finish() {
     std::lock_guard<std::mutex> lock(mutex_);
     if (state_ == State::Failed || state_ == State::Done) return;
     state_ = State::Done;
+    finished_at_ = Clock::now();
     tensors_.clear();
   }
   finished_.notify_all();

@@ -42,6 +42,8 @@ class HostWork final : public Work {
   // Any state -> failed with this error; the first error wins. Returns false if already finished.
   bool fail(std::exception_ptr error);
   Clock::time_point started_at();
+  std::optional<Clock::time_point> started_at_time() override;
+  std::optional<Clock::time_point> finished_at_time() override;
   void set_inline_executor(std::weak_ptr<InlineExecutor> executor) { executor_ = std::move(executor); }
 
  private:
@@ -54,6 +56,7 @@ class HostWork final : public Work {
   State state_ = State::Queued;
   std::exception_ptr error_;
   Clock::time_point started_at_{};
+  Clock::time_point finished_at_{};
   std::weak_ptr<InlineExecutor> executor_;
 };
 

@@ -21,6 +21,9 @@ const std::vector<Variable>& all_variables() {
        "1: before every collective, ranks exchange a fingerprint (operation, sequence number, dtype, "
        "element count, root) and raise loom::MismatchError showing both sides when they differ. Costs "
        "one small all-gather per collective; for debugging."},
+      {"LOOM_TIMELINE", "",
+       "Path prefix of a Chrome-trace timeline (bucket ready / issued / completed); each rank writes "
+       "<path>.rank<r>.json at loom::finalize(). Unset: no timeline."},
       {"LOOM_NCCL", "auto", "Device communicator for CUDA tensors: auto (when a GPU is present), on, off."},
   };
   return table;

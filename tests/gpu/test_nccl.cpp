@@ -515,6 +515,19 @@ TEST_F(Nccl, SplitByColorAndKey) {
   EXPECT_EQ(comm->split(-1, 0, "gpu-none"), nullptr);
 }
 
+// Where no GPU is visible (CI machines) the NCCL path must fail cleanly and together on every rank,
+// saying why, rather than hang in NCCL's setup.
+TEST(NcclWithoutGpu, MakeCommunicatorExplainsThatNoDeviceIsVisible) {
+  if (loom::nccl::device_available()) GTEST_SKIP() << "a GPU is visible: the Nccl tests cover this machine";
+  try {
+    loom::nccl::make_communicator(g_runtime->world_comm(), 0, "gpu", test_options());
+    ADD_FAILURE() << "an NCCL communicator was made without a GPU";
+  } catch (const loom::InvalidArgumentError& e) {
+    expect_contains(e.what(), "NCCL communicator gpu");
+    expect_contains(e.what(), loom::nccl::compiled() ? "0 CUDA device(s) visible" : "built without NCCL");
+  }
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {

@@ -10,8 +10,10 @@
 // waits; when it expires the operation fails with loom::TimeoutError.
 #pragma once
 
+#include <chrono>
 #include <exception>
 #include <memory>
+#include <optional>
 
 #include "loom/comm/types.h"
 
@@ -35,6 +37,9 @@ class Work {
   virtual std::exception_ptr exception() = 0;
   // What was submitted: type, sequence number, group, shape, dtype.
   virtual const OpInfo& info() const = 0;
+  // When the operation started and finished, where the backend knows (timelines use them).
+  virtual std::optional<std::chrono::steady_clock::time_point> started_at_time() { return std::nullopt; }
+  virtual std::optional<std::chrono::steady_clock::time_point> finished_at_time() { return std::nullopt; }
 };
 
 using WorkPtr = std::shared_ptr<Work>;

@@ -1,0 +1,200 @@
+// Data parallelism for LibTorch: bucketed gradient all-reduce that overlaps backward.
+//
+// GradientReducer works on a list of parameters (so C++ modules and, through the binding,
+// Python modules share it). It
+//   - broadcasts the parameters from rank 0 of its group and checks every rank has the same
+//     parameter count, shapes and dtypes (loom::MismatchError names the first difference);
+//   - groups parameters into buckets by dtype and device, in reverse registration order (the
+//     order backward produces gradients), capped in size (first bucket 1 MB, then 25 MB);
+//   - makes each parameter's .grad a view into its bucket, so the all-reduce needs no copies;
+//   - hooks every parameter's gradient accumulator: when all gradients of a bucket are ready,
+//     the bucket is all-reduced at once, while backward continues, in one order on all ranks;
+//   - at the end of backward waits for every bucket (an autograd engine callback), so that
+//     optimizer.step() always sees averaged gradients;
+//   - after the first iteration, rebuilds the buckets in the order gradients actually became
+//     ready (rank 0's order, agreed by all).
+//
+//   auto rt = loom::init();
+//   loom::DistributedDataParallel<Net> ddp(Net(), rt->world_comm());
+//   torch::optim::SGD opt(ddp->parameters(), 0.1);
+//   for (auto& [x, y] : my_shard) {
+//     ddp.zero_grad();                                // keeps gradients as bucket views
+//     auto loss = torch::mse_loss(ddp.forward(x), y);
+//     loss.backward();                                // all-reduce overlaps backward
+//     opt.step();                                     // averaged gradients
+//   }
+//
+// Gradient accumulation: inside `auto guard = ddp.no_sync();` backward only accumulates
+// locally; the next backward outside it reduces the sum (see loom/train/accumulation.h).
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <torch/nn/module.h>
+
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "loom/comm/communicator.h"
+
+namespace loom {
+
+// One bucket handed to a communication hook.
+struct GradBucket {
+  size_t index = 0;
+  at::Tensor buffer;               // flat gradients of this bucket; reduce it in place
+  std::vector<size_t> parameters;  // indices into the reducer's parameter list
+  Communicator* group = nullptr;
+  double divisor = 1;              // the reduced sum must be divided by this
+};
+
+// What a hook started: the reducer waits for `work`, then runs `finish` (e.g. cast back).
+// When finish returns, bucket.buffer must hold the averaged gradients.
+struct PendingReduction {
+  WorkPtr work;
+  std::function<void()> finish;
+};
+using CommHook = std::function<PendingReduction(GradBucket& bucket)>;
+
+namespace comm_hooks {
+// Average in the gradients' own dtype (the default).
+CommHook all_reduce_average();
+// Divide, cast to float16 / bfloat16, all-reduce, cast back: half the bytes on the wire.
+// Dividing before the reduction keeps float16 from overflowing.
+CommHook fp16_compress();
+CommHook bf16_compress();
+}  // namespace comm_hooks
+
+struct ReducerOptions {
+  size_t bucket_cap_bytes = 25u << 20;
+  size_t first_bucket_cap_bytes = 1u << 20;
+  // Gradients are views into the bucket storage: no copy around the all-reduce. Off: gradients
+  // are copied into the bucket before and out of it after.
+  bool gradient_as_bucket_view = true;
+  // Parameters that get no gradient in an iteration (on some ranks or all) are handled: their
+  // bucket slots count as zero, and ranks agree (one small all-reduce per iteration) which
+  // parameters no rank used; those keep no gradient (undefined), as in one process.
+  bool find_unused_parameters = false;
+  // The set of used parameters never changes: with find_unused_parameters, agree on it in the
+  // first iteration only and skip the per-iteration all-reduce afterwards.
+  bool static_graph = false;
+  // After the first iteration, rebuild buckets in the order gradients became ready.
+  bool rebuild_buckets = true;
+  // Divide the reduced sum by this; default: the group size (an average).
+  std::optional<double> divisor;
+  // Broadcast parameters from rank 0 of the group at construction.
+  bool broadcast_parameters = true;
+  // Empty: comm_hooks::all_reduce_average().
+  CommHook comm_hook;
+};
+
+struct ReducerStats {
+  uint64_t iterations = 0;                // backward passes seen
+  uint64_t synchronized_iterations = 0;   // of which reduced gradients (not under no_sync)
+  size_t buckets = 0;
+  size_t last_buckets_issued_during_backward = 0;  // issued from a hook, before backward ended
+  size_t last_unused_parameters = 0;                // globally unused, last iteration
+  bool buckets_rebuilt = false;
+};
+
+class GradientReducer {
+ public:
+  GradientReducer(std::vector<at::Tensor> parameters, std::shared_ptr<Communicator> group,
+                  ReducerOptions options = {});
+  ~GradientReducer();
+  GradientReducer(const GradientReducer&) = delete;
+  GradientReducer& operator=(const GradientReducer&) = delete;
+
+  // Waits for the buckets of the current iteration and writes the averaged gradients. Called
+  // automatically at the end of backward; idempotent.
+  void synchronize();
+  // True while buckets of this iteration are being reduced.
+  bool has_pending() const;
+  // Throws loom::InvalidArgumentError naming `what` when buckets are still pending.
+  void require_synchronized(const std::string& what) const;
+
+  // Zeroes the gradients in place, keeping them views into the buckets (prefer this to
+  // optimizer.zero_grad(), which drops them and costs a copy per parameter next backward).
+  void zero_grad();
+
+  // While disabled, backward accumulates gradients locally and communicates nothing.
+  void set_sync(bool enabled);
+  bool sync_enabled() const;
+  class NoSyncGuard {
+   public:
+    explicit NoSyncGuard(GradientReducer& reducer);
+    ~NoSyncGuard();
+    NoSyncGuard(NoSyncGuard&& other) noexcept;
+    NoSyncGuard(const NoSyncGuard&) = delete;
+
+   private:
+    GradientReducer* reducer_;
+    bool previous_;
+  };
+  [[nodiscard]] NoSyncGuard no_sync() { return NoSyncGuard(*this); }
+
+  void register_comm_hook(CommHook hook);
+  const std::vector<at::Tensor>& parameters() const;
+  // Parameter indices of each bucket, in issue order.
+  std::vector<std::vector<size_t>> bucket_layout() const;
+  ReducerStats stats() const;
+  Communicator& group() const;
+
+  struct Impl;
+
+ private:
+  std::shared_ptr<Impl> impl_;
+};
+
+// Options of the module wrapper: the reducer's, plus buffer handling.
+struct DataParallelOptions {
+  ReducerOptions reducer;
+  // Before each forward, broadcast the module's buffers (e.g. batch-norm statistics) from rank 0.
+  bool broadcast_buffers = true;
+};
+
+namespace detail {
+// Broadcasts tensors from rank 0 of the group in place (used for buffers).
+void broadcast_tensors(Communicator& group, const std::vector<at::Tensor>& tensors);
+// Throws loom::InvalidArgumentError when the module's parameters are no longer those the reducer
+// was built with (a parameter added or replaced after construction).
+void check_same_parameters(const GradientReducer& reducer, const std::vector<at::Tensor>& current);
+}  // namespace detail
+
+// A module holder (e.g. a TORCH_MODULE like Net, or std::shared_ptr<MyModule>) made data
+// parallel: forward() is the module's, gradients are averaged over the group.
+template <typename ModuleHolder>
+class DistributedDataParallel {
+ public:
+  DistributedDataParallel(ModuleHolder module, std::shared_ptr<Communicator> group, DataParallelOptions options = {})
+      : module_(std::move(module)),
+        options_(std::move(options)),
+        group_(group),
+        reducer_(std::make_unique<GradientReducer>(module_->parameters(), std::move(group), options_.reducer)) {
+    if (options_.broadcast_buffers) detail::broadcast_tensors(*group_, module_->buffers());
+  }
+
+  template <typename... Args>
+  decltype(auto) forward(Args&&... args) {
+    detail::check_same_parameters(*reducer_, module_->parameters());
+    if (options_.broadcast_buffers && reducer_->sync_enabled())
+      detail::broadcast_tensors(*group_, module_->buffers());
+    return module_->forward(std::forward<Args>(args)...);
+  }
+
+  ModuleHolder& module() { return module_; }
+  auto* operator->() { return &*module_; }
+  GradientReducer& reducer() { return *reducer_; }
+  void zero_grad() { reducer_->zero_grad(); }
+  [[nodiscard]] GradientReducer::NoSyncGuard no_sync() { return reducer_->no_sync(); }
+
+ private:
+  ModuleHolder module_;
+  DataParallelOptions options_;
+  std::shared_ptr<Communicator> group_;
+  std::unique_ptr<GradientReducer> reducer_;
+};
+
+}  // namespace loom

@@ -1,0 +1,479 @@
+// The gradient reducer: buckets, autograd hooks, in-order issue, end-of-backward wait.
+//
+// Per iteration (one backward pass):
+//   first hook      -> begin: queue finalize() as an engine callback for the end of backward
+//   each hook       -> the parameter's gradient is in its bucket slot (a view, or copied in);
+//                      when a bucket's last gradient arrives, issue every ready bucket that is
+//                      next in order (bucket k never goes before bucket k-1: all ranks issue the
+//                      same sequence whatever order their hooks fire in)
+//   finalize()      -> handle parameters that got no gradient, issue the rest, wait for all,
+//                      write back (copy mode), rebuild buckets after the first iteration.
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
+#include <torch/csrc/autograd/engine.h>
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/utils/lambda_post_hook.h>
+#include <torch/csrc/autograd/variable.h>
+
+#include <mutex>
+#include <sstream>
+
+#include "loom/error.h"
+#include "loom/log.h"
+#include "loom/parallel/data_parallel.h"
+#include "loom/trace.h"
+#include "parallel/bucket_plan.h"
+
+namespace loom {
+namespace {
+
+std::string shape_of(const at::Tensor& t) {
+  std::ostringstream s;
+  s << "[";
+  for (int64_t d = 0; d < t.dim(); ++d) s << (d ? ", " : "") << t.size(d);
+  s << "]";
+  return s.str();
+}
+
+// A tensor sharing `buffer`'s storage at `offset`, shaped like `like`. Made with set_ rather than
+// narrow().view(): an autograd view could not be detach_()ed, which LibTorch's
+// Optimizer::zero_grad() does to every gradient.
+at::Tensor alias_into(const at::Tensor& buffer, int64_t offset, const at::Tensor& like) {
+  std::vector<int64_t> strides(like.dim(), 1);
+  for (int64_t d = like.dim() - 2; d >= 0; --d) strides[d] = strides[d + 1] * like.size(d + 1);
+  at::Tensor alias = at::empty({0}, buffer.options());
+  alias.set_(buffer.storage(), buffer.storage_offset() + offset, like.sizes(), strides);
+  return alias;
+}
+
+}  // namespace
+
+struct GradientReducer::Impl : std::enable_shared_from_this<GradientReducer::Impl> {
+  struct Slot {
+    size_t bucket = 0;
+    int64_t offset = 0;
+    at::Tensor view;  // this parameter's gradient inside its bucket, shaped like the parameter
+    bool ready = false;
+  };
+  struct Bucket {
+    at::Tensor buffer;
+    std::vector<size_t> members;
+    size_t pending = 0;
+    bool issued = false;
+    PendingReduction reduction;
+    trace::Clock::time_point ready_at, issued_at;
+  };
+
+  std::vector<at::Tensor> params;
+  std::shared_ptr<Communicator> group;
+  ReducerOptions options;
+  double divisor = 1;
+  CommHook hook;
+
+  std::vector<Slot> slots;
+  std::vector<Bucket> buckets;
+  size_t next_to_issue = 0;
+  bool in_backward = false;
+  bool sync = true;
+  bool iteration_sync = true;
+  size_t issued_during_backward = 0;
+  std::vector<size_t> ready_order;  // hook order of the first synchronized iteration
+  bool rebuilt = false;
+  std::optional<std::vector<uint8_t>> static_used;  // static graph: agreed once
+  ReducerStats stats;
+  std::vector<c10::intrusive_ptr<torch::autograd::Node>> accumulators;
+  std::vector<uintptr_t> hook_keys;
+  mutable std::mutex mutex;
+
+  std::string where() const { return "[rank " + std::to_string(group->rank()) + "] GradientReducer"; }
+
+  void check_parameters() {
+    if (params.empty()) throw InvalidArgumentError(where() + ": expected at least one parameter, found none");
+    for (size_t i = 0; i < params.size(); ++i) {
+      const at::Tensor& p = params[i];
+      if (!p.defined()) throw InvalidArgumentError(where() + ": parameter " + std::to_string(i) + " is undefined");
+      if (!p.requires_grad())
+        throw InvalidArgumentError(where() + ": parameter " + std::to_string(i) + " " + shape_of(p) +
+                                   " does not require grad (pass only trainable parameters)");
+      if (!p.is_leaf())
+        throw InvalidArgumentError(where() + ": parameter " + std::to_string(i) + " is not a leaf tensor");
+      for (size_t j = 0; j < i; ++j)
+        if (params[j].is_same(p))
+          throw InvalidArgumentError(where() + ": parameter " + std::to_string(i) + " is the same tensor as parameter " +
+                                     std::to_string(j));
+    }
+  }
+
+  // Every rank must hold the same parameter list: count, then each parameter's dtype and shape.
+  void verify_same_model_on_all_ranks() {
+    const int n = group->size();
+    if (n == 1) return;
+    at::Tensor count = at::full({1}, static_cast<int64_t>(params.size()), at::kLong);
+    at::Tensor counts = at::empty({n}, at::kLong);
+    group->all_gather(counts, count)->wait();
+    for (int r = 0; r < n; ++r) {
+      if (counts[r].item<int64_t>() != static_cast<int64_t>(params.size()))
+        throw MismatchError(where() + ": ranks hold different models: this rank has " + std::to_string(params.size()) +
+                            " parameters, rank " + std::to_string(r) + " has " +
+                            std::to_string(counts[r].item<int64_t>()));
+    }
+    constexpr int kMaxDims = 8;
+    const int64_t P = static_cast<int64_t>(params.size());
+    at::Tensor mine = at::full({P, kMaxDims + 2}, -1, at::kLong);
+    auto m = mine.accessor<int64_t, 2>();
+    for (int64_t i = 0; i < P; ++i) {
+      m[i][0] = static_cast<int64_t>(params[i].scalar_type());
+      m[i][1] = params[i].dim();
+      for (int64_t d = 0; d < params[i].dim(); ++d) m[i][2 + std::min<int64_t>(d, kMaxDims - 1)] = params[i].size(d);
+    }
+    at::Tensor all = at::empty({n * P, kMaxDims + 2}, at::kLong);
+    group->all_gather(all, mine)->wait();
+    auto describe = [&](const at::Tensor& row) {
+      std::ostringstream s;
+      auto r = row.accessor<int64_t, 1>();
+      s << c10::toString(static_cast<c10::ScalarType>(r[0])) << " [";
+      for (int64_t d = 0; d < std::min<int64_t>(r[1], kMaxDims); ++d) s << (d ? ", " : "") << r[2 + d];
+      s << "]";
+      return s.str();
+    };
+    for (int64_t i = 0; i < P; ++i) {
+      for (int r = 0; r < n; ++r) {
+        at::Tensor theirs = all[r * P + i];
+        if (!at::equal(theirs, mine[i]))
+          throw MismatchError(where() + ": ranks hold different models: parameter " + std::to_string(i) +
+                              " is " + describe(mine[i]) + " on this rank but " + describe(theirs) + " on rank " +
+                              std::to_string(r));
+      }
+    }
+  }
+
+  void broadcast_parameters() {
+    if (group->size() == 1) return;
+    at::NoGradGuard no_grad;
+    std::vector<at::Tensor> data;
+    for (auto& p : params) data.push_back(p.detach());
+    detail::broadcast_tensors(*group, data);
+  }
+
+  // Lays out buckets in `order`; gradients already present are carried over into the new slots.
+  void build_buckets(const std::vector<size_t>& order) {
+    auto plan = detail::plan_buckets(params, order, options.first_bucket_cap_bytes, options.bucket_cap_bytes);
+    std::vector<Bucket> fresh(plan.size());
+    std::vector<Slot> fresh_slots(params.size());
+    for (size_t b = 0; b < plan.size(); ++b) {
+      int64_t total = 0;
+      for (size_t i : plan[b]) total += params[i].numel();
+      const at::Tensor& first = params[plan[b].front()];
+      fresh[b].buffer = at::zeros({total}, first.options().requires_grad(false));
+      fresh[b].members = plan[b];
+      fresh[b].pending = plan[b].size();
+      int64_t offset = 0;
+      for (size_t i : plan[b]) {
+        Slot& slot = fresh_slots[i];
+        slot.bucket = b;
+        slot.offset = offset;
+        slot.view = alias_into(fresh[b].buffer, offset, params[i]);
+        offset += params[i].numel();
+        // Gradients present are carried over; absent ones stay absent (an optimizer skips a
+        // parameter without gradient, and must keep doing so for one no rank has used yet).
+        at::Tensor& grad = params[i].mutable_grad();
+        if (grad.defined()) {
+          slot.view.copy_(grad);
+          if (options.gradient_as_bucket_view) grad = slot.view;
+        }
+      }
+    }
+    buckets = std::move(fresh);
+    slots = std::move(fresh_slots);
+    stats.buckets = buckets.size();
+  }
+
+  void install_hooks() {
+    std::weak_ptr<Impl> weak = weak_from_this();
+    for (size_t i = 0; i < params.size(); ++i) {
+      auto accumulator = torch::autograd::impl::grad_accumulator(params[i]);
+      auto key = accumulator->add_post_hook(std::make_unique<torch::autograd::utils::LambdaPostHook>(
+          [weak, i](const torch::autograd::variable_list& outputs, const torch::autograd::variable_list&) {
+            if (auto self = weak.lock()) self->on_gradient_ready(i);
+            return outputs;
+          }));
+      accumulators.push_back(std::move(accumulator));
+      hook_keys.push_back(key);
+    }
+  }
+
+  void remove_hooks() {
+    for (size_t i = 0; i < accumulators.size(); ++i) accumulators[i]->del_post_hook(hook_keys[i]);
+    accumulators.clear();
+    hook_keys.clear();
+  }
+
+  // Puts the parameter's fresh gradient into its bucket slot.
+  void place_gradient(size_t i) {
+    at::Tensor& grad = params[i].mutable_grad();
+    Slot& slot = slots[i];
+    if (options.gradient_as_bucket_view) {
+      if (!grad.is_same(slot.view)) {  // e.g. after optimizer.zero_grad() dropped the view
+        slot.view.copy_(grad);
+        grad = slot.view;
+      }
+    } else {
+      slot.view.copy_(grad);
+    }
+  }
+
+  void on_gradient_ready(size_t i) {
+    std::lock_guard<std::mutex> lock(mutex);
+    if (!in_backward) begin_iteration();
+    Slot& slot = slots[i];
+    if (slot.ready)
+      throw InvalidArgumentError(where() + ": parameter " + std::to_string(i) +
+                                 " received its gradient twice in one backward pass (a second backward before the "
+                                 "first finished, or a parameter used in two graphs)");
+    slot.ready = true;
+    place_gradient(i);
+    if (!iteration_sync) return;
+    if (options.rebuild_buckets && !rebuilt) ready_order.push_back(i);
+    Bucket& bucket = buckets[slot.bucket];
+    if (--bucket.pending == 0) {
+      bucket.ready_at = trace::now();
+      issue_in_order(/*during_backward=*/true);
+    }
+  }
+
+  void begin_iteration() {
+    in_backward = true;
+    iteration_sync = sync;
+    issued_during_backward = 0;
+    std::weak_ptr<Impl> weak = weak_from_this();
+    torch::autograd::Engine::get_default_engine().queue_callback([weak] {
+      if (auto self = weak.lock()) self->finalize();
+    });
+  }
+
+  void issue_in_order(bool during_backward) {
+    while (next_to_issue < buckets.size() && buckets[next_to_issue].pending == 0 && !buckets[next_to_issue].issued) {
+      Bucket& bucket = buckets[next_to_issue];
+      GradBucket handed{next_to_issue, bucket.buffer, bucket.members, group.get(), divisor};
+      bucket.issued_at = trace::now();
+      bucket.reduction = hook(handed);
+      bucket.issued = true;
+      if (during_backward) ++issued_during_backward;
+      ++next_to_issue;
+    }
+  }
+
+  void finalize() {
+    std::unique_lock<std::mutex> lock(mutex);
+    if (!in_backward) return;
+    ++stats.iterations;
+    std::vector<size_t> missing;
+    for (size_t i = 0; i < params.size(); ++i)
+      if (!slots[i].ready) missing.push_back(i);
+    if (!iteration_sync) {  // no_sync: gradients stay local; nothing was issued
+      reset_iteration();
+      return;
+    }
+
+    std::string error;
+    std::vector<uint8_t> globally_used(params.size(), 1);
+    if (options.find_unused_parameters) {
+      if (options.static_graph && static_used) {
+        globally_used = *static_used;
+      } else {
+        at::Tensor used = at::ones({static_cast<int64_t>(params.size())}, at::kByte);
+        for (size_t i : missing) used[static_cast<int64_t>(i)] = 0;
+        group->all_reduce(used, {ReduceOp::Max})->wait();
+        for (size_t i = 0; i < params.size(); ++i) globally_used[i] = used[static_cast<int64_t>(i)].item<uint8_t>();
+        if (options.static_graph) static_used = globally_used;
+      }
+    } else if (!missing.empty()) {
+      std::ostringstream s;
+      s << where() << ": parameters";
+      for (size_t k = 0; k < missing.size() && k < 8; ++k) s << " " << missing[k] << " " << shape_of(params[missing[k]]);
+      if (missing.size() > 8) s << " and " << missing.size() - 8 << " more";
+      s << " received no gradient in this backward pass; build the reducer with find_unused_parameters = true "
+           "when the model does not use every parameter in every iteration";
+      error = s.str();
+    }
+    // A parameter this rank did not use contributes zeros (its slot may hold an older gradient).
+    for (size_t i : missing) {
+      slots[i].view.zero_();
+      --buckets[slots[i].bucket].pending;
+    }
+    issue_in_order(/*during_backward=*/false);
+    for (size_t b = 0; b < buckets.size(); ++b) {
+      Bucket& bucket = buckets[b];
+      bucket.reduction.work->wait();
+      if (bucket.reduction.finish) bucket.reduction.finish();
+      if (trace::enabled()) record_bucket(b);
+    }
+    size_t unused = 0;
+    for (size_t i = 0; i < params.size(); ++i) {
+      at::Tensor& grad = params[i].mutable_grad();
+      if (!globally_used[i]) {  // no rank used it: no gradient, as in one process
+        grad.reset();
+        ++unused;
+        continue;
+      }
+      if (options.gradient_as_bucket_view) {
+        if (!grad.is_same(slots[i].view)) grad = slots[i].view;
+      } else if (grad.defined()) {
+        grad.copy_(slots[i].view);
+      } else {
+        grad = slots[i].view.clone();
+      }
+    }
+    stats.last_unused_parameters = unused;
+    stats.last_buckets_issued_during_backward = issued_during_backward;
+    ++stats.synchronized_iterations;
+    if (options.rebuild_buckets && !rebuilt) rebuild_from_observed_order(missing);
+    reset_iteration();
+    if (!error.empty()) throw InvalidArgumentError(error);
+  }
+
+  void record_bucket(size_t b) {
+    Bucket& bucket = buckets[b];
+    auto started = bucket.reduction.work->started_at_time().value_or(bucket.issued_at);
+    auto finished = bucket.reduction.work->finished_at_time().value_or(trace::now());
+    const std::string name = "bucket " + std::to_string(b);
+    trace::instant(name + " ready", "reducer", bucket.ready_at, "backward");
+    trace::span(name + " queued", "reducer", bucket.issued_at, started, "comm");
+    trace::span(name + " all_reduce", "reducer", started, finished, "comm");
+  }
+
+  // Rank 0's order of gradient arrival, agreed by all ranks, becomes the bucket order.
+  void rebuild_from_observed_order(const std::vector<size_t>& missing) {
+    const int64_t P = static_cast<int64_t>(params.size());
+    at::Tensor order = at::empty({P}, at::kLong);
+    if (group->rank() == 0) {
+      std::vector<size_t> full = ready_order;
+      for (auto it = missing.rbegin(); it != missing.rend(); ++it) full.push_back(*it);
+      for (int64_t k = 0; k < P; ++k) order[k] = static_cast<int64_t>(full[k]);
+    }
+    group->broadcast(order, {0})->wait();
+    std::vector<size_t> agreed(P);
+    for (int64_t k = 0; k < P; ++k) agreed[k] = static_cast<size_t>(order[k].item<int64_t>());
+    build_buckets(agreed);
+    rebuilt = true;
+    stats.buckets_rebuilt = true;
+    ready_order.clear();
+  }
+
+  void reset_iteration() {
+    in_backward = false;
+    next_to_issue = 0;
+    for (auto& bucket : buckets) {
+      bucket.pending = bucket.members.size();
+      bucket.issued = false;
+      bucket.reduction = {};
+    }
+    for (auto& slot : slots) slot.ready = false;
+  }
+};
+
+GradientReducer::GradientReducer(std::vector<at::Tensor> parameters, std::shared_ptr<Communicator> group,
+                                 ReducerOptions options)
+    : impl_(std::make_shared<Impl>()) {
+  if (!group) throw InvalidArgumentError("GradientReducer: expected a communicator, found none");
+  impl_->params = std::move(parameters);
+  impl_->group = std::move(group);
+  impl_->options = std::move(options);
+  impl_->divisor = impl_->options.divisor.value_or(static_cast<double>(impl_->group->size()));
+  if (!(impl_->divisor > 0))
+    throw InvalidArgumentError(impl_->where() + ": divisor must be positive, found " + std::to_string(impl_->divisor));
+  impl_->hook = impl_->options.comm_hook ? impl_->options.comm_hook : comm_hooks::all_reduce_average();
+  impl_->check_parameters();
+  impl_->verify_same_model_on_all_ranks();
+  if (impl_->options.broadcast_parameters) impl_->broadcast_parameters();
+  std::vector<size_t> reverse_registration;
+  for (size_t i = impl_->params.size(); i-- > 0;) reverse_registration.push_back(i);
+  impl_->build_buckets(reverse_registration);
+  impl_->install_hooks();
+  LOOM_LOG(info, impl_->where() << ": " << impl_->params.size() << " parameters in " << impl_->buckets.size()
+                                << " buckets over group " << impl_->group->name());
+}
+
+GradientReducer::~GradientReducer() {
+  std::lock_guard<std::mutex> lock(impl_->mutex);
+  impl_->remove_hooks();
+}
+
+void GradientReducer::synchronize() { impl_->finalize(); }
+
+bool GradientReducer::has_pending() const {
+  std::lock_guard<std::mutex> lock(impl_->mutex);
+  return impl_->in_backward && impl_->iteration_sync;
+}
+
+void GradientReducer::require_synchronized(const std::string& what) const {
+  std::lock_guard<std::mutex> lock(impl_->mutex);
+  if (!impl_->in_backward || !impl_->iteration_sync) return;
+  size_t issued = impl_->next_to_issue;
+  throw InvalidArgumentError(impl_->where() + ": " + what + " while this iteration's gradients are still being " +
+                             "reduced (" + std::to_string(issued) + " of " + std::to_string(impl_->buckets.size()) +
+                             " buckets issued, backward not finished): run it after backward() returns or call "
+                             "synchronize() first");
+}
+
+void GradientReducer::zero_grad() {
+  std::lock_guard<std::mutex> lock(impl_->mutex);
+  for (auto& bucket : impl_->buckets) bucket.buffer.zero_();
+  for (size_t i = 0; i < impl_->params.size(); ++i) {
+    at::Tensor& grad = impl_->params[i].mutable_grad();
+    if (impl_->options.gradient_as_bucket_view) {
+      grad = impl_->slots[i].view;
+    } else if (grad.defined()) {
+      grad.zero_();
+    }
+  }
+}
+
+void GradientReducer::set_sync(bool enabled) {
+  std::lock_guard<std::mutex> lock(impl_->mutex);
+  impl_->sync = enabled;
+}
+
+bool GradientReducer::sync_enabled() const {
+  std::lock_guard<std::mutex> lock(impl_->mutex);
+  return impl_->sync;
+}
+
+GradientReducer::NoSyncGuard::NoSyncGuard(GradientReducer& reducer)
+    : reducer_(&reducer), previous_(reducer.sync_enabled()) {
+  reducer.set_sync(false);
+}
+
+GradientReducer::NoSyncGuard::~NoSyncGuard() {
+  if (reducer_) reducer_->set_sync(previous_);
+}
+
+GradientReducer::NoSyncGuard::NoSyncGuard(NoSyncGuard&& other) noexcept
+    : reducer_(other.reducer_), previous_(other.previous_) {
+  other.reducer_ = nullptr;
+}
+
+void GradientReducer::register_comm_hook(CommHook hook) {
+  std::lock_guard<std::mutex> lock(impl_->mutex);
+  if (impl_->in_backward)
+    throw InvalidArgumentError(impl_->where() + ": register_comm_hook during backward: expected it between iterations");
+  impl_->hook = hook ? std::move(hook) : comm_hooks::all_reduce_average();
+}
+
+const std::vector<at::Tensor>& GradientReducer::parameters() const { return impl_->params; }
+
+std::vector<std::vector<size_t>> GradientReducer::bucket_layout() const {
+  std::lock_guard<std::mutex> lock(impl_->mutex);
+  std::vector<std::vector<size_t>> layout;
+  for (const auto& bucket : impl_->buckets) layout.push_back(bucket.members);
+  return layout;
+}
+
+ReducerStats GradientReducer::stats() const {
+  std::lock_guard<std::mutex> lock(impl_->mutex);
+  return impl_->stats;
+}
+
+Communicator& GradientReducer::group() const { return *impl_->group; }
+
+}  // namespace loom
