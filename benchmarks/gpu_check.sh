@@ -87,8 +87,8 @@ for t in "${tests[@]}"; do
     verdict="FAIL (exit $rc)"
   fi
   names+=("$name")
-  results+=("$(printf '%-26s %4d passed %3d skipped %3d failed %4d s' "$verdict" "${passed:-0}" "${skipped:-0}" "${failures:-0}" \
-    $((SECONDS - t0)))")
+  results+=("$(printf '%-26s %4d passed %3d skipped %3d failed %4d s' "$verdict" "${passed:-0}" "${skipped:-0}" \
+    "${failures:-0}" $((SECONDS - t0)))")
   if ((rc != 0)); then
     failed=1
     echo "---- last lines of $log ----"
