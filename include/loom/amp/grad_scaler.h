@@ -1,0 +1,100 @@
+// Dynamic loss scaling for mixed-precision training, with torch.amp.GradScaler's semantics step
+// for step, and aware of parallel groups.
+//
+//   loom::GradScaler scaler({.sync_groups = {groups.tensor_parallel}});
+//   for (...) {
+//     opt.zero_grad();
+//     at::Tensor loss;
+//     { loom::AutocastGuard autocast(at::kCUDA, at::kHalf); loss = loss_fn(model(x), y); }
+//     scaler.scale(loss).backward();
+//     scaler.step(opt);      // unscales; skips opt.step() when any gradient is inf/NaN on any rank
+//     scaler.update();       // backs off after a skip, grows after growth_interval clean steps
+//   }
+//
+// Unscaling uses LibTorch's fused kernels over all gradients of a device and dtype at once
+// (_amp_foreach_non_finite_check_and_unscale_, _amp_update_scale_). The found-inf flag is
+// all-reduced (MAX) over `sync_groups` — the groups that shard the gradients (tensor parallel)
+// or still hold different gradients — so every rank steps or skips together and the scale
+// stays identical everywhere. At most one host synchronisation per step (reading the flag).
+// With a GradientReducer attached, unscale_ first waits for its reductions.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "loom/comm/communicator.h"
+
+namespace torch::optim {
+class Optimizer;
+}
+
+namespace loom {
+
+class GradientReducer;
+
+struct GradScalerOptions {
+  double init_scale = 65536.0;
+  double growth_factor = 2.0;
+  double backoff_factor = 0.5;
+  int64_t growth_interval = 2000;
+  bool enabled = true;
+  // found-inf is all-reduced (MAX) over each of these groups.
+  std::vector<std::shared_ptr<Communicator>> sync_groups;
+  // Synchronized before gradients are read (optional; not owned).
+  GradientReducer* reducer = nullptr;
+};
+
+class GradScaler {
+ public:
+  explicit GradScaler(GradScalerOptions options = {});
+
+  // outputs * scale (as is when disabled). The scale lives on the first output's device.
+  at::Tensor scale(const at::Tensor& output);
+  std::vector<at::Tensor> scale(const std::vector<at::Tensor>& outputs);
+
+  // Divides the optimizer's gradients by the scale in place and records whether any is inf/NaN.
+  // At most once per optimizer between update()s; loom::InvalidArgumentError otherwise.
+  void unscale_(torch::optim::Optimizer& optimizer);
+  // Unscales (if not done yet) and runs optimizer.step() unless a gradient was inf/NaN on any
+  // rank of the sync groups. Returns whether the optimizer stepped.
+  bool step(torch::optim::Optimizer& optimizer);
+  // Adjusts the scale from this step's found-inf flags (back off, or grow after growth_interval
+  // clean steps) and starts the next step.
+  void update();
+  void update(double new_scale);
+
+  double get_scale() const;
+  bool is_enabled() const { return options_.enabled; }
+  double get_growth_factor() const { return options_.growth_factor; }
+  double get_backoff_factor() const { return options_.backoff_factor; }
+  int64_t get_growth_interval() const { return options_.growth_interval; }
+  int64_t get_growth_tracker() const;
+
+  // {"scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker"}, as
+  // torch.amp.GradScaler.state_dict(); empty when disabled.
+  std::map<std::string, double> state_dict() const;
+  // Throws loom::InvalidArgumentError for an empty, incomplete or out-of-range dict.
+  void load_state_dict(const std::map<std::string, double>& state);
+
+ private:
+  enum class Stage { Ready, Unscaled, Stepped };
+  struct PerOptimizer {
+    Stage stage = Stage::Ready;
+    at::Tensor found_inf;  // agreed over the sync groups; on the scale's device
+  };
+
+  void lazy_init(const at::Device& device);
+  PerOptimizer& state_of(const torch::optim::Optimizer& optimizer);
+  std::string where(const char* call) const;
+
+  GradScalerOptions options_;
+  at::Tensor scale_;           // float32 [1]
+  at::Tensor growth_tracker_;  // int32 [1]
+  std::map<const torch::optim::Optimizer*, PerOptimizer> per_optimizer_;
+};
+
+}  // namespace loom

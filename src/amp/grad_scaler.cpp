@@ -1,0 +1,211 @@
+// loom::GradScaler: torch.amp.GradScaler's state machine (READY -> UNSCALED -> STEPPED per
+// optimizer, reset by update()), with found-inf agreed across the parallel groups.
+#include "loom/amp/grad_scaler.h"
+
+#include <ATen/ops/_amp_foreach_non_finite_check_and_unscale.h>
+#include <ATen/ops/_amp_update_scale.h>
+#include <ATen/ops/full.h>
+#include <ATen/ops/zeros.h>
+#include <torch/optim/optimizer.h>
+
+#include <cmath>
+#include <tuple>
+
+#include "loom/error.h"
+#include "loom/parallel/data_parallel.h"
+
+namespace loom {
+
+GradScaler::GradScaler(GradScalerOptions options) : options_(std::move(options)) {
+  if (!options_.enabled) return;
+  if (!(options_.growth_factor > 1.0))
+    throw InvalidArgumentError(where("GradScaler") + ": growth_factor must be > 1.0, found " +
+                               std::to_string(options_.growth_factor));
+  if (!(options_.backoff_factor < 1.0 && options_.backoff_factor > 0.0))
+    throw InvalidArgumentError(where("GradScaler") + ": backoff_factor must be in (0, 1), found " +
+                               std::to_string(options_.backoff_factor));
+  if (options_.growth_interval < 1)
+    throw InvalidArgumentError(where("GradScaler") + ": growth_interval must be at least 1, found " +
+                               std::to_string(options_.growth_interval));
+  if (!(options_.init_scale > 0.0))
+    throw InvalidArgumentError(where("GradScaler") + ": init_scale must be positive, found " +
+                               std::to_string(options_.init_scale));
+}
+
+std::string GradScaler::where(const char* call) const {
+  // The rank as its first sync group knows it; a scaler without groups is a single process's.
+  std::string rank = "?";
+  if (!options_.sync_groups.empty() && options_.sync_groups.front())
+    rank = std::to_string(options_.sync_groups.front()->rank()) + " of " + options_.sync_groups.front()->name();
+  return "[rank " + rank + "] GradScaler." + call;
+}
+
+void GradScaler::lazy_init(const at::Device& device) {
+  if (scale_.defined()) return;
+  scale_ = at::full({1}, options_.init_scale, at::TensorOptions().dtype(at::kFloat).device(device));
+  growth_tracker_ = at::zeros({1}, at::TensorOptions().dtype(at::kInt).device(device));
+}
+
+at::Tensor GradScaler::scale(const at::Tensor& output) {
+  if (!options_.enabled) return output;
+  lazy_init(output.device());
+  return output * scale_.to(output.device(), /*non_blocking=*/true);
+}
+
+std::vector<at::Tensor> GradScaler::scale(const std::vector<at::Tensor>& outputs) {
+  std::vector<at::Tensor> scaled;
+  scaled.reserve(outputs.size());
+  for (const auto& o : outputs) scaled.push_back(scale(o));
+  return scaled;
+}
+
+GradScaler::PerOptimizer& GradScaler::state_of(const torch::optim::Optimizer& optimizer) {
+  return per_optimizer_[&optimizer];
+}
+
+void GradScaler::unscale_(torch::optim::Optimizer& optimizer) {
+  if (!options_.enabled) return;
+  PerOptimizer& state = state_of(optimizer);
+  if (state.stage == Stage::Unscaled)
+    throw InvalidArgumentError(where("unscale_") +
+                               ": unscale_() has already been called on this optimizer since the last update()");
+  if (state.stage == Stage::Stepped)
+    throw InvalidArgumentError(where("unscale_") + ": unscale_() is being called after step() (expected before it)");
+  if (!scale_.defined())
+    throw InvalidArgumentError(where("unscale_") + ": no loss was scaled yet: call scale(loss).backward() first");
+  if (options_.reducer != nullptr) options_.reducer->synchronize();
+
+  // Group gradients by (device, dtype): one fused kernel per group.
+  std::map<std::tuple<int, int, int>, std::vector<at::Tensor>> groups;
+  for (auto& group : optimizer.param_groups()) {
+    for (auto& param : group.params()) {
+      const at::Tensor& grad = param.grad();
+      if (!grad.defined()) continue;
+      if (grad.scalar_type() == at::kHalf)
+        throw InvalidArgumentError(where("unscale_") +
+                                   ": attempting to unscale float16 gradients (expected float32 master parameters; "
+                                   "keep the parameters in float32 and let autocast run the math in float16)");
+      if (grad.is_sparse())
+        throw InvalidArgumentError(where("unscale_") + ": sparse gradients are not supported");
+      groups[{static_cast<int>(grad.device().type()), grad.device().index(), static_cast<int>(grad.scalar_type())}]
+          .push_back(grad);
+    }
+  }
+  if (groups.empty())
+    throw InvalidArgumentError(where("unscale_") +
+                               ": no inf checks were recorded for this optimizer: none of its parameters has a "
+                               "gradient (call backward() before step())");
+
+  // The reciprocal in double, as PyTorch does, so 1/scale is exact for powers of two.
+  at::Tensor inv_scale = scale_.to(at::kDouble).reciprocal().to(at::kFloat);
+  at::Tensor found = at::zeros({1}, scale_.options());
+  for (auto& [key, grads] : groups) {
+    const at::Device device = grads.front().device();
+    at::Tensor device_found = at::zeros({1}, at::TensorOptions().dtype(at::kFloat).device(device));
+    at::_amp_foreach_non_finite_check_and_unscale_(grads, device_found, inv_scale.to(device, true));
+    found.add_(device_found.to(found.device(), true));
+  }
+  // Every rank that shards or still holds different gradients must agree on skipping.
+  for (const auto& group : options_.sync_groups) {
+    if (!group || group->size() == 1) continue;
+    const bool same_device = group->device_type() == found.device().type();
+    at::Tensor flag = same_device ? found : found.to(at::Device(group->device_type()));
+    group->all_reduce(flag, {ReduceOp::Max})->wait();
+    if (!same_device) found.copy_(flag);
+  }
+  state.found_inf = found;
+  state.stage = Stage::Unscaled;
+}
+
+bool GradScaler::step(torch::optim::Optimizer& optimizer) {
+  if (!options_.enabled) {
+    optimizer.step();
+    return true;
+  }
+  PerOptimizer& state = state_of(optimizer);
+  if (state.stage == Stage::Stepped)
+    throw InvalidArgumentError(where("step") + ": step() has already been called since the last update()");
+  if (state.stage == Stage::Ready) unscale_(optimizer);
+  // The step's one host synchronisation: whether to run the optimizer at all.
+  const bool skip = state.found_inf.item<float>() != 0.0f;
+  if (!skip) optimizer.step();
+  state.stage = Stage::Stepped;
+  return !skip;
+}
+
+void GradScaler::update() {
+  if (!options_.enabled) return;
+  if (!scale_.defined())
+    throw InvalidArgumentError(where("update") + ": no loss was scaled yet: nothing to update");
+  at::Tensor found_combined;
+  for (auto& [optimizer, state] : per_optimizer_) {
+    if (!state.found_inf.defined()) continue;
+    at::Tensor f = state.found_inf.to(scale_.device(), true);
+    found_combined = found_combined.defined() ? found_combined + f : f.clone();
+  }
+  if (!found_combined.defined())
+    throw InvalidArgumentError(where("update") +
+                               ": no inf checks were recorded prior to update() (call step() or unscale_() first)");
+  at::_amp_update_scale_(scale_, growth_tracker_, found_combined, options_.growth_factor, options_.backoff_factor,
+                         options_.growth_interval);
+  per_optimizer_.clear();
+}
+
+void GradScaler::update(double new_scale) {
+  if (!options_.enabled) return;
+  if (!(new_scale > 0.0) || !std::isfinite(new_scale))
+    throw InvalidArgumentError(where("update") + ": new_scale must be a positive finite number, found " +
+                               std::to_string(new_scale));
+  lazy_init(scale_.defined() ? scale_.device() : at::Device(at::kCPU));
+  scale_.fill_(new_scale);
+  per_optimizer_.clear();
+}
+
+double GradScaler::get_scale() const {
+  if (!options_.enabled) return 1.0;
+  return scale_.defined() ? scale_.item<float>() : options_.init_scale;
+}
+
+int64_t GradScaler::get_growth_tracker() const {
+  if (!options_.enabled) return 0;
+  return growth_tracker_.defined() ? growth_tracker_.item<int>() : 0;
+}
+
+std::map<std::string, double> GradScaler::state_dict() const {
+  if (!options_.enabled) return {};
+  return {{"scale", get_scale()},
+          {"growth_factor", options_.growth_factor},
+          {"backoff_factor", options_.backoff_factor},
+          {"growth_interval", static_cast<double>(options_.growth_interval)},
+          {"_growth_tracker", static_cast<double>(get_growth_tracker())}};
+}
+
+void GradScaler::load_state_dict(const std::map<std::string, double>& state) {
+  if (!options_.enabled) return;
+  if (state.empty())
+    throw InvalidArgumentError(where("load_state_dict") +
+                               ": the state dict is empty, possibly because it was saved from a disabled GradScaler");
+  for (const char* key : {"scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker"})
+    if (!state.count(key))
+      throw InvalidArgumentError(where("load_state_dict") + ": missing key '" + key +
+                                 "' (expected scale, growth_factor, backoff_factor, growth_interval, _growth_tracker)");
+  const double scale = state.at("scale"), growth = state.at("growth_factor"), backoff = state.at("backoff_factor");
+  const double interval = state.at("growth_interval"), tracker = state.at("_growth_tracker");
+  auto bad = [&](const std::string& what) { return InvalidArgumentError(where("load_state_dict") + ": " + what); };
+  if (!(scale > 0) || !std::isfinite(scale)) throw bad("scale must be positive and finite, found " + std::to_string(scale));
+  if (!(growth > 1)) throw bad("growth_factor must be > 1.0, found " + std::to_string(growth));
+  if (!(backoff > 0 && backoff < 1)) throw bad("backoff_factor must be in (0, 1), found " + std::to_string(backoff));
+  if (!(interval >= 1) || interval != std::floor(interval))
+    throw bad("growth_interval must be a positive integer, found " + std::to_string(interval));
+  if (!(tracker >= 0) || tracker != std::floor(tracker) || tracker >= interval)
+    throw bad("_growth_tracker must be an integer in [0, growth_interval), found " + std::to_string(tracker));
+  options_.init_scale = scale;
+  options_.growth_factor = growth;
+  options_.backoff_factor = backoff;
+  options_.growth_interval = static_cast<int64_t>(interval);
+  lazy_init(scale_.defined() ? scale_.device() : at::Device(at::kCPU));
+  scale_.fill_(scale);
+  growth_tracker_.fill_(static_cast<int>(tracker));
+}
+
+}  // namespace loom
