@@ -10,6 +10,10 @@
 #               the host, synchronize() blocking it, wait(timeout) giving up; rejected input (CPU
 #               tensor, avg on integers, non-contiguous, bad device index); the watchdog's timeout
 #               breaking a communicator; split by color and key.
+#   test_cuda_training  data parallelism over NCCL on CUDA parameters equals one process on the
+#               whole batch (with accumulation, small buckets); the fp16 compression hook on the
+#               device; GradScaler + float16 autocast: an overflow skips the step and halves the
+#               scale, and training still learns.
 #   test_*      any other GPU test binary built into build/tests/gpu/, each under mpirun -np 1.
 #
 # Usage: bash benchmarks/gpu_check.sh [--no-setup] [--no-build]

@@ -1,0 +1,146 @@
+// GPU tests of the training paths on CUDA: the gradient reducer over the NCCL communicator
+// (hooks on CUDA parameters, buckets as gradient views, end-of-backward wait on the device
+// stream), gradient accumulation, and the GradScaler with float16 autocast. Run by
+// benchmarks/gpu_check.sh under `mpirun -np 1` (or -np N with one GPU per rank); every test
+// skips where no GPU is visible.
+#include <ATen/ATen.h>
+#include <c10/cuda/CUDAFunctions.h>
+#include <gtest/gtest.h>
+#include <torch/nn.h>
+#include <torch/optim.h>
+
+#include "loom/loom.h"
+
+namespace {
+
+std::shared_ptr<loom::Runtime> g_runtime;
+std::shared_ptr<loom::Communicator> g_gpu;
+
+class CudaTraining : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (!loom::nccl::device_available()) GTEST_SKIP() << "no GPU visible";
+    if (!g_gpu) {
+      loom::CommunicatorOptions options;
+      options.timeout = std::chrono::seconds(60);
+      options.on_error = static_cast<int>(loom::OnError::Raise);
+      const int device = g_runtime->world().local_rank % c10::cuda::device_count();
+      g_gpu = loom::nccl::make_communicator(g_runtime->world_comm(), device, "gpu", options);
+    }
+    device_ = at::Device(at::kCUDA, g_runtime->world().local_rank % c10::cuda::device_count());
+  }
+  at::Device device_{at::kCPU};
+};
+
+struct MlpImpl : torch::nn::Module {
+  MlpImpl() {
+    l1 = register_module("l1", torch::nn::Linear(32, 64));
+    l2 = register_module("l2", torch::nn::Linear(64, 64));
+    l3 = register_module("l3", torch::nn::Linear(64, 8));
+  }
+  at::Tensor forward(const at::Tensor& x) { return l3(torch::relu(l2(torch::relu(l1(x))))); }
+  torch::nn::Linear l1{nullptr}, l2{nullptr}, l3{nullptr};
+};
+TORCH_MODULE(Mlp);
+
+}  // namespace
+
+TEST_F(CudaTraining, DataParallelOverNcclEqualsOneProcessOnTheWholeBatch) {
+  const int R = g_gpu->size(), rank = g_gpu->rank();
+  const int B = 16;
+  for (int micro_batches : {1, 2}) {
+    at::manual_seed(1);
+    Mlp reference;
+    reference->to(device_);
+    at::manual_seed(1);
+    Mlp local;
+    local->to(device_);
+    loom::ReducerOptions options;
+    options.first_bucket_cap_bytes = 4096;
+    options.bucket_cap_bytes = 8192;
+    loom::DistributedDataParallel<Mlp> ddp(local, g_gpu, {options, true});
+    torch::optim::SGD ddp_opt(ddp->parameters(), torch::optim::SGDOptions(0.05).momentum(0.9));
+    torch::optim::SGD ref_opt(reference->parameters(), torch::optim::SGDOptions(0.05).momentum(0.9));
+    loom::GradientAccumulator accumulate(ddp.reducer(), micro_batches);
+    for (int step = 0; step < 5; ++step) {
+      at::manual_seed(100 + step);
+      at::Tensor x = at::randn({R * B, 32}).to(device_);
+      at::Tensor y = at::randn({R * B, 8}).to(device_);
+      ddp.zero_grad();
+      const int micro = B / micro_batches;
+      for (int m = 0; m < micro_batches; ++m) {
+        auto scope = accumulate.next();
+        auto xs = x.narrow(0, rank * B + m * micro, micro);
+        auto ys = y.narrow(0, rank * B + m * micro, micro);
+        (torch::mse_loss(ddp.forward(xs), ys) / micro_batches).backward();
+      }
+      ddp_opt.step();
+      ref_opt.zero_grad();
+      torch::mse_loss(reference->forward(x), y).backward();
+      ref_opt.step();
+    }
+    EXPECT_GE(ddp.reducer().stats().buckets, 2u);
+    auto a = ddp->parameters();
+    auto b = reference->parameters();
+    for (size_t i = 0; i < a.size(); ++i)
+      EXPECT_TRUE(at::allclose(a[i], b[i], 1e-4, 1e-5)) << "parameter " << i << " micro_batches " << micro_batches;
+  }
+}
+
+TEST_F(CudaTraining, Fp16CompressionHookOnTheDevice) {
+  at::manual_seed(2);
+  std::vector<at::Tensor> params = {at::randn({64, 64}, device_).requires_grad_()};
+  loom::ReducerOptions options;
+  options.comm_hook = loom::comm_hooks::fp16_compress();
+  loom::GradientReducer reducer(params, g_gpu, options);
+  reducer.zero_grad();
+  (params[0] * 0.5).sum().backward();
+  EXPECT_TRUE(at::allclose(params[0].grad(), at::full({64, 64}, 0.5, params[0].options()), 1e-3, 1e-3));
+}
+
+TEST_F(CudaTraining, GradScalerWithFloat16AutocastSkipsOnOverflowAndLearns) {
+  at::manual_seed(3);
+  Mlp model;
+  model->to(device_);
+  torch::optim::SGD opt(model->parameters(), 0.05);
+  loom::GradScaler scaler({.init_scale = 65536.0, .growth_interval = 50, .sync_groups = {g_gpu}});
+  at::Tensor x = at::randn({256, 32}, device_);
+  at::Tensor y = at::sin(x.narrow(1, 0, 8)).contiguous();
+  double first = 0, last = 0;
+  int skipped = 0;
+  for (int step = 0; step < 150; ++step) {
+    opt.zero_grad();
+    at::Tensor loss;
+    {
+      loom::AutocastGuard autocast(at::kCUDA, at::kHalf);
+      at::Tensor out = model->forward(x);
+      EXPECT_EQ(out.scalar_type(), at::kHalf);
+      loss = torch::mse_loss(out.to(at::kFloat), y);
+    }
+    // Step 10: a huge loss overflows float16 gradients -> the step must be skipped, scale halved.
+    at::Tensor scaled = scaler.scale(step == 10 ? loss * 1e30 : loss);
+    scaled.backward();
+    const double before = scaler.get_scale();
+    if (!scaler.step(opt)) {
+      ++skipped;
+      scaler.update();
+      EXPECT_EQ(scaler.get_scale(), before * 0.5) << "step " << step;
+      continue;
+    }
+    scaler.update();
+    if (step == 0) first = loss.item<double>();
+    last = loss.item<double>();
+  }
+  EXPECT_GE(skipped, 1);
+  EXPECT_LT(last, 0.5 * first) << "float16 training with the scaler did not learn";
+}
+
+int main(int argc, char** argv) {
+  ::testing::InitGoogleTest(&argc, argv);
+  g_runtime = loom::init();
+  const int result = RUN_ALL_TESTS();
+  g_gpu.reset();
+  g_runtime.reset();
+  loom::finalize();
+  return result;
+}
