@@ -13,7 +13,8 @@
 #   test_cuda_training  data parallelism over NCCL on CUDA parameters equals one process on the
 #               whole batch (with accumulation, small buckets); the fp16 compression hook on the
 #               device; GradScaler + float16 autocast: an overflow skips the step and halves the
-#               scale, and training still learns.
+#               scale, and training still learns; Column/RowParallelLinear and the
+#               vocabulary-parallel cross-entropy over an NCCL group equal the plain layers.
 #   test_*      any other GPU test binary built into build/tests/gpu/, each under mpirun -np 1.
 #
 # Usage: bash benchmarks/gpu_check.sh [--no-setup] [--no-build]

@@ -10,6 +10,7 @@
 #include "loom/error.h"
 #include "loom/log.h"
 #include "loom/parallel/data_parallel.h"
+#include "loom/parallel/tensor_parallel.h"
 #include "loom/train/accumulation.h"
 #include "loom/runtime.h"
 #include "loom/world.h"

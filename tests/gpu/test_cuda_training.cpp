@@ -1,6 +1,7 @@
 // GPU tests of the training paths on CUDA: the gradient reducer over the NCCL communicator
 // (hooks on CUDA parameters, buckets as gradient views, end-of-backward wait on the device
-// stream), gradient accumulation, and the GradScaler with float16 autocast. Run by
+// stream), gradient accumulation, the GradScaler with float16 autocast, and tensor-parallel
+// layers whose region operations run over NCCL. Run by
 // benchmarks/gpu_check.sh under `mpirun -np 1` (or -np N with one GPU per rank); every test
 // skips where no GPU is visible.
 #include <ATen/ATen.h>
@@ -133,6 +134,34 @@ TEST_F(CudaTraining, GradScalerWithFloat16AutocastSkipsOnOverflowAndLearns) {
   }
   EXPECT_GE(skipped, 1);
   EXPECT_LT(last, 0.5 * first) << "float16 training with the scaler did not learn";
+}
+
+TEST_F(CudaTraining, TensorParallelLayersOverNcclMatchThePlainLayers) {
+  // The NCCL group carries the region operations on the device (a group of one here; at N
+  // ranks with one GPU each, the same code splits the weights N ways).
+  const int64_t in = 32, hidden = 64 * g_gpu->size(), out = 16;
+  at::manual_seed(4);
+  loom::ColumnParallelLinear fc1(in, hidden, g_gpu);
+  loom::RowParallelLinear fc2(hidden, out, g_gpu);
+  at::manual_seed(4);
+  torch::nn::Linear plain1(in, hidden), plain2(hidden, out);
+  fc1->to(device_);
+  fc2->to(device_);
+  plain1->to(device_);
+  plain2->to(device_);
+  at::Tensor x = at::randn({8, in}, device_);
+  at::Tensor y = fc2(at::gelu(fc1(x)));
+  at::Tensor expected = plain2(at::gelu(plain1(x)));
+  EXPECT_TRUE(at::allclose(y, expected, 1e-4, 1e-5));
+  y.sum().backward();
+  expected.sum().backward();
+  EXPECT_TRUE(at::allclose(fc2->bias.grad(), plain2->bias.grad(), 1e-4, 1e-5));
+  // Vocabulary-parallel cross-entropy on the device equals the plain one (the whole vocabulary
+  // on one rank here).
+  at::Tensor logits = at::randn({6, 10}, device_);
+  at::Tensor target = at::randint(0, 10, {6}, at::TensorOptions().dtype(at::kLong).device(device_));
+  at::Tensor loss = loom::vocab_parallel_cross_entropy(logits, target, g_gpu);
+  EXPECT_TRUE(at::allclose(loss, torch::nn::functional::cross_entropy(logits, target), 1e-5, 1e-6));
 }
 
 int main(int argc, char** argv) {

@@ -1,0 +1,204 @@
+// Tensor-parallel layers: ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding.
+//
+// Initialisation is by master weight: the full weight is drawn exactly as the plain LibTorch
+// layer would draw it (by constructing that layer, which consumes the default generator the same
+// way), and each rank keeps its slice. This costs the full weight's memory once, transiently, and
+// buys the property the tests rely on: from the same generator state, every TP degree starts
+// from the same function. All ranks of a TP group must therefore draw from the same default
+// generator state (loom::model_parallel_seed keeps it identical).
+#include <ATen/core/grad_mode.h>
+#include <ATen/ops/embedding.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/linear.h>
+#include <torch/nn/modules/embedding.h>
+#include <torch/nn/modules/linear.h>
+
+#include <ostream>
+
+#include "loom/parallel/tensor_parallel.h"
+#include "parallel/tensor_parallel_util.h"
+
+namespace loom {
+namespace {
+
+using LinearInit = std::function<void(at::Tensor&, at::Tensor&)>;
+
+// The full [out, in] weight and [out] bias of the plain layer, drawn from the default generator.
+void master_linear(int64_t in, int64_t out, bool with_bias, const LinearInit& init, at::Tensor& weight,
+                   at::Tensor& bias) {
+  at::NoGradGuard no_grad;
+  if (init) {
+    weight = at::empty({out, in});
+    bias = with_bias ? at::empty({out}) : at::Tensor();
+    init(weight, bias);
+    return;
+  }
+  torch::nn::Linear full(torch::nn::LinearOptions(in, out).bias(with_bias));
+  weight = full->weight.detach();
+  bias = with_bias ? full->bias.detach() : at::Tensor();
+}
+
+void require_positive(const std::string& where, const std::string& what, int64_t value) {
+  if (value <= 0)
+    throw InvalidArgumentError(where + ": " + what + " must be positive; found " + std::to_string(value));
+}
+
+void require_last_dim(const std::string& where, const at::Tensor& input, int64_t expected, const char* why) {
+  if (input.dim() == 0 || input.size(-1) != expected)
+    throw InvalidArgumentError(where + ": expected an input whose last dimension is " + std::to_string(expected) +
+                               " (" + why + "); found shape " + c10::str(input.sizes()));
+}
+
+void copy_checked(const std::string& where, const char* what, at::Tensor& dst, const at::Tensor& src) {
+  if (!src.defined() || src.sizes() != dst.sizes())
+    throw InvalidArgumentError(where + " load_master: " + what + " slice should be " + c10::str(dst.sizes()) +
+                               "; found " + (src.defined() ? c10::str(src.sizes()) : std::string("no tensor")));
+  at::NoGradGuard no_grad;
+  dst.copy_(src);
+}
+
+}  // namespace
+
+// ---- ColumnParallelLinear ----------------------------------------------------------------------
+
+ColumnParallelLinearImpl::ColumnParallelLinearImpl(int64_t in, int64_t out, TensorParallelGroup g,
+                                                   ColumnParallelLinearOptions o)
+    : in_features(in), out_features(out), options(std::move(o)), group(std::move(g)) {
+  const int t = detail::tp_size(group);
+  const std::string where = detail::tp_where(group, "ColumnParallelLinear");
+  require_positive(where, "in_features", in);
+  detail::require_divisible(where, "out_features", out, t);
+  out_per_rank = out / t;
+  out_start = detail::tp_rank(group) * out_per_rank;
+  at::Tensor w, b;
+  master_linear(in, out, options.bias, options.init, w, b);
+  weight = register_parameter("weight", w.narrow(0, out_start, out_per_rank).clone());
+  if (options.bias) bias = register_parameter("bias", b.narrow(0, out_start, out_per_rank).clone());
+}
+
+at::Tensor ColumnParallelLinearImpl::forward(const at::Tensor& input) {
+  require_last_dim(detail::tp_where(group, "ColumnParallelLinear"), input, in_features, "in_features");
+  // Every rank needs the whole input; backward sums the ranks' partial input gradients.
+  at::Tensor x = options.sequence_parallel ? tp::gather_from_sequence_region(input, group, /*grad_is_partial=*/true)
+                                           : tp::copy_to_region(input, group);
+  at::Tensor y = at::linear(x, weight, bias);
+  return options.gather_output ? tp::gather_from_region(y, group) : y;
+}
+
+void ColumnParallelLinearImpl::load_master(const at::Tensor& w, const at::Tensor& b) {
+  const std::string where = detail::tp_where(group, "ColumnParallelLinear");
+  copy_checked(where, "weight", weight, w.defined() && w.dim() == 2 && w.size(0) == out_features
+                                            ? w.narrow(0, out_start, out_per_rank) : w);
+  if (bias.defined())
+    copy_checked(where, "bias", bias, b.defined() && b.dim() == 1 && b.size(0) == out_features
+                                          ? b.narrow(0, out_start, out_per_rank) : b);
+}
+
+void ColumnParallelLinearImpl::pretty_print(std::ostream& stream) const {
+  stream << "loom::ColumnParallelLinear(in_features=" << in_features << ", out_features=" << out_features
+         << ", rows=[" << out_start << ", " << out_start + out_per_rank << "), bias=" << options.bias
+         << ", gather_output=" << options.gather_output << ", sequence_parallel=" << options.sequence_parallel << ")";
+}
+
+// ---- RowParallelLinear -------------------------------------------------------------------------
+
+RowParallelLinearImpl::RowParallelLinearImpl(int64_t in, int64_t out, TensorParallelGroup g, RowParallelLinearOptions o)
+    : in_features(in), out_features(out), options(std::move(o)), group(std::move(g)) {
+  const int t = detail::tp_size(group);
+  const std::string where = detail::tp_where(group, "RowParallelLinear");
+  require_positive(where, "out_features", out);
+  detail::require_divisible(where, "in_features", in, t);
+  if (options.sequence_parallel && !options.input_is_parallel)
+    throw InvalidArgumentError(where + ": sequence_parallel needs input_is_parallel (the input of a sequence-parallel "
+                               "row layer is the split output of a column-parallel one)");
+  in_per_rank = in / t;
+  in_start = detail::tp_rank(group) * in_per_rank;
+  at::Tensor w, b;
+  master_linear(in, out, options.bias, options.init, w, b);
+  weight = register_parameter("weight", w.narrow(1, in_start, in_per_rank).clone());
+  if (options.bias) bias = register_parameter("bias", b.clone());
+}
+
+at::Tensor RowParallelLinearImpl::forward(const at::Tensor& input) {
+  const std::string where = detail::tp_where(group, "RowParallelLinear");
+  at::Tensor x = input;
+  if (options.input_is_parallel) {
+    require_last_dim(where, input, in_per_rank, "this rank's slice of in_features");
+  } else {
+    require_last_dim(where, input, in_features, "in_features");
+    x = tp::scatter_to_region(input, group);
+  }
+  at::Tensor partial = at::linear(x, weight);
+  at::Tensor y = options.sequence_parallel ? tp::reduce_scatter_to_sequence_region(partial, group)
+                                           : tp::reduce_from_region(partial, group);
+  if (!bias.defined()) return y;
+  // Added once, after the reduction. Under sequence parallelism each rank adds it to its own rows
+  // only, so its gradient is partial: copy_to_region sums it over the group in backward.
+  return y + (options.sequence_parallel ? tp::copy_to_region(bias, group) : bias);
+}
+
+void RowParallelLinearImpl::load_master(const at::Tensor& w, const at::Tensor& b) {
+  const std::string where = detail::tp_where(group, "RowParallelLinear");
+  copy_checked(where, "weight", weight, w.defined() && w.dim() == 2 && w.size(1) == in_features
+                                            ? w.narrow(1, in_start, in_per_rank) : w);
+  if (bias.defined()) copy_checked(where, "bias", bias, b);
+}
+
+void RowParallelLinearImpl::pretty_print(std::ostream& stream) const {
+  stream << "loom::RowParallelLinear(in_features=" << in_features << ", out_features=" << out_features
+         << ", columns=[" << in_start << ", " << in_start + in_per_rank << "), bias=" << options.bias
+         << ", input_is_parallel=" << options.input_is_parallel << ", sequence_parallel=" << options.sequence_parallel
+         << ")";
+}
+
+// ---- VocabParallelEmbedding --------------------------------------------------------------------
+
+VocabParallelEmbeddingImpl::VocabParallelEmbeddingImpl(int64_t n, int64_t dim, TensorParallelGroup g,
+                                                       VocabParallelEmbeddingOptions o)
+    : num_embeddings(n), embedding_dim(dim), options(std::move(o)), group(std::move(g)) {
+  const int t = detail::tp_size(group);
+  const std::string where = detail::tp_where(group, "VocabParallelEmbedding");
+  require_positive(where, "embedding_dim", dim);
+  detail::require_divisible(where, "num_embeddings (vocabulary size)", n, t);
+  const int64_t per_rank = n / t;
+  vocab_start = detail::tp_rank(group) * per_rank;
+  vocab_end = vocab_start + per_rank;
+  at::Tensor full;
+  {
+    at::NoGradGuard no_grad;
+    if (options.init) {
+      full = at::empty({n, dim});
+      options.init(full);
+    } else {
+      full = torch::nn::Embedding(n, dim)->weight.detach();
+    }
+  }
+  weight = register_parameter("weight", full.narrow(0, vocab_start, per_rank).clone());
+}
+
+at::Tensor VocabParallelEmbeddingImpl::forward(const at::Tensor& ids) {
+  if (!at::isIntegralType(ids.scalar_type(), /*includeBool=*/false))
+    throw InvalidArgumentError(detail::tp_where(group, "VocabParallelEmbedding") +
+                               ": expected integer token ids; found dtype " + std::string(c10::toString(ids.scalar_type())));
+  if (detail::tp_size(group) == 1) return at::embedding(weight, ids);
+  // Ids owned by another rank look up row 0 here and are zeroed: the all-reduce then adds exactly
+  // one non-zero row (the owner's) per id.
+  at::Tensor foreign = ids.lt(vocab_start).logical_or_(ids.ge(vocab_end));
+  at::Tensor local_ids = (ids - vocab_start).masked_fill_(foreign, 0);
+  at::Tensor partial = at::embedding(weight, local_ids).masked_fill(foreign.unsqueeze(-1), 0.0);
+  return options.sequence_parallel ? tp::reduce_scatter_to_sequence_region(partial, group)
+                                   : tp::reduce_from_region(partial, group);
+}
+
+void VocabParallelEmbeddingImpl::load_master(const at::Tensor& w) {
+  copy_checked(detail::tp_where(group, "VocabParallelEmbedding"), "weight", weight,
+               w.defined() && w.dim() == 2 && w.size(0) == num_embeddings
+                   ? w.narrow(0, vocab_start, vocab_end - vocab_start) : w);
+}
+
+void VocabParallelEmbeddingImpl::pretty_print(std::ostream& stream) const {
+  stream << "loom::VocabParallelEmbedding(num_embeddings=" << num_embeddings << ", embedding_dim=" << embedding_dim
+         << ", ids=[" << vocab_start << ", " << vocab_end << "), sequence_parallel=" << options.sequence_parallel << ")";
+}
+
+}  // namespace loom

@@ -1,0 +1,59 @@
+// ParallelState: checks the layout and the model's dimensions, then builds the TP and DP groups.
+#include "loom/error.h"
+#include "loom/parallel/tensor_parallel.h"
+#include "parallel/tensor_parallel_util.h"
+
+namespace loom {
+
+namespace {
+ParallelConfig with_degree(int tensor_parallel) {
+  ParallelConfig config;
+  config.tensor_parallel = tensor_parallel;
+  return config;
+}
+}  // namespace
+
+ParallelState::ParallelState(std::shared_ptr<Communicator> world, int tensor_parallel)
+    : ParallelState(std::move(world), with_degree(tensor_parallel)) {}
+
+ParallelState::ParallelState(std::shared_ptr<Communicator> world, const ParallelConfig& config)
+    : world_(std::move(world)) {
+  if (!world_) throw InvalidArgumentError("ParallelState: the world communicator is null");
+  const std::string where = "[rank " + std::to_string(world_->rank()) + "] ParallelState";
+  const int t = config.tensor_parallel;
+  // Every check is local and the same on every rank, so all ranks raise together before any
+  // collective is entered: no rank is left waiting in make_parallel_groups.
+  if (t < 1)
+    throw InvalidArgumentError(where + ": the tensor-parallel degree must be at least 1; found " + std::to_string(t));
+  if (world_->size() % t != 0)
+    throw InvalidArgumentError(where + ": world size must be divisible by the tensor-parallel degree " +
+                               std::to_string(t) + "; found " + std::to_string(world_->size()) + " ranks (" +
+                               std::to_string(world_->size()) + " % " + std::to_string(t) + " = " +
+                               std::to_string(world_->size() % t) + ")");
+  if (config.hidden_size) detail::require_divisible(where, "hidden size", config.hidden_size, t);
+  if (config.num_heads) detail::require_divisible(where, "number of attention heads", config.num_heads, t);
+  if (config.ffn_hidden_size) detail::require_divisible(where, "MLP hidden size", config.ffn_hidden_size, t);
+  if (config.vocab_size)
+    detail::require_divisible(where, "vocabulary size (pad it with loom::padded_vocab_size)", config.vocab_size, t);
+  if (config.hidden_size && config.num_heads && config.hidden_size % config.num_heads != 0)
+    throw InvalidArgumentError(where + ": hidden size must be divisible by the number of attention heads " +
+                               std::to_string(config.num_heads) + "; found " + std::to_string(config.hidden_size));
+  groups_ = make_parallel_groups(*world_, t, config.order);
+}
+
+void ParallelState::seed(uint64_t seed, RngTracker& tracker) const { model_parallel_seed(seed, tp_rank(), tracker); }
+
+void ParallelState::require_divisible(const std::string& what, int64_t value) const {
+  detail::require_divisible("[rank " + std::to_string(world_->rank()) + "] ParallelState", what, value, tp_degree());
+}
+
+int64_t padded_vocab_size(int64_t vocab, int tp_degree, int64_t multiple) {
+  if (vocab <= 0 || tp_degree < 1 || multiple < 1)
+    throw InvalidArgumentError("padded_vocab_size: expected vocab > 0, tp_degree >= 1, multiple >= 1; found " +
+                               std::to_string(vocab) + ", " + std::to_string(tp_degree) + ", " +
+                               std::to_string(multiple));
+  const int64_t step = tp_degree * multiple;
+  return (vocab + step - 1) / step * step;
+}
+
+}  // namespace loom

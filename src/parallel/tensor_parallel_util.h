@@ -1,0 +1,34 @@
+// Helpers shared by the tensor-parallel sources: a null group is a group of one, and error
+// messages start with who raised them.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "loom/error.h"
+#include "loom/parallel/tensor_parallel.h"
+
+namespace loom::detail {
+
+inline int tp_size(const TensorParallelGroup& group) { return group ? group->size() : 1; }
+inline int tp_rank(const TensorParallelGroup& group) { return group ? group->rank() : 0; }
+
+// "[tp rank 1/2] ColumnParallelLinear" — a layer knows its TP group, not the world rank.
+inline std::string tp_where(const TensorParallelGroup& group, const std::string& what) {
+  return "[tp rank " + std::to_string(tp_rank(group)) + "/" + std::to_string(tp_size(group)) + "] " + what;
+}
+
+// Throws InvalidArgumentError naming what was expected (a multiple of degree) and what was found.
+inline void require_divisible(const std::string& where, const std::string& what, int64_t value, int degree) {
+  if (value <= 0 || value % degree != 0)
+    throw InvalidArgumentError(where + ": " + what + " must be a positive multiple of the tensor-parallel degree " +
+                               std::to_string(degree) + "; found " + std::to_string(value) + " (" +
+                               std::to_string(value) + " % " + std::to_string(degree) + " = " +
+                               std::to_string(value % degree) + ")");
+}
+
+// An in-place all-reduce over the TP group, counted in tp::comm_stats() (for code that
+// communicates outside the region operations, such as the cross-entropy).
+void tp_all_reduce(at::Tensor& tensor, const TensorParallelGroup& group, ReduceOp op);
+
+}  // namespace loom::detail
