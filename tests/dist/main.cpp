@@ -3,40 +3,13 @@
 // mpirun's exit status is non-zero when any rank fails.
 #include <gtest/gtest.h>
 
-#include <iostream>
-
 #include "loom/runtime.h"
-
-namespace {
-
-class RankFailurePrinter : public testing::EmptyTestEventListener {
- public:
-  explicit RankFailurePrinter(int rank) : rank_(rank) {}
-  void OnTestPartResult(const testing::TestPartResult& result) override {
-    if (result.failed())
-      std::cerr << "[rank " << rank_ << "] FAILED at " << (result.file_name() ? result.file_name() : "?") << ":"
-                << result.line_number() << "\n" << result.summary() << std::endl;
-  }
-  void OnTestEnd(const testing::TestInfo& info) override {
-    if (info.result()->Failed())
-      std::cerr << "[rank " << rank_ << "] FAILED " << info.test_suite_name() << "." << info.name() << std::endl;
-  }
-
- private:
-  int rank_;
-};
-
-}  // namespace
+#include "rank_report.h"
 
 int main(int argc, char** argv) {
   testing::InitGoogleTest(&argc, argv);
   auto rt = loom::init();
-  const int rank = rt->world().rank;
-  if (rank != 0) {
-    auto& listeners = testing::UnitTest::GetInstance()->listeners();
-    delete listeners.Release(listeners.default_result_printer());
-    listeners.Append(new RankFailurePrinter(rank));
-  }
+  loom::test::report_failures_only_unless_rank0(rt->world().rank);
   int status = RUN_ALL_TESTS();
   rt.reset();
   loom::finalize();

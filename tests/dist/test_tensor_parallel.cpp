@@ -19,6 +19,7 @@
 
 #include "loom/parallel/data_parallel.h"
 #include "loom/parallel/tensor_parallel.h"
+#include "rank_report.h"
 #include "test_util.h"
 
 using namespace loom;
@@ -648,36 +649,10 @@ TEST(TensorParallelRng, UnseededForkIsAnError) {
 }
 
 // Entry point, as tests/dist/main.cpp: every rank runs every test; only rank 0 prints the report.
-namespace {
-
-class RankFailurePrinter : public testing::EmptyTestEventListener {
- public:
-  explicit RankFailurePrinter(int rank) : rank_(rank) {}
-  void OnTestPartResult(const testing::TestPartResult& result) override {
-    if (result.failed())
-      std::cerr << "[rank " << rank_ << "] FAILED at " << (result.file_name() ? result.file_name() : "?") << ":"
-                << result.line_number() << "\n" << result.summary() << std::endl;
-  }
-  void OnTestEnd(const testing::TestInfo& info) override {
-    if (info.result()->Failed())
-      std::cerr << "[rank " << rank_ << "] FAILED " << info.test_suite_name() << "." << info.name() << std::endl;
-  }
-
- private:
-  int rank_;
-};
-
-}  // namespace
-
 int main(int argc, char** argv) {
   testing::InitGoogleTest(&argc, argv);
   auto rt = loom::init();
-  const int rank = rt->world().rank;
-  if (rank != 0) {
-    auto& listeners = testing::UnitTest::GetInstance()->listeners();
-    delete listeners.Release(listeners.default_result_printer());
-    listeners.Append(new RankFailurePrinter(rank));
-  }
+  loom::test::report_failures_only_unless_rank0(rt->world().rank);
   int status = RUN_ALL_TESTS();
   states().clear();  // the cached groups' communicators go before MPI does
   rt.reset();
