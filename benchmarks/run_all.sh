@@ -3,6 +3,8 @@
 # writes JSON next to the tables. Machines are noisy: the programs report medians, and only
 # ratios from one run should be compared.
 #   bash benchmarks/run_all.sh [results-dir]
+# BENCHMARKS selects which run (default: all of "allreduce ddp tp amp"); DDP_ROUNDS how many times the
+# loom/PyTorch DDP pair is repeated, alternating which goes first (default 3).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 RESULTS=${1:-build/benchmark-results}
@@ -10,8 +12,60 @@ mkdir -p "$RESULTS"
 bash scripts/setup.sh
 bash scripts/build.sh
 source scripts/mpi_env.sh
-for np in 2 4; do
-  echo "== all_reduce, $np ranks"
-  mpirun -np $np $LOOM_MPIRUN_FLAGS build/benchmarks/allreduce_bench --min-bytes 4096 --json "$RESULTS/allreduce_np$np.json"
-done
+# Every benchmark here uses all cores: another busy process skews the numbers by 2x, not by percent.
+# (Measured over one second now: the load average would still count the build that just ran.)
+busy=$( { head -1 /proc/stat; sleep 1; head -1 /proc/stat; } |
+        awk '{ idle[NR] = $5 + $6; total[NR] = 0; for (i = 2; i <= NF; ++i) total[NR] += $i }
+             END { printf "%d", 100 * (1 - (idle[2] - idle[1]) / (total[2] - total[1])) }')
+if ((busy > 20)); then
+  echo "WARNING: the CPUs are ${busy}% busy before the benchmarks start (another process): results will be noisy"
+fi
+BENCHMARKS=${BENCHMARKS:-allreduce ddp tp amp}
+PYTHON=${PYTHON:-python3}
+if [[ " $BENCHMARKS " == *" allreduce "* ]]; then
+  for np in 2 4; do
+    echo "== all_reduce, $np ranks"
+    mpirun -np $np $LOOM_MPIRUN_FLAGS build/benchmarks/allreduce_bench --min-bytes 4096 \
+      --json "$RESULTS/allreduce_np$np.json"
+  done
+fi
+if [[ " $BENCHMARKS " == *" ddp "* ]]; then
+  # (a) loom DDP against PyTorch's DDP (Gloo, torchrun) on the same model: separate programs, so the
+  # pair is run in rounds, alternating which goes first, and the summary takes each side's fastest
+  # round (a busy neighbour only ever slows a run down; this machine's speed drifts 2x between runs).
+  # (c) comes from the same loom runs; (b) needs world size 1.
+  ours=() ref=()
+  for round in $(seq 1 "${DDP_ROUNDS:-3}"); do
+    order="pytorch loom"
+    ((round % 2)) || order="loom pytorch"
+    for side in $order; do
+      if [[ $side == loom ]]; then
+        echo "== DDP step, loom, 2 ranks (round $round)"
+        mpirun -np 2 $LOOM_MPIRUN_FLAGS build/benchmarks/ddp_bench --json "$RESULTS/ddp_loom_np2_r$round.json"
+        ours+=("$RESULTS/ddp_loom_np2_r$round.json")
+      else
+        echo "== DDP step, PyTorch (gloo), 2 ranks (round $round)"
+        "$PYTHON" -m torch.distributed.run --standalone --nproc_per_node 2 benchmarks/ddp_reference.py \
+          --json "$RESULTS/ddp_pytorch_np2_r$round.json"
+        ref+=("$RESULTS/ddp_pytorch_np2_r$round.json")
+      fi
+    done
+  done
+  echo "== DDP step, loom, world size 1"
+  mpirun -np 1 $LOOM_MPIRUN_FLAGS build/benchmarks/ddp_bench --iters 100 --json "$RESULTS/ddp_loom_np1.json"
+  echo "== DDP summary"
+  "$PYTHON" benchmarks/ddp_reference.py --summarize --ours "${ours[@]}" --pytorch "${ref[@]}" \
+    --ours-single "$RESULTS/ddp_loom_np1.json" --json "$RESULTS/ddp_summary.json"
+fi
+if [[ " $BENCHMARKS " == *" tp "* ]]; then
+  echo "== tensor-parallel MLP, TP=2 against TP=1, 2 ranks"
+  mpirun -np 2 $LOOM_MPIRUN_FLAGS build/benchmarks/tp_bench --json "$RESULTS/tp_np2.json"
+fi
+if [[ " $BENCHMARKS " == *" amp "* ]]; then
+  # Python's torch.amp.GradScaler first: amp_bench reads its JSON and sets loom's numbers against it.
+  echo "== GradScaler unscale_, PyTorch"
+  "$PYTHON" benchmarks/amp_reference.py --json "$RESULTS/amp_python.json"
+  echo "== GradScaler unscale_, loom (against a copy, a naive loop and PyTorch)"
+  build/benchmarks/amp_bench --python-json "$RESULTS/amp_python.json" --json "$RESULTS/amp.json"
+fi
 echo "results in $RESULTS"

@@ -247,7 +247,7 @@ class MpiCommunicator final : public Communicator, public detail::InlineExecutor
         check_mpi(MPI_Allreduce(MPI_IN_PLACE, t.data_ptr(), element_count(t, op), detail::mpi_datatype(t.scalar_type()),
                                 detail::mpi_reduce_op(op.info.reduce, t.scalar_type()), comm_),
                   op, "MPI_Allreduce");
-        if (op.info.reduce == ReduceOp::Avg) t.div_(n);
+        if (op.info.reduce == ReduceOp::Avg && n > 1) t.div_(n);
         break;
       }
       case OpType::Broadcast: {
@@ -283,7 +283,7 @@ class MpiCommunicator final : public Communicator, public detail::InlineExecutor
                                            detail::mpi_datatype(in.scalar_type()),
                                            detail::mpi_reduce_op(op.info.reduce, in.scalar_type()), comm_),
                   op, "MPI_Reduce_scatter_block");
-        if (op.info.reduce == ReduceOp::Avg) out.div_(n);
+        if (op.info.reduce == ReduceOp::Avg && n > 1) out.div_(n);
         break;
       }
       case OpType::AllToAll: {

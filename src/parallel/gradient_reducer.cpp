@@ -69,6 +69,7 @@ struct GradientReducer::Impl : std::enable_shared_from_this<GradientReducer::Imp
   ReducerOptions options;
   double divisor = 1;
   CommHook hook;
+  bool default_hook = true;
 
   std::vector<Slot> slots;
   std::vector<Bucket> buckets;
@@ -256,7 +257,9 @@ struct GradientReducer::Impl : std::enable_shared_from_this<GradientReducer::Imp
       Bucket& bucket = buckets[next_to_issue];
       GradBucket handed{next_to_issue, bucket.buffer, bucket.members, group.get(), divisor};
       bucket.issued_at = trace::now();
-      bucket.reduction = hook(handed);
+      // Alone in the group, averaging is the identity: nothing to send or wait for.
+      const bool nothing_to_do = group->size() == 1 && divisor == 1 && default_hook;
+      bucket.reduction = nothing_to_do ? PendingReduction{} : hook(handed);
       bucket.issued = true;
       if (during_backward) ++issued_during_backward;
       ++next_to_issue;
@@ -304,6 +307,7 @@ struct GradientReducer::Impl : std::enable_shared_from_this<GradientReducer::Imp
     issue_in_order(/*during_backward=*/false);
     for (size_t b = 0; b < buckets.size(); ++b) {
       Bucket& bucket = buckets[b];
+      if (!bucket.reduction.work) continue;
       bucket.reduction.work->wait();
       if (bucket.reduction.finish) bucket.reduction.finish();
       if (trace::enabled()) record_bucket(b);
@@ -382,7 +386,8 @@ GradientReducer::GradientReducer(std::vector<at::Tensor> parameters, std::shared
   impl_->divisor = impl_->options.divisor.value_or(static_cast<double>(impl_->group->size()));
   if (!(impl_->divisor > 0))
     throw InvalidArgumentError(impl_->where() + ": divisor must be positive, found " + std::to_string(impl_->divisor));
-  impl_->hook = impl_->options.comm_hook ? impl_->options.comm_hook : comm_hooks::all_reduce_average();
+  impl_->default_hook = !impl_->options.comm_hook;
+  impl_->hook = impl_->default_hook ? comm_hooks::all_reduce_average() : impl_->options.comm_hook;
   impl_->check_parameters();
   impl_->verify_same_model_on_all_ranks();
   if (impl_->options.broadcast_parameters) impl_->broadcast_parameters();
@@ -417,16 +422,11 @@ void GradientReducer::require_synchronized(const std::string& what) const {
 }
 
 void GradientReducer::zero_grad() {
+  // Dropping the gradients is cheaper than zeroing the buckets: the next backward's first
+  // gradient of each parameter is then copied into its slot once (read + write), where zeroing
+  // would cost a write and autograd's in-place accumulation another read + read + write.
   std::lock_guard<std::mutex> lock(impl_->mutex);
-  for (auto& bucket : impl_->buckets) bucket.buffer.zero_();
-  for (size_t i = 0; i < impl_->params.size(); ++i) {
-    at::Tensor& grad = impl_->params[i].mutable_grad();
-    if (impl_->options.gradient_as_bucket_view) {
-      grad = impl_->slots[i].view;
-    } else if (grad.defined()) {
-      grad.zero_();
-    }
-  }
+  for (auto& param : impl_->params) param.mutable_grad().reset();
 }
 
 void GradientReducer::set_sync(bool enabled) {
@@ -457,6 +457,7 @@ void GradientReducer::register_comm_hook(CommHook hook) {
   std::lock_guard<std::mutex> lock(impl_->mutex);
   if (impl_->in_backward)
     throw InvalidArgumentError(impl_->where() + ": register_comm_hook during backward: expected it between iterations");
+  impl_->default_hook = !hook;
   impl_->hook = hook ? std::move(hook) : comm_hooks::all_reduce_average();
 }
 

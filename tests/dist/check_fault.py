@@ -81,6 +81,15 @@ def main():
         if m:
             results[int(m.group(1))] = (m.group(2), float(m.group(3)), m.group(4))
     for rank, (kind, low, high, parts) in expected.items():
+        if rank not in results and kind == "TimeoutError" and extra_env.get("LOOM_ON_ERROR") == "abort":
+            # With LOOM_ON_ERROR=abort a waiter may itself be running the collective (the
+            # submit-then-wait fast path) and so cannot raise: the watchdog's logged error and
+            # the job's end are the report, as with c10d's asynchronous error handling.
+            logged = [line for line in output.splitlines()
+                      if f"[rank {rank}/" in line and "[error]" in line and "timed out after" in line]
+            if logged:
+                m = re.search(r"timed out after ([\d.]+) s", logged[0])
+                results[rank] = ("TimeoutError", float(m.group(1)), logged[0])
         if rank not in results:
             failures.append(f"rank {rank} reported nothing (expected {kind})")
             continue

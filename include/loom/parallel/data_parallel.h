@@ -18,7 +18,7 @@
 //   loom::DistributedDataParallel<Net> ddp(Net(), rt->world_comm());
 //   torch::optim::SGD opt(ddp->parameters(), 0.1);
 //   for (auto& [x, y] : my_shard) {
-//     ddp.zero_grad();                                // keeps gradients as bucket views
+//     ddp.zero_grad();                                // or opt.zero_grad()
 //     auto loss = torch::mse_loss(ddp.forward(x), y);
 //     loss.backward();                                // all-reduce overlaps backward
 //     opt.step();                                     // averaged gradients
@@ -115,8 +115,8 @@ class GradientReducer {
   // Throws loom::InvalidArgumentError naming `what` when buckets are still pending.
   void require_synchronized(const std::string& what) const;
 
-  // Zeroes the gradients in place, keeping them views into the buckets (prefer this to
-  // optimizer.zero_grad(), which drops them and costs a copy per parameter next backward).
+  // Drops the gradients (as optimizer.zero_grad() does): in the next backward each parameter's
+  // first gradient is copied into its bucket slot and .grad becomes that slot again.
   void zero_grad();
 
   // While disabled, backward accumulates gradients locally and communicates nothing.
