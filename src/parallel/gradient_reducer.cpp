@@ -88,6 +88,10 @@ struct GradientReducer::Impl : std::enable_shared_from_this<GradientReducer::Imp
 
   std::string where() const { return "[rank " + std::to_string(group->rank()) + "] GradientReducer"; }
 
+  // Alone in the group with the plain average there is nothing to reduce: gradients stay where
+  // autograd put them and buckets are not used (no copies, no communication).
+  bool passthrough() const { return group->size() == 1 && divisor == 1 && default_hook; }
+
   void check_parameters() {
     if (params.empty()) throw InvalidArgumentError(where() + ": expected at least one parameter, found none");
     for (size_t i = 0; i < params.size(); ++i) {
@@ -178,7 +182,7 @@ struct GradientReducer::Impl : std::enable_shared_from_this<GradientReducer::Imp
         // Gradients present are carried over; absent ones stay absent (an optimizer skips a
         // parameter without gradient, and must keep doing so for one no rank has used yet).
         at::Tensor& grad = params[i].mutable_grad();
-        if (grad.defined()) {
+        if (grad.defined() && !passthrough()) {
           slot.view.copy_(grad);
           if (options.gradient_as_bucket_view) grad = slot.view;
         }
@@ -232,7 +236,7 @@ struct GradientReducer::Impl : std::enable_shared_from_this<GradientReducer::Imp
                                  " received its gradient twice in one backward pass (a second backward before the "
                                  "first finished, or a parameter used in two graphs)");
     slot.ready = true;
-    place_gradient(i);
+    if (!passthrough()) place_gradient(i);
     if (!iteration_sync) return;
     if (options.rebuild_buckets && !rebuilt) ready_order.push_back(i);
     Bucket& bucket = buckets[slot.bucket];
@@ -257,9 +261,7 @@ struct GradientReducer::Impl : std::enable_shared_from_this<GradientReducer::Imp
       Bucket& bucket = buckets[next_to_issue];
       GradBucket handed{next_to_issue, bucket.buffer, bucket.members, group.get(), divisor};
       bucket.issued_at = trace::now();
-      // Alone in the group, averaging is the identity: nothing to send or wait for.
-      const bool nothing_to_do = group->size() == 1 && divisor == 1 && default_hook;
-      bucket.reduction = nothing_to_do ? PendingReduction{} : hook(handed);
+      bucket.reduction = passthrough() ? PendingReduction{} : hook(handed);
       bucket.issued = true;
       if (during_backward) ++issued_during_backward;
       ++next_to_issue;
@@ -320,6 +322,7 @@ struct GradientReducer::Impl : std::enable_shared_from_this<GradientReducer::Imp
         ++unused;
         continue;
       }
+      if (passthrough()) continue;
       if (options.gradient_as_bucket_view) {
         if (!grad.is_same(slots[i].view)) grad = slots[i].view;
       } else if (grad.defined()) {
