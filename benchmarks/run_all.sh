@@ -25,7 +25,7 @@ PYTHON=${PYTHON:-python3}
 if [[ " $BENCHMARKS " == *" allreduce "* ]]; then
   # Ranks pinned to cores when there are enough (2 here): floating ranks and progress threads
   # land on the same core in some runs and not others, which alone moves 1 MB results by 30%.
-  cores=$(nproc)
+  cores=$(getconf _NPROCESSORS_ONLN)  # not nproc: it follows OMP_NUM_THREADS=1
   for np in 2 4; do
     binding="--bind-to none"
     ((np <= cores)) && binding="--bind-to core"
