@@ -23,16 +23,13 @@
 #include <vector>
 
 #include "loom/loom.h"
+#include "bench_common.h"
 
 namespace {
 
 using Clock = std::chrono::steady_clock;
 
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  const size_t n = v.size();
-  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
-}
+using loom::bench::median;
 
 // The slowest rank's time for this iteration.
 double slowest(double seconds) {
@@ -152,7 +149,7 @@ int main(int argc, char** argv) {
   }
   if (rank == 0 && !json_path.empty()) {
     nlohmann::json doc = {{"benchmark", "allreduce"}, {"ranks", n}, {"dtype", "float32"}, {"results", results}};
-    std::ofstream(json_path) << doc.dump(2) << "\n";
+    if (!loom::bench::write_json(json_path, doc, "allreduce_bench")) return 1;
   }
   MPI_Comm_free(&raw_comm);
   comm.reset();

@@ -48,6 +48,7 @@
 #include <vector>
 
 #include "loom/amp/grad_scaler.h"
+#include "bench_common.h"
 
 namespace {
 
@@ -86,11 +87,7 @@ std::vector<int64_t> small_sizes(int64_t count, uint64_t seed) {
   return sizes;
 }
 
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  const size_t n = v.size();
-  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
-}
+using loom::bench::median;
 
 // Ratios between variants are medians of paired ratios: the i-th timed passes of two variants ran
 // in the same round, a few hundred milliseconds apart, so a slow phase of the machine (other jobs on
@@ -377,12 +374,7 @@ int main(int argc, char** argv) {
                            "flat buffer of the same byte count"},
                           {"gbps_counts", "2 x gradient bytes (read + write)"},
                           {"workloads", out_workloads}};
-    std::ofstream out(c.json_path);
-    out << doc.dump(2) << "\n";
-    if (!out) {
-      std::fprintf(stderr, "amp_bench: could not write %s\n", c.json_path.c_str());
-      return 1;
-    }
+    if (!loom::bench::write_json(c.json_path, doc, "amp_bench")) return 1;
   }
   return all_correct ? 0 : 1;
 }

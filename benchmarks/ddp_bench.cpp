@@ -35,6 +35,7 @@
 
 #include "loom/loom.h"
 #include "loom/parallel/data_parallel.h"
+#include "bench_common.h"
 
 namespace {
 
@@ -54,11 +55,7 @@ struct Config {
   std::string json_path;
 };
 
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  const size_t n = v.size();
-  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
-}
+using loom::bench::median;
 
 // Linear+ReLU x layers, then a Linear to the classes; the same weights for every call with a seed.
 torch::nn::Sequential make_mlp(const Config& c) {
@@ -220,12 +217,7 @@ int benchmark(const Config& c, const std::shared_ptr<loom::Communicator>& comm) 
          {{"buckets", stats.buckets}, {"issued_during_backward", stats.last_buckets_issued_during_backward}}},
         {"correct", correct},
         {"max_parameter_difference", max_diff}};
-    std::ofstream out(c.json_path);
-    out << doc.dump(2) << "\n";
-    if (!out) {
-      std::fprintf(stderr, "ddp_bench: could not write %s\n", c.json_path.c_str());
-      return 1;
-    }
+    if (!loom::bench::write_json(c.json_path, doc, "ddp_bench")) return 1;
   }
   return correct ? 0 : 1;
 }

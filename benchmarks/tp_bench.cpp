@@ -24,6 +24,7 @@
 
 #include "loom/loom.h"
 #include "loom/parallel/tensor_parallel.h"
+#include "bench_common.h"
 
 namespace {
 
@@ -40,11 +41,7 @@ struct Config {
   std::string json_path;
 };
 
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  const size_t n = v.size();
-  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
-}
+using loom::bench::median;
 
 int benchmark(Config c, const std::shared_ptr<loom::Communicator>& world) {
   if (c.tp == 0) c.tp = world->size();
@@ -154,12 +151,7 @@ int benchmark(Config c, const std::shared_ptr<loom::Communicator>& world) {
           {"reduce_scatter", stats.reduce_scatter_calls}}},
         {"correct", correct},
         {"max_output_difference", max_diff}};
-    std::ofstream out(c.json_path);
-    out << doc.dump(2) << "\n";
-    if (!out) {
-      std::fprintf(stderr, "tp_bench: could not write %s\n", c.json_path.c_str());
-      return 1;
-    }
+    if (!loom::bench::write_json(c.json_path, doc, "tp_bench")) return 1;
   }
   return correct ? 0 : 1;
 }
