@@ -82,7 +82,10 @@ struct GradientReducer::Impl : std::enable_shared_from_this<GradientReducer::Imp
   bool rebuilt = false;
   std::optional<std::vector<uint8_t>> static_used;  // static graph: agreed once
   ReducerStats stats;
-  std::vector<c10::intrusive_ptr<torch::autograd::Node>> accumulators;
+  // shared_ptr in LibTorch up to 2.8, intrusive_ptr later: take whatever grad_accumulator returns.
+  using AccumulatorPtr =
+      decltype(torch::autograd::impl::grad_accumulator(std::declval<const torch::autograd::Variable&>()));
+  std::vector<AccumulatorPtr> accumulators;
   std::vector<uintptr_t> hook_keys;
   mutable std::mutex mutex;
 
