@@ -2,7 +2,9 @@
 
 #include <mutex>
 
+#include "core/env.h"
 #include "loom/comm/mpi.h"
+#include "loom/comm/nccl.h"
 #include "loom/error.h"
 #include "loom/log.h"
 #include "loom/trace.h"
@@ -52,6 +54,14 @@ std::shared_ptr<Runtime> init(const InitOptions& options) {
   log::set_rank(runtime->world_.rank, runtime->world_.size);
   trace::set_rank(runtime->world_.rank);
   runtime->world_comm_ = mpi::world_communicator(options.comm);
+  // The device communicator: every rank decides alike (same setting, and GPUs present or not).
+  const std::string nccl_mode = env::choice("LOOM_NCCL", {"auto", "on", "off"});
+  if (nccl_mode == "on" && !nccl::device_available())
+    throw ConfigError("[rank " + std::to_string(runtime->world_.rank) + "] init: LOOM_NCCL=on but " +
+                      (nccl::compiled() ? "no CUDA device is visible" : "torchloom was built without NCCL"));
+  if (nccl_mode == "on" || (nccl_mode == "auto" && nccl::device_available()))
+    runtime->device_comm_ =
+        nccl::make_communicator(runtime->world_comm_, runtime->world_.local_rank, "world-gpu", options.comm);
   LOOM_LOG(info, "initialized: rank " << runtime->world_.rank << "/" << runtime->world_.size << " local "
                                       << runtime->world_.local_rank << "/" << runtime->world_.local_size << " node "
                                       << runtime->world_.node_index << " (" << runtime->world_.hostname
@@ -64,6 +74,7 @@ void finalize() {
   std::lock_guard<std::mutex> lock(g_mutex);
   trace::flush();
   if (g_runtime) {
+    g_runtime->device_comm_.reset();  // NCCL before MPI: its teardown may still use the bootstrap
     g_runtime->world_comm_.reset();
     g_runtime.reset();
   }

@@ -5,6 +5,7 @@
 //     auto rt = loom::init();
 //     const loom::World& w = rt->world();          // rank, size, local rank, node, hostname
 //     auto comm = rt->world_comm();                 // CPU tensors (MPI)
+//     auto gpu = rt->device_comm();                 // CUDA tensors (NCCL), where a GPU is visible
 //     ...
 //     loom::finalize();
 //   }
@@ -30,12 +31,16 @@ class Runtime {
   const World& world() const { return world_; }
   // Every process of the job, for CPU tensors (MPI).
   const std::shared_ptr<Communicator>& world_comm() const { return world_comm_; }
+  // Every process of the job, for CUDA tensors (NCCL) on device local_rank; nullptr when
+  // LOOM_NCCL=off, or =auto (the default) without a visible GPU.
+  const std::shared_ptr<Communicator>& device_comm() const { return device_comm_; }
 
  private:
   friend std::shared_ptr<Runtime> init(const InitOptions& options);
   friend void finalize();
   World world_;
   std::shared_ptr<Communicator> world_comm_;
+  std::shared_ptr<Communicator> device_comm_;
 };
 
 // Idempotent: later calls return the same runtime.

@@ -24,7 +24,9 @@ const std::vector<Variable>& all_variables() {
       {"LOOM_TIMELINE", "",
        "Path prefix of a Chrome-trace timeline (bucket ready / issued / completed); each rank writes "
        "<path>.rank<r>.json at loom::finalize(). Unset: no timeline."},
-      {"LOOM_NCCL", "auto", "Device communicator for CUDA tensors: auto (when a GPU is present), on, off."},
+      {"LOOM_NCCL", "auto",
+       "The device communicator loom::init() builds (NCCL over all ranks, device = local rank): auto (when a "
+       "GPU is visible), on (required), off."},
   };
   return table;
 }

@@ -35,6 +35,11 @@ SCENARIOS = {
             ["collective mismatch: this rank called broadcast(seq=0, dtype=Double, numel=12, root=0) "
              "but rank 0 called all_reduce(seq=0, dtype=Float, numel=24, op=sum)"]),
     }),
+    # A device communicator demanded where there is no GPU: a clear error on every rank at init.
+    "nccl_on_without_gpu": (2, {"LOOM_NCCL": "on"}, True, {
+        0: ("ConfigError", 0.0, 5.0, ["[rank 0] init: LOOM_NCCL=on but"]),
+        1: ("ConfigError", 0.0, 5.0, ["[rank 1] init: LOOM_NCCL=on but"]),
+    }),
     # A killed rank: Open MPI's runtime ends the others; no rank may be left waiting.
     "sigkill_rank": (2, {"LOOM_ON_ERROR": "abort", "LOOM_ABORT_GRACE": "0.5"}, False, {}),
     # A stopped rank never answers: the others time out, report it, and end the job.

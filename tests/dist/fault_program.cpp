@@ -6,6 +6,7 @@
 
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <string>
 #include <thread>
 
@@ -48,6 +49,20 @@ int main(int argc, char** argv) {
     return 2;
   }
   const std::string scenario = argv[1];
+  if (scenario == "nccl_on_without_gpu") {
+    // LOOM_NCCL=on where no GPU is visible: init() refuses with a ConfigError on every rank.
+    auto start = Clock::now();
+    try {
+      loom::init();
+      report(-1, "none", start, "");
+    } catch (const loom::ConfigError& e) {
+      const std::string what = e.what();
+      const int rank = std::atoi(what.substr(what.find("[rank ") + 6).c_str());
+      report(rank, "ConfigError", start, what);
+    }
+    loom::finalize();
+    return 0;
+  }
   auto rt = loom::init();
   auto comm = rt->world_comm();
   const int rank = comm->rank();

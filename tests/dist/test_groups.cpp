@@ -2,6 +2,7 @@
 #include <gtest/gtest.h>
 
 #include "loom/comm/groups.h"
+#include "loom/comm/nccl.h"
 #include "test_util.h"
 
 using namespace loom;
@@ -87,4 +88,13 @@ TEST(Groups, WrongDegreeOrOrderIsAnError) {
   }
   std::vector<int> not_a_permutation(n, 0);
   if (n > 1) EXPECT_THROW(make_parallel_groups(*comm, 1, not_a_permutation), InvalidArgumentError);
+}
+
+TEST(Runtime, NoDeviceCommunicatorWithoutAGpu) {
+  // LOOM_NCCL=auto (the default): where no GPU is visible, init() builds none.
+  auto rt = loom::init();
+  if (loom::nccl::device_available()) GTEST_SKIP() << "a GPU is visible";
+  EXPECT_EQ(rt->device_comm(), nullptr);
+  EXPECT_EQ(rt->world().size, rt->world_comm()->size());
+  EXPECT_EQ(rt->world().rank, rt->world_comm()->rank());
 }

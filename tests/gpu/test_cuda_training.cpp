@@ -136,6 +136,17 @@ TEST_F(CudaTraining, GradScalerWithFloat16AutocastSkipsOnOverflowAndLearns) {
   EXPECT_LT(last, 0.5 * first) << "float16 training with the scaler did not learn";
 }
 
+TEST_F(CudaTraining, InitBuildsTheDeviceCommunicator) {
+  // LOOM_NCCL=auto (the default) with a GPU visible: loom::init() made one over every rank.
+  auto gpu = g_runtime->device_comm();
+  ASSERT_NE(gpu, nullptr);
+  EXPECT_STREQ(gpu->backend(), "nccl");
+  EXPECT_EQ(gpu->size(), g_runtime->world().size);
+  at::Tensor t = at::ones({4}, device_);
+  gpu->all_reduce(t)->wait();
+  EXPECT_TRUE(at::all(t.eq(gpu->size())).item<bool>());
+}
+
 TEST_F(CudaTraining, TensorParallelLayersOverNcclMatchThePlainLayers) {
   // The NCCL group carries the region operations on the device (a group of one here; at N
   // ranks with one GPU each, the same code splits the weights N ways).
