@@ -1,5 +1,7 @@
 #include "loom/runtime.h"
 
+#include <ATen/ops/full.h>
+
 #include <mutex>
 
 #include "core/env.h"
@@ -59,7 +61,16 @@ std::shared_ptr<Runtime> init(const InitOptions& options) {
   if (nccl_mode == "on" && !nccl::device_available())
     throw ConfigError("[rank " + std::to_string(runtime->world_.rank) + "] init: LOOM_NCCL=on but " +
                       (nccl::compiled() ? "no CUDA device is visible" : "torchloom was built without NCCL"));
-  if (nccl_mode == "on" || (nccl_mode == "auto" && nccl::device_available()))
+  bool build_device_comm = nccl_mode == "on";
+  if (nccl_mode == "auto") {
+    // One GPU per rank on its node, on every rank, or no device communicator at all: making one
+    // is collective, so the ranks agree first (a node with fewer GPUs than ranks opts all out).
+    const bool fits = nccl::device_available() && runtime->world_.local_rank < nccl::device_count();
+    at::Tensor all_fit = at::full({1}, fits ? 1 : 0, at::kInt);
+    runtime->world_comm_->all_reduce(all_fit, {ReduceOp::Min})->wait();
+    build_device_comm = all_fit.item<int>() == 1;
+  }
+  if (build_device_comm)
     runtime->device_comm_ =
         nccl::make_communicator(runtime->world_comm_, runtime->world_.local_rank, "world-gpu", options.comm);
   LOOM_LOG(info, "initialized: rank " << runtime->world_.rank << "/" << runtime->world_.size << " local "

@@ -32,7 +32,7 @@ class Runtime {
   // Every process of the job, for CPU tensors (MPI).
   const std::shared_ptr<Communicator>& world_comm() const { return world_comm_; }
   // Every process of the job, for CUDA tensors (NCCL) on device local_rank; nullptr when
-  // LOOM_NCCL=off, or =auto (the default) without a visible GPU.
+  // LOOM_NCCL=off, or =auto (the default) unless every rank has a GPU of its own.
   const std::shared_ptr<Communicator>& device_comm() const { return device_comm_; }
 
  private:

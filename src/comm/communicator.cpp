@@ -205,6 +205,7 @@ WorkPtr Communicator::enqueue_checked(detail::Op& op) {
                                std::to_string(op.info.timeout.count()) + " ms");
   // Validation comes before numbering: a rejected call must not shift this rank's sequence.
   detail::validate(op, device_type());
+  check_device(op);
   if (is_broken()) {
     std::lock_guard<std::mutex> lock(broken_mutex_);
     throw CommError("[rank " + std::to_string(world_rank_) + "] " + to_string(op.info.type) + " group=" + name_ +

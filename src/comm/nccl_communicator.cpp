@@ -73,7 +73,13 @@ int select_device_nothrow(c10::DeviceIndex device) {
 }
 
 void restore_device_nothrow(int previous) {
-  if (previous >= 0) cudaSetDevice(previous);
+  // MaybeSetDevice does not create a context on a device that has none (cudaSetDevice would,
+  // since CUDA 12: a watchdog thread would otherwise leave one on GPU 0 in every rank).
+  if (previous < 0) return;
+  try {
+    (void)c10::cuda::MaybeSetDevice(static_cast<c10::DeviceIndex>(previous));
+  } catch (...) {
+  }
 }
 
 ncclDataType_t nccl_type(c10::ScalarType type) {
@@ -153,9 +159,13 @@ class CudaEvent {
   }
   // cudaSuccess (done), cudaErrorNotReady, or the error the device hit.
   cudaError_t query() const {
+    // Queried from the watchdog thread too: on the event's own device, so no context is created
+    // on the thread's default device.
+    const int previous = select_device_nothrow(device_);
     cudaError_t result = cudaEventQuery(event_);
     // "Not ready" is no error; clear it so it does not surface in an unrelated later check.
     if (result == cudaErrorNotReady) (void)cudaGetLastError();
+    restore_device_nothrow(previous);
     return result;
   }
 
@@ -365,7 +375,14 @@ class NcclCommunicator final : public Communicator {
                                                   const CommunicatorOptions& options) {
     std::shared_ptr<NcclCommunicator> self;
     try {
-      self.reset(new NcclCommunicator(comm, rank, size, world_rank, device, name, options));
+      // The destructor waits for operations and calls ncclCommDestroy/Abort: never on the
+      // watchdog thread, whichever reference happens to be the last.
+      self.reset(new NcclCommunicator(comm, rank, size, world_rank, device, name, options), [](NcclCommunicator* p) {
+        if (detail::Watchdog::instance().on_watchdog_thread())
+          std::thread([p] { delete p; }).detach();
+        else
+          delete p;
+      });
     } catch (...) {
       ncclCommAbort(comm);  // local: the other ranks fail the same way (same options, same environment)
       throw;
@@ -410,13 +427,19 @@ class NcclCommunicator final : public Communicator {
   c10::DeviceType device_type() const override { return c10::DeviceType::CUDA; }
 
  protected:
-  WorkPtr launch(detail::Op& op) override {
-    const OpInfo& info = op.info;
+  // Before numbering (see Communicator::check_device): a tensor on another GPU is bad input.
+  void check_device(const detail::Op& op) const override {
     for (const auto* list : {&op.inputs, &op.outputs})
       for (const auto& t : *list)
         if (t.device().index() != device_)
-          throw InvalidArgumentError(info.describe() + ": expected tensors on cuda:" + std::to_string(device_) +
+          throw InvalidArgumentError("[rank " + std::to_string(op.info.world_rank) + "] " +
+                                     loom::to_string(op.info.type) + " group=" + op.info.group +
+                                     ": expected tensors on cuda:" + std::to_string(device_) +
                                      " (this communicator's device), found one on " + t.device().str());
+  }
+
+  WorkPtr launch(detail::Op& op) override {
+    const OpInfo& info = op.info;
 
     c10::cuda::CUDAGuard guard(device_);
     const c10::cuda::CUDAStream caller = c10::cuda::getCurrentCUDAStream(device_);
@@ -668,6 +691,7 @@ class NcclCommunicator final : public Communicator {
     const std::string message = "[rank " + std::to_string(world_rank()) + "] NCCL communicator " + name() + " (rank " +
                                 std::to_string(rank()) + " of " + std::to_string(size()) +
                                 ", cuda:" + std::to_string(device_) + ") failed: NCCL error: " + detail;
+    mark_broken(message);
     state_->fail_pending(nullptr, [&](const OpInfo& info) {
       return std::make_exception_ptr(CommError(info.describe() + " failed: NCCL error: " + detail));
     });
@@ -680,8 +704,12 @@ class NcclCommunicator final : public Communicator {
     const double elapsed = std::chrono::duration<double>(Clock::now() - work->launched_at()).count();
     const std::string message = work->info().describe() + " timed out after " + seconds_text(elapsed) + " s (timeout " +
                                 seconds_text(work->info().timeout) + " s)";
-    if (!work->fail(std::make_exception_ptr(TimeoutError(message)))) return;  // completed just in time
     auto self = weak.lock();
+    if (work->is_completed()) return;  // completed just in time
+    // Broken before the waiter wakes: a caller that sees the TimeoutError must find the
+    // communicator refusing further operations.
+    if (self) self->mark_broken(message);
+    if (!work->fail(std::make_exception_ptr(TimeoutError(message)))) return;
     if (!self) {
       // Being destroyed: its destructor sees the failure and aborts the NCCL communicator.
       LOOM_LOG(error, message);
@@ -708,7 +736,7 @@ class NcclCommunicator final : public Communicator {
   // the watchdog holds the last reference, the release happens on a thread of its own. (Only the
   // watchdog thread turns the weak references into strong ones, so a count of 1 is exact.)
   static void release_off_watchdog(std::shared_ptr<NcclCommunicator> comm) {
-    if (comm && comm.use_count() == 1) std::thread([c = std::move(comm)]() mutable { c.reset(); }).detach();
+    comm.reset();  // the deleter (see create) moves a last release off the watchdog thread
   }
 
   const c10::DeviceIndex device_;
@@ -728,6 +756,10 @@ bool compiled() {
 
 bool device_available() {
   return c10::cuda::device_count() > 0;
+}
+
+int device_count() {
+  return c10::cuda::device_count();
 }
 
 std::shared_ptr<Communicator> make_communicator(std::shared_ptr<Communicator> bootstrap, int device_index,

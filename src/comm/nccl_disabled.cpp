@@ -14,6 +14,10 @@ bool device_available() {
   return false;
 }
 
+int device_count() {
+  return 0;
+}
+
 std::shared_ptr<Communicator> make_communicator(std::shared_ptr<Communicator> /*bootstrap*/, int device_index,
                                                 const std::string& name, const CommunicatorOptions& /*options*/) {
   throw InvalidArgumentError("NCCL communicator " + name + " on cuda:" + std::to_string(device_index) +

@@ -32,6 +32,7 @@ class Watchdog {
   void add_periodic(std::function<bool()> check);
 
   std::chrono::milliseconds poll_interval() const { return poll_interval_; }
+  bool on_watchdog_thread() const { return std::this_thread::get_id() == thread_.get_id(); }
   ~Watchdog();
 
  private:

@@ -112,13 +112,21 @@ struct GradientReducer::Impl : std::enable_shared_from_this<GradientReducer::Imp
     }
   }
 
+  // The reducer's own small exchanges (model check, used flags, bucket order) travel on the
+  // group's device: a device communicator accepts only tensors on its GPU.
+  at::Device control_device() const {
+    return group->device_type() == c10::DeviceType::CPU ? at::Device(at::kCPU) : params.front().device();
+  }
+
   // Every rank must hold the same parameter list: count, then each parameter's dtype and shape.
   void verify_same_model_on_all_ranks() {
     const int n = group->size();
     if (n == 1) return;
-    at::Tensor count = at::full({1}, static_cast<int64_t>(params.size()), at::kLong);
-    at::Tensor counts = at::empty({n}, at::kLong);
+    const auto on_group = at::TensorOptions().dtype(at::kLong).device(control_device());
+    at::Tensor count = at::full({1}, static_cast<int64_t>(params.size()), at::kLong).to(control_device());
+    at::Tensor counts = at::empty({n}, on_group);
     group->all_gather(counts, count)->wait();
+    counts = counts.cpu();
     for (int r = 0; r < n; ++r) {
       if (counts[r].item<int64_t>() != static_cast<int64_t>(params.size()))
         throw MismatchError(where() + ": ranks hold different models: this rank has " + std::to_string(params.size()) +
@@ -134,8 +142,9 @@ struct GradientReducer::Impl : std::enable_shared_from_this<GradientReducer::Imp
       m[i][1] = params[i].dim();
       for (int64_t d = 0; d < params[i].dim(); ++d) m[i][2 + std::min<int64_t>(d, kMaxDims - 1)] = params[i].size(d);
     }
-    at::Tensor all = at::empty({n * P, kMaxDims + 2}, at::kLong);
-    group->all_gather(all, mine)->wait();
+    at::Tensor all = at::empty({n * P, kMaxDims + 2}, on_group);
+    group->all_gather(all, mine.to(control_device()))->wait();
+    all = all.cpu();
     auto describe = [&](const at::Tensor& row) {
       std::ostringstream s;
       auto r = row.accessor<int64_t, 1>();
@@ -291,7 +300,9 @@ struct GradientReducer::Impl : std::enable_shared_from_this<GradientReducer::Imp
       } else {
         at::Tensor used = at::ones({static_cast<int64_t>(params.size())}, at::kByte);
         for (size_t i : missing) used[static_cast<int64_t>(i)] = 0;
-        group->all_reduce(used, {ReduceOp::Max})->wait();
+        at::Tensor on_group = used.to(control_device());
+        group->all_reduce(on_group, {ReduceOp::Max})->wait();
+        used = on_group.cpu();
         for (size_t i = 0; i < params.size(); ++i) globally_used[i] = used[static_cast<int64_t>(i)].item<uint8_t>();
         if (options.static_graph) static_used = globally_used;
       }
@@ -361,7 +372,11 @@ struct GradientReducer::Impl : std::enable_shared_from_this<GradientReducer::Imp
       for (auto it = missing.rbegin(); it != missing.rend(); ++it) full.push_back(*it);
       for (int64_t k = 0; k < P; ++k) order[k] = static_cast<int64_t>(full[k]);
     }
-    group->broadcast(order, {0})->wait();
+    if (group->size() > 1) {
+      at::Tensor on_group = order.to(control_device());
+      group->broadcast(on_group, {0})->wait();
+      order = on_group.cpu();
+    }
     std::vector<size_t> agreed(P);
     for (int64_t k = 0; k < P; ++k) agreed[k] = static_cast<size_t>(order[k].item<int64_t>());
     build_buckets(agreed);

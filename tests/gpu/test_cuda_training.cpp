@@ -103,7 +103,7 @@ TEST_F(CudaTraining, GradScalerWithFloat16AutocastSkipsOnOverflowAndLearns) {
   at::manual_seed(3);
   Mlp model;
   model->to(device_);
-  torch::optim::SGD opt(model->parameters(), 0.05);
+  torch::optim::SGD opt(model->parameters(), torch::optim::SGDOptions(0.05).momentum(0.9));
   loom::GradScaler scaler({.init_scale = 65536.0, .growth_interval = 50, .sync_groups = {g_gpu}});
   at::Tensor x = at::randn({256, 32}, device_);
   at::Tensor y = at::sin(x.narrow(1, 0, 8)).contiguous();

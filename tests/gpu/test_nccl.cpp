@@ -459,7 +459,7 @@ TEST_F(Nccl, RejectsADeviceIndexOutOfRange) {
 // timeout expires first: TimeoutError from the watchdog, and the communicator is broken.
 TEST_F(Nccl, TimeoutFailsTheOperationAndBreaksTheCommunicator) {
   auto timed = loom::nccl::make_communicator(g_runtime->world_comm(), device_index(), "gpu-timeout", test_options());
-  busy_current_stream(1.0);
+  busy_current_stream(3.0);  // well past the 0.2 s timeout even if the clock ramps up after calibration
   at::Tensor t = at::ones({1024}, on_gpu(at::kFloat));
   auto work = timed->all_reduce(t, {ReduceOp::Sum, std::chrono::milliseconds(200)});
   const auto start = Clock::now();

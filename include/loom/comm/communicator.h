@@ -84,6 +84,9 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
   virtual WorkPtr launch(detail::Op& op) = 0;
   virtual std::shared_ptr<Communicator> launch_split(int color, int key, const std::string& name,
                                                      const CommunicatorOptions& options) = 0;
+  // Backend-specific argument checks (e.g. the device index), run with validation before the
+  // operation is numbered; throws loom::InvalidArgumentError.
+  virtual void check_device(const detail::Op& op) const {}
 
   // Records the first fatal error; later calls to the communicator raise CommError naming it.
   void mark_broken(const std::string& reason);

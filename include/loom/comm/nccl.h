@@ -36,6 +36,8 @@ namespace loom::nccl {
 bool compiled();
 // True when the backend is compiled and at least one CUDA device is visible.
 bool device_available();
+// CUDA devices visible to this process (0 without NCCL).
+int device_count();
 
 // Collective over `bootstrap` (a CPU communicator; every rank calls it): returns a communicator
 // with the same ranks on CUDA device `device_index` of this process. Throws
