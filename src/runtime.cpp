@@ -56,19 +56,23 @@ std::shared_ptr<Runtime> init(const InitOptions& options) {
   log::set_rank(runtime->world_.rank, runtime->world_.size);
   trace::set_rank(runtime->world_.rank);
   runtime->world_comm_ = mpi::world_communicator(options.comm);
-  // The device communicator: every rank decides alike (same setting, and GPUs present or not).
+  // The device communicator. Making one is collective, so the ranks agree first whether every
+  // rank has a GPU of its own (local rank < visible GPUs): with LOOM_NCCL=auto a node short of
+  // GPUs opts everyone out; with =on every rank raises the same error instead of some waiting.
   const std::string nccl_mode = env::choice("LOOM_NCCL", {"auto", "on", "off"});
-  if (nccl_mode == "on" && !nccl::device_available())
-    throw ConfigError("[rank " + std::to_string(runtime->world_.rank) + "] init: LOOM_NCCL=on but " +
-                      (nccl::compiled() ? "no CUDA device is visible" : "torchloom was built without NCCL"));
-  bool build_device_comm = nccl_mode == "on";
-  if (nccl_mode == "auto") {
-    // One GPU per rank on its node, on every rank, or no device communicator at all: making one
-    // is collective, so the ranks agree first (a node with fewer GPUs than ranks opts all out).
+  bool build_device_comm = false;
+  if (nccl_mode != "off") {
     const bool fits = nccl::device_available() && runtime->world_.local_rank < nccl::device_count();
     at::Tensor all_fit = at::full({1}, fits ? 1 : 0, at::kInt);
     runtime->world_comm_->all_reduce(all_fit, {ReduceOp::Min})->wait();
     build_device_comm = all_fit.item<int>() == 1;
+    if (nccl_mode == "on" && !build_device_comm)
+      throw ConfigError("[rank " + std::to_string(runtime->world_.rank) + "] init: LOOM_NCCL=on but " +
+                        (!nccl::compiled() ? std::string("torchloom was built without NCCL")
+                         : fits ? std::string("another rank has no CUDA device of its own")
+                                : "this rank (local rank " + std::to_string(runtime->world_.local_rank) +
+                                      ") has no CUDA device of its own: " + std::to_string(nccl::device_count()) +
+                                      " visible"));
   }
   if (build_device_comm)
     runtime->device_comm_ =

@@ -47,6 +47,10 @@ void GradScaler::lazy_init(const at::Device& device) {
 }
 
 at::Tensor GradScaler::scale(const at::Tensor& output) {
+  if (!output.defined()) throw InvalidArgumentError(where("scale") + ": expected a defined tensor (the loss), found none");
+  if (!output.is_floating_point())
+    throw InvalidArgumentError(where("scale") + ": expected a floating-point loss, found " +
+                               c10::toString(output.scalar_type()));
   if (!options_.enabled) return output;
   lazy_init(output.device());
   return output * scale_.to(output.device(), /*non_blocking=*/true);

@@ -303,6 +303,7 @@ struct GradientReducer::Impl : std::enable_shared_from_this<GradientReducer::Imp
         at::Tensor on_group = used.to(control_device());
         group->all_reduce(on_group, {ReduceOp::Max})->wait();
         used = on_group.cpu();
+        ++stats.used_set_agreements;
         for (size_t i = 0; i < params.size(); ++i) globally_used[i] = used[static_cast<int64_t>(i)].item<uint8_t>();
         if (options.static_graph) static_used = globally_used;
       }

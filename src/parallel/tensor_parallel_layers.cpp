@@ -180,6 +180,15 @@ at::Tensor VocabParallelEmbeddingImpl::forward(const at::Tensor& ids) {
   if (!at::isIntegralType(ids.scalar_type(), /*includeBool=*/false))
     throw InvalidArgumentError(detail::tp_where(group, "VocabParallelEmbedding") +
                                ": expected integer token ids; found dtype " + std::string(c10::toString(ids.scalar_type())));
+  // Every rank sees the same ids, so every rank raises together: an id out of range would
+  // otherwise be zeroed silently at TP > 1 (no rank owns it).
+  if (ids.numel() > 0) {
+    const int64_t low = ids.min().item<int64_t>(), high = ids.max().item<int64_t>();
+    if (low < 0 || high >= num_embeddings)
+      throw InvalidArgumentError(detail::tp_where(group, "VocabParallelEmbedding") + ": expected token ids in [0, " +
+                                 std::to_string(num_embeddings) + "); found min " + std::to_string(low) + ", max " +
+                                 std::to_string(high));
+  }
   if (detail::tp_size(group) == 1) return at::embedding(weight, ids);
   // Ids owned by another rank look up row 0 here and are zeroed: the all-reduce then adds exactly
   // one non-zero row (the owner's) per id.

@@ -9,10 +9,11 @@
 #include <ATen/ops/layer_norm.h>
 #include <ATen/ops/matmul.h>
 #include <ATen/ops/ones.h>
-#include <ATen/ops/softmax.h>
+#include <ATen/ops/scaled_dot_product_attention.h>
 #include <ATen/ops/zeros.h>
 
 #include <cmath>
+#include <optional>
 #include <limits>
 
 #include "loom/parallel/tensor_parallel.h"
@@ -58,6 +59,11 @@ at::Tensor ParallelTransformerBlockImpl::forward(const at::Tensor& x) {
                                c10::str(x.sizes()));
   const bool sp = options.sequence_parallel;
   RngTracker& rng = options.rng ? *options.rng : rng_tracker();
+  const bool dropout = is_training() && (options.hidden_dropout > 0 || options.attention_dropout > 0);
+  if (dropout && rng.device().type() != x.device().type())
+    throw InvalidArgumentError(where + ": dropout on " + x.device().str() + " activations needs an RngTracker for " +
+                               c10::DeviceTypeName(x.device().type(), true) + ", found one for " + rng.device().str() +
+                               " (its streams would not reach the " + x.device().str() + " generator)");
 
   auto layer_norm = [&](const at::Tensor& in, const at::Tensor& w, const at::Tensor& b) {
     // Under sequence parallelism each rank normalises its own rows, so the weights' gradients are
@@ -82,18 +88,16 @@ at::Tensor ParallelTransformerBlockImpl::forward(const at::Tensor& x) {
   at::Tensor q = parts[0].permute({1, 2, 0, 3});  // [b, heads, s, d]
   at::Tensor k = parts[1].permute({1, 2, 0, 3});
   at::Tensor v = parts[2].permute({1, 2, 0, 3});
-  at::Tensor scores = at::matmul(q, k.transpose(-2, -1)) * (1.0 / std::sqrt(static_cast<double>(d)));
-  if (options.causal) {
-    at::Tensor future = at::ones({s, s}, x.options().dtype(at::kBool)).triu(1);
-    scores = scores.masked_fill(future, -std::numeric_limits<double>::infinity());
+  // LibTorch's fused attention (flash / memory-efficient kernels on GPU). Its dropout draws from
+  // the default generator: forked to the model-parallel stream, since each rank holds other heads.
+  const double attention_p = is_training() ? options.attention_dropout : 0.0;
+  at::Tensor attended;
+  {
+    std::optional<RngTracker::ForkGuard> guard;
+    if (attention_p > 0) guard.emplace(rng.fork(kModelParallelRngStream));
+    attended = at::scaled_dot_product_attention(q, k, v, /*attn_mask=*/{}, attention_p, options.causal);
   }
-  at::Tensor probs = at::softmax(scores, -1);
-  if (options.attention_dropout > 0 && is_training()) {
-    // Each rank holds different heads: their masks must differ (model-parallel stream).
-    auto guard = rng.fork(kModelParallelRngStream);
-    probs = at::dropout(probs, options.attention_dropout, true);
-  }
-  at::Tensor context = at::matmul(probs, v).permute({2, 0, 1, 3}).reshape({s, b, heads_per_rank * d});
+  at::Tensor context = attended.permute({2, 0, 1, 3}).reshape({s, b, heads_per_rank * d});
   at::Tensor out = x + hidden_dropout(proj(context));
 
   at::Tensor mlp = fc2(at::gelu(fc1(layer_norm(out, ln2_weight, ln2_bias))));

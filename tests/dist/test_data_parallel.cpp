@@ -266,6 +266,8 @@ void train_branchy_and_compare(ReducerOptions options, int steps) {
     ref_opt.step();
   }
   expect_same_weights(ddp.module(), reference, 1e-4, 1e-5);
+  // The used set is agreed every iteration, or once with a static graph.
+  EXPECT_EQ(ddp.reducer().stats().used_set_agreements, options.static_graph ? 1u : static_cast<uint64_t>(steps));
   // Last step: `never` is unused everywhere; at one rank `extra` (weight, bias) too when the rank
   // skipped it.
   const bool last_skipped_extra = (0 + steps - 1) % 2 == 1;

@@ -71,8 +71,10 @@ TEST(TensorParallelRegions, ScatterGatherReduceAndTheirGradients) {
     // gather(scatter(x)) is x, and its gradient is the identity.
     at::Tensor y = tp::gather_from_region(tp::scatter_to_region(x, group), group);
     EXPECT_CLOSE(y, x, "gather(scatter(x))");
-    y.sum().backward();
-    EXPECT_CLOSE(x.grad(), at::ones_like(x), "gradient of gather(scatter(x))");
+    // A random upstream gradient: a wrong chunk or order in either backward shows.
+    at::Tensor g = randn_seeded({3, 8}, 11);
+    (y * g).sum().backward();
+    EXPECT_CLOSE(x.grad(), g, "gradient of gather(scatter(x))");
     // reduce_from_region sums the ranks' tensors; its gradient is passed through unchanged.
     at::Tensor mine = at::full({4}, double(ps.tp_rank() + 1)).requires_grad_();
     at::Tensor sum = tp::reduce_from_region(mine, group);
@@ -87,9 +89,22 @@ TEST(TensorParallelRegions, ScatterGatherReduceAndTheirGradients) {
     at::Tensor s = randn_seeded({8, 2, 3}, 2).requires_grad_();
     at::Tensor rows = tp::scatter_to_sequence_region(s, group);
     EXPECT_CLOSE(rows, s.narrow(0, ps.tp_rank() * 8 / tp, 8 / tp), "scatter_to_sequence_region");
-    EXPECT_CLOSE(tp::gather_from_sequence_region(rows, group, false), s, "gather_from_sequence_region");
-    at::Tensor rs = tp::reduce_scatter_to_sequence_region(s, group);
-    EXPECT_CLOSE(rs, s.narrow(0, ps.tp_rank() * 8 / tp, 8 / tp) * tp, "reduce_scatter_to_sequence_region");
+    at::Tensor gathered = tp::gather_from_sequence_region(rows, group, false);
+    EXPECT_CLOSE(gathered, s, "gather_from_sequence_region");
+    // Backward through both: gather's split path takes this rank's rows of g, scatter's
+    // all-gather puts them back together.
+    at::Tensor gs = randn_seeded({8, 2, 3}, 12);
+    (gathered * gs).sum().backward();
+    EXPECT_CLOSE(s.grad(), gs, "gradient of gather_from_sequence_region(scatter_to_sequence_region(s))");
+    at::Tensor r = randn_seeded({8, 2, 3}, 2).requires_grad_();
+    at::Tensor rs = tp::reduce_scatter_to_sequence_region(r, group);
+    EXPECT_CLOSE(rs, r.narrow(0, ps.tp_rank() * 8 / tp, 8 / tp) * tp, "reduce_scatter_to_sequence_region");
+    // Its backward all-gathers the shards' gradients: rank q's rows get q's upstream gradient.
+    at::Tensor gr = randn_seeded({8 / tp, 2, 3}, 20 + ps.tp_rank());
+    (rs * gr).sum().backward();
+    std::vector<at::Tensor> expected_rows;
+    for (int q = 0; q < tp; ++q) expected_rows.push_back(randn_seeded({8 / tp, 2, 3}, 20 + q));
+    EXPECT_CLOSE(r.grad(), at::cat(expected_rows, 0), "gradient of reduce_scatter_to_sequence_region");
   }
 }
 
@@ -631,6 +646,11 @@ TEST(TensorParallelState, DivisibilityErrorsNameRankExpectedAndFound) {
                    who + "RowParallelLinear: in_features must be a positive multiple");
     expect_invalid([&] { VocabParallelEmbedding(tp * 3 + 1, 4, group); },
                    who + "VocabParallelEmbedding: num_embeddings (vocabulary size) must be a positive multiple");
+    // A token id no rank owns is an error on every rank, not a silent zero vector.
+    VocabParallelEmbedding emb(tp * 3, 4, group);
+    expect_invalid([&] { emb(at::tensor({0, tp * 3}, at::kLong)); },
+                   who + "VocabParallelEmbedding: expected token ids in [0, " + std::to_string(tp * 3) +
+                       "); found min 0, max " + std::to_string(tp * 3));
     ParallelTransformerBlockOptions o;
     o.num_heads = tp + 1;  // never a multiple of tp > 1
     o.hidden_size = 4 * o.num_heads;

@@ -128,6 +128,10 @@ TEST(GradScaler, MisuseIsAClearError) {
   EXPECT_NE(error_of([&] { scaler.unscale_(opt); }).find("unscale_() is being called after step()"),
             std::string::npos);
   scaler.update();
+  EXPECT_NE(error_of([&] { scaler.scale(at::Tensor()); }).find("expected a defined tensor (the loss)"),
+            std::string::npos);
+  EXPECT_NE(error_of([&] { scaler.scale(at::ones({1}, at::kLong)); }).find("expected a floating-point loss, found Long"),
+            std::string::npos);
   EXPECT_NE(error_of([&] { loom::GradScaler({.growth_factor = 0.9}); }).find("growth_factor must be > 1.0"),
             std::string::npos);
 }

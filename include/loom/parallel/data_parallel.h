@@ -96,6 +96,7 @@ struct ReducerStats {
   size_t buckets = 0;
   size_t last_buckets_issued_during_backward = 0;  // issued from a hook, before backward ended
   size_t last_unused_parameters = 0;                // globally unused, last iteration
+  uint64_t used_set_agreements = 0;                 // all-reduces of the used-parameter flags
   bool buckets_rebuilt = false;
 };
 

@@ -158,7 +158,9 @@ struct VocabParallelEmbeddingOptions {
 };
 
 // An embedding table split by rows (vocabulary): rank r holds ids [vocab_start, vocab_end). Ids
-// outside the range look up row 0 and are zeroed, then the partial embeddings are all-reduced.
+// outside this rank's range look up row 0 and are zeroed, then the partial embeddings are
+// all-reduced (reduce-scattered along dim 0 under sequence parallelism). Ids outside
+// [0, num_embeddings) are an InvalidArgumentError on every rank.
 class VocabParallelEmbeddingImpl : public torch::nn::Module {
  public:
   VocabParallelEmbeddingImpl(int64_t num_embeddings, int64_t embedding_dim, TensorParallelGroup group,
@@ -189,8 +191,8 @@ struct VocabParallelCrossEntropyOptions {
 // this rank's classes [tp_rank*V/t, (tp_rank+1)*V/t), target [...] the global class ids. Equals
 // torch::nn::functional::cross_entropy on the gathered logits (same ignore_index, label
 // smoothing and reductions; Mean divides by the number of non-ignored targets), without ever
-// forming the full logits: one all-reduce of the row maxima and one of [sum exp, target logit,
-// sum of logits] per row. The result is replicated on every rank of the group; its gradient
+// forming the full logits: one all-reduce of the row maxima and one of [sum exp, target logit]
+// per row (plus the sum of logits when label_smoothing > 0). The result is replicated on every rank of the group; its gradient
 // needs no communication. Computed in float32 (or float64) whatever the logits' dtype.
 at::Tensor vocab_parallel_cross_entropy(const at::Tensor& logits, const at::Tensor& target,
                                         const TensorParallelGroup& group,
@@ -240,8 +242,9 @@ class RngTracker {
   // loom::InvalidArgumentError when the stream does not exist. Forks do not nest for one stream.
   [[nodiscard]] ForkGuard fork(const std::string& name = kModelParallelRngStream);
 
-  // Copies of every stream's generator state (uint8 tensors, as at::Generator::get_state) and
-  // their seeds, for checkpoints; set_states replaces the streams with the given ones.
+  // Copies of every stream's generator state (uint8 tensors, as at::Generator::get_state), for
+  // checkpoints; set_states replaces the streams with the given ones (and forgets their seeds,
+  // so the duplicate-seed check does not cover restored streams).
   std::map<std::string, at::Tensor> get_states() const;
   void set_states(const std::map<std::string, at::Tensor>& states);
   c10::Device device() const { return device_; }
@@ -281,7 +284,7 @@ struct ParallelConfig {
 // The TP and DP groups of this process, built from the world communicator (a collective: every
 // rank constructs it with the same configuration). Wrong divisibility is a
 // loom::InvalidArgumentError raised on every rank before any communication, e.g.
-//   [rank 3] ParallelState: hidden size must be divisible by the tensor-parallel degree 4; found 10 (10 % 4 = 2)
+//   [rank 3] ParallelState: hidden size must be a positive multiple of the tensor-parallel degree 4; found 10 (10 % 4 = 2)
 class ParallelState {
  public:
   ParallelState(std::shared_ptr<Communicator> world, const ParallelConfig& config);
@@ -320,7 +323,8 @@ struct ParallelTransformerBlockOptions {
   int64_t num_heads = 0;
   int64_t ffn_hidden_size = 0;     // 0: 4 * hidden_size
   double attention_dropout = 0.0;  // on the attention probabilities, per TP rank's heads
-  double hidden_dropout = 0.0;     // after the attention and MLP outputs, replicated
+  double hidden_dropout = 0.0;     // after the attention and MLP outputs: the default stream (same mask on
+                                   // every TP rank), or the model-parallel one under sequence parallelism
   bool causal = true;
   double layernorm_eps = 1e-5;
   // Activations are [s/t, b, h] shards of the sequence between the tensor-parallel regions.
