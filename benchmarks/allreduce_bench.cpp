@@ -5,9 +5,12 @@
 // the slowest rank's). The two are interleaved iteration by iteration so that machine noise
 // hits both alike; results are checked after every iteration.
 //
-// Two ways through loom are timed: "loom" is submit-then-wait (the waiting thread runs the
+// Three ways through loom are timed: "loom" is submit-then-wait (the waiting thread runs the
 // operation itself when it is next in line), "loom async" is submit, then poll is_completed()
-// while the communicator's progress thread runs it (the path that overlaps with computation).
+// while the communicator's progress thread runs it (the path that overlaps with computation),
+// and "unchecked" is "loom" on a communicator without the always-on fingerprint check (the
+// 32-byte agreement before collectives of LOOM_SIZE_CHECK_BYTES and more, and every
+// LOOM_FINGERPRINT_INTERVAL-th one): "check cost" is the checked time over the unchecked one.
 //
 //   mpirun -np 2 build/benchmarks/allreduce_bench --json allreduce_np2.json
 #include <ATen/ATen.h>
@@ -69,6 +72,10 @@ int main(int argc, char** argv) {
 
   auto rt = loom::init();
   auto comm = rt->world_comm();
+  loom::CommunicatorOptions no_check;
+  no_check.size_check_bytes = int64_t{1} << 62;
+  no_check.fingerprint_interval = 0;
+  auto unchecked = loom::mpi::world_communicator(no_check);
   const int n = comm->size();
   const int rank = comm->rank();
   MPI_Comm raw_comm;
@@ -78,8 +85,8 @@ int main(int argc, char** argv) {
   nlohmann::json results = nlohmann::json::array();
   if (rank == 0) {
     std::printf("all_reduce float32 sum, %d ranks, in place; median of timed iterations (slowest rank)\n", n);
-    std::printf("%9s %5s %10s %10s %13s %13s %7s %9s %10s %7s\n", "size", "iters", "mpi us", "loom us", "mpi busbw",
-                "loom busbw", "ratio", "added us", "async us", "ratio");
+    std::printf("%9s %5s %10s %10s %13s %13s %7s %9s %10s %7s %12s %10s\n", "size", "iters", "mpi us", "loom us",
+                "mpi busbw", "loom busbw", "ratio", "added us", "async us", "ratio", "unchecked us", "check cost");
   }
   bool all_correct = true;
   for (int64_t bytes = min_bytes; bytes <= max_bytes; bytes *= 4) {
@@ -94,8 +101,9 @@ int main(int argc, char** argv) {
     int iters = static_cast<int>(std::clamp(seconds_per_size / (2 * std::max(probe, 1e-6)), 5.0, double(max_iters)));
     MPI_Bcast(&iters, 1, MPI_INT, 0, MPI_COMM_WORLD);
 
-    std::vector<double> raw_times, loom_times, async_times;
+    std::vector<double> raw_times, loom_times, async_times, unchecked_times;
     at::Tensor async_buffer = at::empty({count}, at::kFloat);
+    at::Tensor unchecked_buffer = at::empty({count}, at::kFloat);
     bool correct = true;
     for (int it = -warmup; it < iters; ++it) {
       raw_buffer.fill_(rank + 1);
@@ -109,6 +117,12 @@ int main(int argc, char** argv) {
       auto t1 = Clock::now();
       comm->all_reduce(loom_buffer)->wait();
       double loom_time = slowest(std::chrono::duration<double>(Clock::now() - t1).count());
+      // Right after the checked call, so both meet the machine in the same state.
+      unchecked_buffer.fill_(rank + 1);
+      MPI_Barrier(MPI_COMM_WORLD);
+      auto t3 = Clock::now();
+      unchecked->all_reduce(unchecked_buffer)->wait();
+      double unchecked_time = slowest(std::chrono::duration<double>(Clock::now() - t3).count());
       MPI_Barrier(MPI_COMM_WORLD);
       auto t2 = Clock::now();
       auto async_work = comm->all_reduce(async_buffer);
@@ -117,22 +131,26 @@ int main(int argc, char** argv) {
       double async_time = slowest(std::chrono::duration<double>(Clock::now() - t2).count());
       const float expected = n * (n + 1) / 2.0f;
       correct = correct && loom_buffer[0].item<float>() == expected && loom_buffer[count - 1].item<float>() == expected &&
-                raw_buffer[0].item<float>() == expected && async_buffer[count - 1].item<float>() == expected;
+                raw_buffer[0].item<float>() == expected && async_buffer[count - 1].item<float>() == expected &&
+                unchecked_buffer[count - 1].item<float>() == expected;
       if (it >= 0) {
         raw_times.push_back(raw_time);
         loom_times.push_back(loom_time);
         async_times.push_back(async_time);
+        unchecked_times.push_back(unchecked_time);
       }
     }
     all_correct = all_correct && correct;
     const double raw_s = median(raw_times), loom_s = median(loom_times), async_s = median(async_times);
+    const double unchecked_s = median(unchecked_times);
     const double real_bytes = count * 4.0;
     const double raw_busbw = real_bytes / raw_s * bus_factor / 1e9;
     const double loom_busbw = real_bytes / loom_s * bus_factor / 1e9;
     if (rank == 0) {
-      std::printf("%9s %5d %10.1f %10.1f %8.3f GB/s %8.3f GB/s %7.3f %9.2f %10.1f %7.3f%s\n", human(bytes).c_str(),
-                  iters, raw_s * 1e6, loom_s * 1e6, raw_busbw, loom_busbw, raw_s / loom_s, (loom_s - raw_s) * 1e6,
-                  async_s * 1e6, raw_s / async_s, correct ? "" : "  WRONG RESULT");
+      std::printf("%9s %5d %10.1f %10.1f %8.3f GB/s %8.3f GB/s %7.3f %9.2f %10.1f %7.3f %12.1f %10.3f%s\n",
+                  human(bytes).c_str(), iters, raw_s * 1e6, loom_s * 1e6, raw_busbw, loom_busbw, raw_s / loom_s,
+                  (loom_s - raw_s) * 1e6, async_s * 1e6, raw_s / async_s, unchecked_s * 1e6, loom_s / unchecked_s,
+                  correct ? "" : "  WRONG RESULT");
       std::fflush(stdout);
     }
     results.push_back({{"bytes", real_bytes},
@@ -145,6 +163,8 @@ int main(int argc, char** argv) {
                        {"added_latency_us", (loom_s - raw_s) * 1e6},
                        {"loom_async_us", async_s * 1e6},
                        {"ratio_loom_async_over_mpi_bandwidth", raw_s / async_s},
+                       {"loom_unchecked_us", unchecked_s * 1e6},
+                       {"check_cost_ratio", loom_s / unchecked_s},
                        {"correct", correct}});
   }
   if (rank == 0 && !json_path.empty()) {
@@ -152,6 +172,7 @@ int main(int argc, char** argv) {
     if (!loom::bench::write_json(json_path, doc, "allreduce_bench")) return 1;
   }
   MPI_Comm_free(&raw_comm);
+  unchecked.reset();
   comm.reset();
   rt.reset();
   loom::finalize();

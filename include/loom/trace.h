@@ -1,7 +1,7 @@
 // Timeline of what the runtime did, in Chrome trace JSON (open it in Perfetto or chrome://tracing).
 //
-// Enabled by LOOM_TIMELINE=path: each rank writes `path.rank<r>.json` when loom::finalize()
-// runs (or trace::flush() is called). Timestamps are wall-clock microseconds, so the files of
+// Enabled by LOOM_TIMELINE=path: loom::init() checks that `path.rank<r>.json` can be written,
+// and each rank writes it when loom::finalize() runs (or trace::flush() is called). Timestamps are wall-clock microseconds, so the files of
 // all ranks line up when loaded together. Recording is a mutex-protected append; disabled, each
 // call is one branch.
 //
@@ -24,9 +24,11 @@ void span(const std::string& name, const std::string& category, Clock::time_poin
           const std::string& lane);
 // A point in time.
 void instant(const std::string& name, const std::string& category, Clock::time_point at, const std::string& lane);
-// Called by loom::init(): the rank is the process id in the trace and part of the file name.
-void set_rank(int rank);
+// Called by loom::init(): starts recording into `path_prefix`.rank<rank>.json (empty: off). The
+// rank is the process id in the trace. Throws loom::Error when the file cannot be created.
+void configure(const std::string& path_prefix, int rank);
 // Writes this rank's file (again, with everything so far). Returns the path, or "" when disabled.
+// Throws loom::Error naming the file and the system's reason when writing fails (e.g. disk full).
 std::string flush();
 
 }  // namespace loom::trace

@@ -3,6 +3,7 @@
 #include "loom/amp/grad_scaler.h"
 
 #include <ATen/ops/_amp_foreach_non_finite_check_and_unscale.h>
+#include <ATen/TensorOperators.h>
 #include <ATen/ops/_amp_update_scale.h>
 #include <ATen/ops/full.h>
 #include <ATen/ops/zeros.h>
@@ -12,7 +13,6 @@
 #include <tuple>
 
 #include "loom/error.h"
-#include "loom/parallel/data_parallel.h"
 
 namespace loom {
 
@@ -32,18 +32,28 @@ GradScaler::GradScaler(GradScalerOptions options) : options_(std::move(options))
                                std::to_string(options_.init_scale));
 }
 
-std::string GradScaler::where(const char* call) const {
-  // The rank as its first sync group knows it; a scaler without groups is a single process's.
-  std::string rank = "?";
-  if (!options_.sync_groups.empty() && options_.sync_groups.front())
-    rank = std::to_string(options_.sync_groups.front()->rank()) + " of " + options_.sync_groups.front()->name();
-  return "[rank " + rank + "] GradScaler." + call;
-}
+std::string GradScaler::where(const char* call) const { return ErrorContext(std::string("GradScaler.") + call).prefix(); }
 
 void GradScaler::lazy_init(const at::Device& device) {
   if (scale_.defined()) return;
   scale_ = at::full({1}, options_.init_scale, at::TensorOptions().dtype(at::kFloat).device(device));
   growth_tracker_ = at::zeros({1}, at::TensorOptions().dtype(at::kInt).device(device));
+  if (pending_state_) {
+    scale_.fill_(pending_state_->first);
+    growth_tracker_.fill_(pending_state_->second);
+    pending_state_.reset();
+  }
+}
+
+void GradScaler::set_state(double scale, int64_t growth_tracker) {
+  if (!scale_.defined()) {
+    // Not created yet: on the first scale()'s device (a CPU tensor here would make every CUDA
+    // step read found-inf through a copy).
+    pending_state_ = {scale, growth_tracker};
+    return;
+  }
+  scale_.fill_(scale);
+  growth_tracker_.fill_(growth_tracker);
 }
 
 at::Tensor GradScaler::scale(const at::Tensor& output) {
@@ -77,7 +87,6 @@ void GradScaler::unscale_(torch::optim::Optimizer& optimizer) {
     throw InvalidArgumentError(where("unscale_") + ": unscale_() is being called after step() (expected before it)");
   if (!scale_.defined())
     throw InvalidArgumentError(where("unscale_") + ": no loss was scaled yet: call scale(loss).backward() first");
-  if (options_.reducer != nullptr) options_.reducer->synchronize();
 
   // Group gradients by (device, dtype): one fused kernel per group.
   std::map<std::tuple<int, int, int>, std::vector<at::Tensor>> groups;
@@ -105,15 +114,21 @@ void GradScaler::unscale_(torch::optim::Optimizer& optimizer) {
   at::Tensor found = at::zeros({1}, scale_.options());
   for (auto& [key, grads] : groups) {
     const at::Device device = grads.front().device();
+    if (device == found.device()) {
+      at::_amp_foreach_non_finite_check_and_unscale_(grads, found, inv_scale);
+      continue;
+    }
     at::Tensor device_found = at::zeros({1}, at::TensorOptions().dtype(at::kFloat).device(device));
-    at::_amp_foreach_non_finite_check_and_unscale_(grads, device_found, inv_scale.to(device, true));
-    found.add_(device_found.to(found.device(), true));
+    at::_amp_foreach_non_finite_check_and_unscale_(grads, device_found, inv_scale.to(device));
+    // Blocking: a non-blocking device-to-host copy lands in pinned memory later than add_ reads it.
+    found.add_(device_found.to(found.device()));
   }
-  // Every rank that shards or still holds different gradients must agree on skipping.
+  // Every rank that shards or still holds different gradients must agree on skipping: the flag
+  // travels on each group's own device (a device communicator takes only its GPU's tensors).
   for (const auto& group : options_.sync_groups) {
     if (!group || group->size() == 1) continue;
-    const bool same_device = group->device_type() == found.device().type();
-    at::Tensor flag = same_device ? found : found.to(at::Device(group->device_type()));
+    const bool same_device = group->device() == found.device();
+    at::Tensor flag = same_device ? found : found.to(group->device());
     group->all_reduce(flag, {ReduceOp::Max})->wait();
     if (!same_device) found.copy_(flag);
   }
@@ -160,19 +175,21 @@ void GradScaler::update(double new_scale) {
   if (!(new_scale > 0.0) || !std::isfinite(new_scale))
     throw InvalidArgumentError(where("update") + ": new_scale must be a positive finite number, found " +
                                std::to_string(new_scale));
-  lazy_init(scale_.defined() ? scale_.device() : at::Device(at::kCPU));
-  scale_.fill_(new_scale);
+  set_state(new_scale, get_growth_tracker());
   per_optimizer_.clear();
 }
 
 double GradScaler::get_scale() const {
   if (!options_.enabled) return 1.0;
-  return scale_.defined() ? scale_.item<float>() : options_.init_scale;
+  if (scale_.defined()) return scale_.item<float>();
+  // As torch.amp.GradScaler before its first scale(): the value as given.
+  return pending_state_ ? pending_state_->first : options_.init_scale;
 }
 
 int64_t GradScaler::get_growth_tracker() const {
   if (!options_.enabled) return 0;
-  return growth_tracker_.defined() ? growth_tracker_.item<int>() : 0;
+  if (growth_tracker_.defined()) return growth_tracker_.item<int>();
+  return pending_state_ ? pending_state_->second : 0;
 }
 
 std::map<std::string, double> GradScaler::state_dict() const {
@@ -207,9 +224,7 @@ void GradScaler::load_state_dict(const std::map<std::string, double>& state) {
   options_.growth_factor = growth;
   options_.backoff_factor = backoff;
   options_.growth_interval = static_cast<int64_t>(interval);
-  lazy_init(scale_.defined() ? scale_.device() : at::Device(at::kCPU));
-  scale_.fill_(scale);
-  growth_tracker_.fill_(static_cast<int>(tracker));
+  set_state(scale, static_cast<int64_t>(tracker));
 }
 
 }  // namespace loom

@@ -49,22 +49,55 @@ void set_final_abort_step(std::function<void(const std::string&)> step) {
 
 bool abort_started() { return g_started.load(); }
 
-void abort_job_after(std::chrono::milliseconds grace, const std::string& reason) {
+namespace {
+
+std::atomic<bool> g_final_started{false};
+
+void run_final_step(const std::string& reason) {
+  if (g_final_started.exchange(true)) return;  // the other thread is already ending the process
+  std::function<void(const std::string&)> final_step;
+  {
+    auto& r = registry();
+    std::lock_guard<std::mutex> lock(r.mutex);
+    final_step = r.final_step;
+  }
+  if (final_step) final_step(reason);
+  std::abort();  // nothing ended the process: never leave it hanging
+}
+
+}  // namespace
+
+void abort_job_after(std::chrono::milliseconds grace, const std::string& reason,
+                     std::chrono::milliseconds steps_bound) {
   if (g_started.exchange(true)) return;
   LOOM_LOG(error, "ending the job in " << grace.count() / 1000.0 << " s (LOOM_ON_ERROR=abort): " << reason);
   std::thread([grace, reason] {
     std::this_thread::sleep_for(grace);
     auto& r = registry();
     std::vector<std::function<void(const std::string&)>> steps;
-    std::function<void(const std::string&)> final_step;
     {
       std::lock_guard<std::mutex> lock(r.mutex);
       for (auto& [handle, step] : r.steps) steps.push_back(step);
-      final_step = r.final_step;
     }
-    for (auto& step : steps) step(reason);
-    if (final_step) final_step(reason);
-    std::abort();  // nothing ended the process: never leave it hanging
+    for (auto& step : steps) {
+      try {
+        step(reason);
+      } catch (const std::exception& e) {
+        LOOM_LOG(error, "abort step failed: " << e.what());
+      }
+    }
+    run_final_step(reason);
+  }).detach();
+  std::thread([grace, steps_bound, reason] {
+    std::this_thread::sleep_for(grace + steps_bound);
+    if (!g_final_started.load()) {
+      LOOM_LOG(error, "abort steps did not finish within " << steps_bound.count() / 1000.0
+                                                           << " s (e.g. ncclCommAbort hangs); ending the process");
+      run_final_step(reason);
+    }
+    // The final step itself (MPI_Abort) did not end the process either.
+    std::this_thread::sleep_for(steps_bound);
+    std::abort();
   }).detach();
 }
 

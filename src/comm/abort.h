@@ -18,9 +18,12 @@ void unregister_abort_step(int handle);
 // The last step (MPI_Abort); replaces any previous one.
 void set_final_abort_step(std::function<void(const std::string& reason)> step);
 
-// Starts the abort once (later calls are ignored): waits `grace`, runs the steps, and if the
-// process is still alive after that, std::abort().
-void abort_job_after(std::chrono::milliseconds grace, const std::string& reason);
+// Starts the abort once (later calls are ignored): waits `grace`, runs the steps, then the final
+// step, and if the process is still alive after that, std::abort(). A step that hangs (an
+// ncclCommAbort stuck on a dead network) cannot keep the process alive: `steps_bound` after the
+// grace a second thread runs the final step and std::abort() itself.
+void abort_job_after(std::chrono::milliseconds grace, const std::string& reason,
+                     std::chrono::milliseconds steps_bound = std::chrono::seconds(10));
 bool abort_started();
 
 }  // namespace loom::detail

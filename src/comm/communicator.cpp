@@ -1,19 +1,42 @@
-// The one checked entry every public call goes through (like NCCL's ncclEnqueueCheck): the
-// public methods only describe the operation; enqueue_checked validates it, numbers it,
-// optionally checks it against the other ranks, logs it and hands it to the backend.
+// The comm core: the one checked entry every public call goes through (like NCCL's
+// ncclEnqueueCheck), and the one lifecycle every operation follows. The public methods only
+// describe the operation; enqueue_checked validates it, numbers it, fingerprints it, records it,
+// hands it to the watchdog and then to the backend. Failures of any backend come back through
+// fail(), which breaks the communicator, fails what was submitted after, logs once and applies
+// the error policy.
 #include "loom/comm/communicator.h"
 
 #include <ATen/ops/empty.h>
-#include <ATen/ops/tensor.h>
 
+#include <algorithm>
 #include <sstream>
+#include <thread>
 
+#include "comm/abort.h"
+#include "comm/durations.h"
+#include "comm/fingerprint.h"
+#include "comm/flight_recorder.h"
 #include "comm/op.h"
-#include "core/env.h"
+#include "comm/peer_status.h"
+#include "comm/watchdog.h"
+#include "loom/config.h"
 #include "loom/error.h"
 #include "loom/log.h"
 
 namespace loom {
+
+namespace {
+thread_local const char* t_internal_purpose = nullptr;
+
+bool is_p2p(OpType type) { return type == OpType::Send || type == OpType::Recv || type == OpType::SendRecvBatch; }
+}  // namespace
+
+namespace detail {
+InternalOperations::InternalOperations(const char* purpose) : previous_(t_internal_purpose) {
+  t_internal_purpose = purpose;
+}
+InternalOperations::~InternalOperations() { t_internal_purpose = previous_; }
+}  // namespace detail
 
 const char* to_string(ReduceOp op) {
   switch (op) {
@@ -36,57 +59,78 @@ const char* to_string(OpType op) {
     case OpType::Send: return "send";
     case OpType::Recv: return "recv";
     case OpType::Barrier: return "barrier";
+    case OpType::Split: return "split";
+    case OpType::SendRecvBatch: return "batch_isend_irecv";
   }
   return "?";
 }
 
+int64_t OpInfo::numel() const {
+  if (shape.empty()) return type == OpType::Barrier || type == OpType::Split ? 0 : 1;
+  int64_t n = 1;
+  for (auto d : shape) n *= d;
+  return n;
+}
+
+std::string OpInfo::name() const {
+  if (internal) return std::string("internal ") + to_string(type) + " #" + std::to_string(seq) + " (" + purpose + ")";
+  return std::string(to_string(type)) + " seq=" + std::to_string(seq);
+}
+
 std::string OpInfo::describe() const {
   std::ostringstream s;
-  s << "[rank " << world_rank << "] " << to_string(type) << " seq=" << seq << " group=" << group << " (rank " << rank
-    << " of " << group_size << ")";
-  if (type != OpType::Barrier) {
+  s << "[rank " << job_rank << "] " << name() << " group=" << group << " (rank " << rank << " of " << group_size
+    << ")";
+  const bool data = type != OpType::Barrier && type != OpType::Split && type != OpType::SendRecvBatch;
+  if (data) {
     s << " shape=[";
     for (size_t i = 0; i < shape.size(); ++i) s << (i ? ", " : "") << shape[i];
     s << "] dtype=" << c10::toString(dtype);
   }
-  if (type == OpType::AllReduce || type == OpType::ReduceScatter) s << " op=" << to_string(reduce);
+  if (type == OpType::AllReduce || type == OpType::ReduceScatter) s << " op=" << loom::to_string(reduce);
   if (type == OpType::Broadcast) s << " root=" << peer;
   if (type == OpType::Send) s << " dst=" << peer;
   if (type == OpType::Recv) s << " src=" << peer;
+  if (type == OpType::Split) s << " color=" << peer;
+  if (type == OpType::SendRecvBatch) s << " operations=" << operations;
   return s.str();
 }
 
-namespace {
-
-Timeout resolve_timeout(Timeout requested) {
-  if (requested != kDefaultTimeout) return requested;
-  return env::seconds_as_duration("LOOM_TIMEOUT", 0.001, 86400);
+std::string OpInfo::signature() const {
+  std::ostringstream s;
+  s << to_string(type) << "(" << (internal ? "#" : "seq=") << seq;
+  if (type != OpType::Barrier && type != OpType::Split)
+    s << ", dtype=" << c10::toString(dtype) << ", numel=" << numel();
+  if (type == OpType::AllReduce || type == OpType::ReduceScatter) s << ", op=" << loom::to_string(reduce);
+  if (type == OpType::Broadcast) s << ", root=" << peer;
+  s << ")";
+  return s.str();
 }
 
-OnError resolve_on_error(int requested) {
-  if (requested >= 0) return static_cast<OnError>(requested);
-  return env::choice("LOOM_ON_ERROR", {"abort", "raise"}) == "abort" ? OnError::Abort : OnError::Raise;
-}
-
-}  // namespace
-
-Communicator::Communicator(int rank, int size, int world_rank, std::string name, const CommunicatorOptions& options)
+Communicator::Communicator(int rank, std::vector<int> members, std::string name, at::Device device,
+                           const CommunicatorOptions& options)
     : rank_(rank),
-      size_(size),
-      world_rank_(world_rank),
+      size_(static_cast<int>(members.size())),
+      members_(std::move(members)),
       name_(std::move(name)),
-      options_(options),
-      timeout_(resolve_timeout(options.timeout)),
-      on_error_(resolve_on_error(options.on_error)),
-      check_collectives_(options.check_collectives >= 0 ? options.check_collectives == 1
-                                                        : env::flag("LOOM_CHECK_COLLECTIVES")) {
+      device_(device),
+      timeout_(options.timeout.value_or(config().timeout)),
+      on_error_(options.on_error.value_or(config().on_error)),
+      check_collectives_(options.check_collectives.value_or(config().check_collectives)),
+      size_check_bytes_(options.size_check_bytes.value_or(config().size_check_bytes)),
+      fingerprint_interval_(options.fingerprint_interval.value_or(config().fingerprint_interval)),
+      recorder_(std::make_shared<detail::FlightRecorder>(static_cast<size_t>(config().flight_record))) {
+  if (rank_ < 0 || rank_ >= size_)
+    throw InvalidArgumentError(ErrorContext("communicator " + name_)("rank " + std::to_string(rank_) +
+                                                                     " is out of range for " + std::to_string(size_) +
+                                                                     " members"));
   if (timeout_.count() <= 0)
-    throw InvalidArgumentError("[rank " + std::to_string(world_rank) + "] communicator " + name_ +
-                               ": timeout must be positive, found " + std::to_string(timeout_.count()) + " ms");
-  options_.timeout = timeout_;
-  options_.on_error = static_cast<int>(on_error_);
-  options_.check_collectives = check_collectives_ ? 1 : 0;
+    throw InvalidArgumentError(context("communicator")("timeout must be positive, found " +
+                                                       std::to_string(timeout_.count()) + " ms"));
+  peer_key_ = detail::peers::register_communicator(name_, members_, recorder_);
 }
+
+Communicator::~Communicator() { detail::peers::unregister_communicator(peer_key_); }
 
 namespace {
 
@@ -166,18 +210,31 @@ WorkPtr Communicator::recv(at::Tensor& tensor, int src, const SendRecvOptions& o
   return enqueue_checked(op);
 }
 
+WorkPtr Communicator::batch_isend_irecv(std::vector<P2POp> operations, const SendRecvOptions& options) {
+  auto op = make_op(OpType::SendRecvBatch, options.timeout, nullptr);
+  op.info.operations = static_cast<int>(operations.size());
+  for (const auto& p : operations) (p.kind == P2POp::Kind::Send ? op.inputs : op.outputs).push_back(p.tensor);
+  op.batch = std::move(operations);
+  return enqueue_checked(op);
+}
+
 WorkPtr Communicator::barrier(const BarrierOptions& options) {
   auto op = make_op(OpType::Barrier, options.timeout, nullptr);
   return enqueue_checked(op);
 }
 
-std::shared_ptr<Communicator> Communicator::split(int color, int key, const std::string& name) {
-  if (is_broken()) {
-    std::lock_guard<std::mutex> lock(broken_mutex_);
-    throw CommError("[rank " + std::to_string(world_rank_) + "] split of " + name_ +
-                    ": communicator is broken: " + broken_reason_);
-  }
-  return launch_split(color, key, name, options_);
+std::shared_ptr<Communicator> Communicator::split(int color, int key, const std::string& name,
+                                                  const SplitOptions& options) {
+  auto op = make_op(OpType::Split, options.timeout, nullptr);
+  op.info.peer = color;
+  auto request = std::make_shared<detail::SplitRequest>();
+  request->color = color;
+  request->key = key;
+  request->name = name;
+  request->options = {timeout_, on_error_, check_collectives_, size_check_bytes_, fingerprint_interval_};
+  op.split = request;
+  enqueue_checked(op)->synchronize();
+  return request->result;
 }
 
 void Communicator::mark_broken(const std::string& reason) {
@@ -188,78 +245,189 @@ void Communicator::mark_broken(const std::string& reason) {
   }
 }
 
-std::string Communicator::broken_reason() {
+std::string Communicator::broken_reason() const {
   std::lock_guard<std::mutex> lock(broken_mutex_);
   return broken_reason_;
+}
+
+std::shared_ptr<Work> Communicator::make_work(const detail::Op& op) {
+  std::vector<at::Tensor> keep_alive = op.inputs;
+  keep_alive.insert(keep_alive.end(), op.outputs.begin(), op.outputs.end());
+  return std::make_shared<Work>(op.info, std::move(keep_alive));
 }
 
 WorkPtr Communicator::enqueue_checked(detail::Op& op) {
   op.info.group = name_;
   op.info.rank = rank_;
   op.info.group_size = size_;
-  op.info.world_rank = world_rank_;
+  op.info.job_rank = job_rank();
+  if (t_internal_purpose != nullptr) {
+    op.info.internal = true;
+    op.info.purpose = t_internal_purpose;
+  }
   if (op.info.timeout == kDefaultTimeout) op.info.timeout = timeout_;
   if (op.info.timeout.count() <= 0)
-    throw InvalidArgumentError("[rank " + std::to_string(world_rank_) + "] " + to_string(op.info.type) +
-                               " group=" + name_ + ": timeout must be positive, found " +
-                               std::to_string(op.info.timeout.count()) + " ms");
+    throw InvalidArgumentError(context(to_string(op.info.type))("timeout must be positive, found " +
+                                                                std::to_string(op.info.timeout.count()) + " ms"));
   // Validation comes before numbering: a rejected call must not shift this rank's sequence.
-  detail::validate(op, device_type());
-  check_device(op);
-  if (is_broken()) {
-    std::lock_guard<std::mutex> lock(broken_mutex_);
-    throw CommError("[rank " + std::to_string(world_rank_) + "] " + to_string(op.info.type) + " group=" + name_ +
-                    ": communicator is broken by an earlier error: " + broken_reason_);
+  detail::validate(op, device_);
+  if (is_broken())
+    throw CommError(context(to_string(op.info.type))("communicator is broken by an earlier error: " +
+                                                     broken_reason()));
+
+  std::lock_guard<std::recursive_mutex> lock(submit_mutex_);
+  const bool p2p = is_p2p(op.info.type);
+  op.info.seq = op.info.internal ? internal_seq_++ : p2p ? p2p_seq_++ : collective_seq_++;
+  if (!p2p) {
+    rolling_fingerprint_ = detail::fold_fingerprint(rolling_fingerprint_, op.info);
+    op.fingerprint = rolling_fingerprint_;
+    int64_t bytes = 0;
+    for (const auto& t : op.inputs) bytes += static_cast<int64_t>(t.nbytes());
+    ++collectives_total_;
+    op.precheck = size_ > 1 && op.info.type != OpType::Split &&
+                  ((bytes > 0 && bytes >= size_check_bytes_) ||
+                   (fingerprint_interval_ > 0 && collectives_total_ % static_cast<uint64_t>(fingerprint_interval_) == 0));
+    if (check_collectives_ && !op.info.internal && size_ > 1) check_fingerprint(op);
   }
-  const bool p2p = op.info.type == OpType::Send || op.info.type == OpType::Recv;
-  op.info.seq = p2p ? p2p_seq_.fetch_add(1) : collective_seq_.fetch_add(1);
-  if (check_collectives_ && !p2p && size_ > 1) check_fingerprint(op);
+
+  auto work = make_work(op);
+  recorder_->record(work, op.fingerprint);
+  {
+    std::lock_guard<std::mutex> inflight_lock(inflight_mutex_);
+    // Operations complete in order: the completed ones gather at the front.
+    size_t done = 0;
+    while (done < inflight_.size()) {
+      auto w = inflight_[done].lock();
+      if (w && !w->is_completed()) break;
+      ++done;
+    }
+    inflight_.erase(inflight_.begin(), inflight_.begin() + static_cast<long>(done));
+    inflight_.push_back(work);
+  }
+  // Watched before the backend is called: an issue that blocks (a device backend connecting to a
+  // peer that never comes) still ends at the deadline.
+  detail::Watchdog::instance().watch(weak_from_this(), work);
   LOOM_LOG(trace, "enqueue " << op.info.describe());
-  return launch(op);
+  try {
+    issue(op, work);
+  } catch (const InvalidArgumentError& e) {
+    // Nothing was sent (e.g. a size a backend cannot express): the communicator stays usable.
+    work->fail(std::current_exception());
+    throw;
+  } catch (const Error& e) {
+    fail(work, std::current_exception(), e.what());
+    throw;
+  }
+  return work;
 }
 
-// Every rank contributes (operation, sequence number, dtype, element count, reduce op, root); a
-// difference means the ranks would otherwise exchange mismatched buffers or hang.
-void Communicator::check_fingerprint(const detail::Op& op) {
-  int64_t numel = 1;
-  for (auto d : op.info.shape) numel *= d;
-  if (op.info.type == OpType::Barrier) numel = 0;
-  const int64_t mine[6] = {static_cast<int64_t>(op.info.type), static_cast<int64_t>(op.info.seq),
-                           static_cast<int64_t>(op.info.dtype), numel, static_cast<int64_t>(op.info.reduce),
-                           op.info.type == OpType::Broadcast ? op.info.peer : -1};
-  // On the operation's own device (a device communicator accepts tensors of its device only).
-  at::Device device(device_type());
-  if (!op.inputs.empty()) device = op.inputs.front().device();
-  else if (!op.outputs.empty()) device = op.outputs.front().device();
-  auto options = at::TensorOptions().dtype(at::kLong).device(device);
-  at::Tensor local = at::tensor(at::IntArrayRef(mine, 6), at::TensorOptions().dtype(at::kLong)).to(options.device());
-  at::Tensor all = at::empty({size_ * 6}, options);
-  detail::Op exchange;
-  exchange.info = op.info;
-  exchange.info.type = OpType::AllGather;
-  exchange.info.shape = {6};
-  exchange.info.dtype = at::kLong;
-  exchange.inputs = {local};
-  exchange.outputs = {all};
-  exchange.internal = true;
-  launch(exchange)->wait();
-  all = all.cpu();
-  const int64_t* theirs = all.data_ptr<int64_t>();
-  auto describe = [](const int64_t* f) {
-    std::ostringstream s;
-    s << to_string(static_cast<OpType>(f[0])) << "(seq=" << f[1]
-      << ", dtype=" << c10::toString(static_cast<c10::ScalarType>(f[2])) << ", numel=" << f[3];
-    if (f[0] == static_cast<int64_t>(OpType::AllReduce) || f[0] == static_cast<int64_t>(OpType::ReduceScatter))
-      s << ", op=" << to_string(static_cast<ReduceOp>(f[4]));
-    if (f[5] >= 0) s << ", root=" << f[5];
-    s << ")";
-    return s.str();
-  };
-  for (int r = 0; r < size_; ++r) {
-    if (std::equal(mine, mine + 6, theirs + 6 * r)) continue;
-    throw MismatchError(op.info.describe() + ": collective mismatch: this rank called " + describe(mine) +
-                        " but rank " + std::to_string(r) + " called " + describe(theirs + 6 * r));
+// LOOM_CHECK_COLLECTIVES=1: every rank contributes what it is about to call; a difference means
+// the ranks would otherwise exchange mismatched buffers or hang.
+void Communicator::check_fingerprint(detail::Op& op) {
+  const detail::SignatureWords mine = detail::signature_words(op.info, op.fingerprint);
+  const auto options = at::TensorOptions().dtype(at::kLong);
+  at::Tensor local = at::empty({static_cast<int64_t>(mine.size())}, options);
+  std::copy(mine.begin(), mine.end(), local.data_ptr<int64_t>());
+  at::Tensor all = at::empty({size_ * static_cast<int64_t>(mine.size())}, options.device(device_));
+  at::Tensor on_device = local.to(device_);
+  {
+    detail::InternalOperations internal("collective check");
+    all_gather(all, on_device)->synchronize();
   }
+  all = all.cpu();
+  std::vector<detail::SignatureWords> words(size_);
+  for (int r = 0; r < size_; ++r)
+    std::copy_n(all.data_ptr<int64_t>() + r * mine.size(), mine.size(), words[r].begin());
+  const std::string report = detail::mismatch_report(op.info, op.fingerprint, words);
+  if (!report.empty()) throw MismatchError(op.info.describe() + ": " + report);
+}
+
+void Communicator::apply_policy(const std::string& message) {
+  if (on_error_ == OnError::Abort) {
+    detail::abort_job_after(config().abort_grace, message);
+    return;
+  }
+  // Raise: only this communicator goes. Its backend releases what is in flight (a device stream
+  // would otherwise stay blocked on a kernel that never ends), off the calling thread, which may
+  // be the watchdog's.
+  auto self = weak_from_this().lock();
+  if (!self) return;  // being destroyed (its waiter already has the error): nothing left to release
+  if (backend_aborted_.exchange(true)) return;
+  std::thread([self, message] { self->abort_backend(message); }).detach();
+}
+
+void Communicator::fail(const std::shared_ptr<Work>& work, std::exception_ptr error, const std::string& message) {
+  if (!work->fail(std::move(error))) return;  // it completed just in time
+  mark_broken(message);
+  std::vector<std::shared_ptr<Work>> later;
+  {
+    std::lock_guard<std::mutex> lock(inflight_mutex_);
+    bool reached = false;
+    for (const auto& w : inflight_) {
+      auto p = w.lock();
+      if (!p) continue;
+      if (reached) later.push_back(std::move(p));
+      else reached = p == work;
+    }
+  }
+  for (auto& w : later)
+    w->fail(std::make_exception_ptr(
+        CommError(w->info().describe() + ": not run: communicator is broken by an earlier error: " + message)));
+  LOOM_LOG(error, message << "\n  flight record of group " << name_ << " (oldest first):" << recorder_->dump());
+  apply_policy(message);
+}
+
+void Communicator::fail_all(const std::string& message) {
+  mark_broken(message);
+  std::vector<std::shared_ptr<Work>> pending;
+  {
+    std::lock_guard<std::mutex> lock(inflight_mutex_);
+    for (const auto& w : inflight_)
+      if (auto p = w.lock()) pending.push_back(std::move(p));
+  }
+  for (auto& w : pending) w->fail(std::make_exception_ptr(CommError(w->info().describe() + ": " + message)));
+  LOOM_LOG(error, message << "\n  flight record of group " << name_ << " (oldest first):" << recorder_->dump());
+  apply_policy(message);
+}
+
+void Communicator::drain() {
+  std::vector<std::shared_ptr<Work>> pending;
+  {
+    std::lock_guard<std::mutex> lock(inflight_mutex_);
+    for (const auto& w : inflight_)
+      if (auto p = w.lock()) pending.push_back(std::move(p));
+  }
+  for (auto& w : pending)
+    while (!w->is_completed()) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+}
+
+std::string Communicator::diagnose(const OpInfo& info) {
+  if (size_ == 1 || is_p2p(info.type)) return "";
+  const auto words = recorder_->find(info.internal, info.seq);
+  const uint64_t fingerprint = words ? static_cast<uint64_t>((*words)[7]) : 0;
+  const auto bound = std::clamp<Timeout>(info.timeout / 4, Timeout(100), Timeout(1000));
+  auto answers = detail::peers::ask(members_, {peer_key_, info.internal, info.seq}, Work::Clock::now() + bound);
+  if (!answers) return "";
+  return detail::peers::describe_laggards(members_, rank_, info, fingerprint, *answers);
+}
+
+void Communicator::on_timeout(const std::shared_ptr<Work>& work) {
+  if (work->is_completed()) return;
+  const auto started = work->started_at_time().value_or(Work::Clock::now());
+  std::string message = work->info().describe() + " timed out after " +
+                        detail::seconds_text(Work::Clock::now() - started) + " s (timeout " +
+                        detail::seconds_text(work->info().timeout) + " s)";
+  const std::string why = diagnose(work->info());
+  if (!why.empty()) message += "; " + why;
+  fail(work, std::make_exception_ptr(TimeoutError(message)), message);
+}
+
+void Communicator::on_stall(const std::shared_ptr<Work>& work, double elapsed_seconds) {
+  if (work->is_completed()) return;
+  const std::string why = diagnose(work->info());
+  LOOM_LOG(warn, work->info().describe() << " still pending after " << detail::seconds_text(elapsed_seconds)
+                                         << " s (timeout " << detail::seconds_text(work->info().timeout) << " s)"
+                                         << (why.empty() ? "" : ": ") << why);
 }
 
 }  // namespace loom

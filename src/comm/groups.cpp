@@ -8,7 +8,7 @@ namespace loom {
 
 ParallelGroups make_parallel_groups(Communicator& world, int tp_degree, const std::vector<int>& order) {
   const int size = world.size();
-  const std::string where = "[rank " + std::to_string(world.rank()) + "] make_parallel_groups";
+  const std::string where = ErrorContext("make_parallel_groups").prefix();
   if (tp_degree < 1 || size % tp_degree != 0)
     throw InvalidArgumentError(where + ": tensor-parallel degree " + std::to_string(tp_degree) +
                                " must be at least 1 and divide the world size " + std::to_string(size));

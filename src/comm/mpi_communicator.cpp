@@ -1,38 +1,29 @@
 // The MPI backend: CPU tensors, operations run in submission order on one progress thread per
 // communicator. Collectives are the blocking MPI calls (Open MPI's tuned algorithms, no copies:
 // all_reduce is in place); point-to-point operations are posted non-blocking and polled, so a
-// send waiting for its receiver never blocks the collectives queued behind it.
+// send waiting for its receiver never blocks the collectives queued behind it. The comm core
+// owns each operation's life (numbering, watchdog, failure path); this file only runs them.
 #include <ATen/ops/empty.h>
 #include <mpi.h>
 
 #include <climits>
 #include <condition_variable>
-#include <cstdio>
 #include <deque>
-#include <functional>
-#include <future>
-#include <optional>
 #include <mutex>
+#include <optional>
 #include <thread>
 
-#include "comm/abort.h"
-#include "comm/host_work.h"
+#include "comm/fingerprint.h"
+#include "comm/mpi_state.h"
 #include "comm/mpi_types.h"
 #include "comm/op.h"
-#include "comm/watchdog.h"
-#include "core/env.h"
 #include "loom/comm/mpi.h"
 #include "loom/error.h"
 #include "loom/log.h"
 
 namespace loom::mpi {
-namespace detail_state {
-extern std::atomic<int> stuck_threads;
-}
-
 namespace {
 
-using loom::detail::HostWork;
 using Clock = std::chrono::steady_clock;
 
 void check_mpi(int rc, const detail::Op& op, const char* call) {
@@ -51,11 +42,25 @@ int element_count(const at::Tensor& t, const detail::Op& op) {
   return static_cast<int>(t.numel());
 }
 
-class MpiCommunicator final : public Communicator, public detail::InlineExecutor {
+// The job ranks of a communicator's members, in its rank order.
+std::vector<int> members_of(MPI_Comm comm) {
+  MPI_Group group, world;
+  MPI_Comm_group(comm, &group);
+  MPI_Comm_group(MPI_COMM_WORLD, &world);
+  int size = 0;
+  MPI_Group_size(group, &size);
+  std::vector<int> ranks(size), in_world(size);
+  for (int r = 0; r < size; ++r) ranks[r] = r;
+  MPI_Group_translate_ranks(group, size, ranks.data(), world, in_world.data());
+  MPI_Group_free(&group);
+  MPI_Group_free(&world);
+  return in_world;
+}
+
+class MpiCommunicator final : public Communicator {
  public:
-  MpiCommunicator(MPI_Comm comm, int rank, int size, int world_rank, std::string name,
-                  const CommunicatorOptions& options)
-      : Communicator(rank, size, world_rank, std::move(name), options), comm_(comm) {
+  MpiCommunicator(MPI_Comm comm, std::string name, const CommunicatorOptions& options)
+      : Communicator(rank_of(comm), members_of(comm), std::move(name), at::Device(at::kCPU), options), comm_(comm) {
     MPI_Comm_set_errhandler(comm_, MPI_ERRORS_RETURN);
     thread_ = std::thread([this] { progress_loop(); });
   }
@@ -69,14 +74,14 @@ class MpiCommunicator final : public Communicator, public detail::InlineExecutor
     }
     wake_.notify_all();
     // A timed-out operation may still complete late (the missing peer arrives); give it a moment.
-    for (int i = 0; i < 1000 && is_broken() && busy_.load(); ++i)
+    for (int i = 0; i < kStuckGraceMs && is_broken() && busy_.load(); ++i)
       std::this_thread::sleep_for(std::chrono::milliseconds(1));
     if (is_broken() && busy_.load()) {
       // The progress thread is inside an MPI call that timed out and may never return (a peer
       // never joined): joining would hang the caller. Leave thread and communicator to the
       // process's end. (A healthy communicator's thread always finishes its operation: join.)
       LOOM_LOG(warn, "communicator " << name() << " destroyed while an operation is stuck in MPI");
-      detail_state::stuck_threads.fetch_add(1);
+      detail::mpi_state::stuck_threads.fetch_add(1);
       thread_.detach();
       return;
     }
@@ -85,33 +90,63 @@ class MpiCommunicator final : public Communicator, public detail::InlineExecutor
   }
 
   const char* backend() const override { return "mpi"; }
-  c10::DeviceType device_type() const override { return c10::DeviceType::CPU; }
 
  protected:
-  WorkPtr launch(detail::Op& op) override {
+  void issue(detail::Op& op, const std::shared_ptr<Work>& work) override {
     for (const auto& t : op.inputs) element_count(t, op);
     for (const auto& t : op.outputs) element_count(t, op);
-    std::vector<at::Tensor> keep_alive = op.inputs;
-    keep_alive.insert(keep_alive.end(), op.outputs.begin(), op.outputs.end());
-    auto work = std::make_shared<HostWork>(op.info, std::move(keep_alive));
-    const bool collective = op.info.type != OpType::Send && op.info.type != OpType::Recv;
+    const OpType type = op.info.type;
+    const bool collective = type != OpType::Send && type != OpType::Recv && type != OpType::SendRecvBatch;
     // Only with LOOM_ON_ERROR=abort: a caller stuck inside MPI could not raise its timeout, but
     // the abort still ends the job.
-    const bool inline_ok = collective && on_error() == OnError::Abort;
-    if (inline_ok) work->set_inline_executor(std::shared_ptr<detail::InlineExecutor>(shared_from_this(), this));
+    const bool inline_ok = collective && type != OpType::Split && on_error() == OnError::Abort;
+    if (inline_ok) {
+      std::weak_ptr<Communicator> weak = weak_from_this();
+      set_wait_assist(*work, [weak](Work* w) {
+        if (auto self = weak.lock()) static_cast<MpiCommunicator*>(self.get())->run_if_next(w);
+      });
+    }
     {
       std::lock_guard<std::mutex> lock(mutex_);
-      queue_.push_back(Task{std::move(op), work, nullptr, inline_ok, Clock::now()});
+      queue_.push_back(Task{std::move(op), work, inline_ok, Clock::now()});
     }
     wake_.notify_one();
-    return work;
   }
 
-  bool run_if_next(HostWork* work) override {
+ private:
+  struct Task {
+    detail::Op op;
+    std::shared_ptr<Work> work;
+    bool inline_ok = false;  // a waiter may run it itself
+    Clock::time_point submitted{};
+  };
+  // Point-to-point operations in flight (a batch has several requests).
+  struct PendingP2P {
+    std::vector<MPI_Request> requests;
+    std::shared_ptr<Work> work;
+    detail::Op op;
+  };
+  // Submit-then-wait is the common pattern: the progress thread gives the submitter this long to
+  // claim the operation itself (run_if_next) before taking it.
+  static constexpr std::chrono::microseconds kClaimGrace{20};
+  // While point-to-point operations are pending, the progress thread polls them this often.
+  static constexpr std::chrono::microseconds kP2PPoll{50};
+  // How long a destructor waits for a timed-out operation to complete late before detaching.
+  static constexpr int kStuckGraceMs = 1000;
+
+  static int rank_of(MPI_Comm comm) {
+    int rank = 0;
+    MPI_Comm_rank(comm, &rank);
+    return rank;
+  }
+
+  // The waiting thread runs `work` itself when it is next and nothing is running: saves the
+  // hand-off to the progress thread (microseconds) without changing the order of operations.
+  void run_if_next(Work* work) {
     std::optional<Task> task;
     {
       std::lock_guard<std::mutex> lock(mutex_);
-      if (running_ || queue_.empty() || queue_.front().work.get() != work) return false;
+      if (running_ || queue_.empty() || queue_.front().work.get() != work) return;
       task.emplace(std::move(queue_.front()));
       queue_.pop_front();
       running_ = true;
@@ -125,76 +160,20 @@ class MpiCommunicator final : public Communicator, public detail::InlineExecutor
       more = !queue_.empty();
     }
     if (more) wake_.notify_one();
-    return true;
   }
-
-  std::shared_ptr<Communicator> launch_split(int color, int key, const std::string& name,
-                                             const CommunicatorOptions& options) override {
-    // MPI_Comm_split is a collective on comm_: it must run on the progress thread, in order
-    // with the operations already queued.
-    auto result = std::make_shared<std::promise<MPI_Comm>>();
-    auto future = result->get_future();
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      queue_.push_back(Task{{}, nullptr, [this, color, key, result] {
-                              MPI_Comm child = MPI_COMM_NULL;
-                              int rc = MPI_Comm_split(comm_, color < 0 ? MPI_UNDEFINED : color, key, &child);
-                              if (rc != MPI_SUCCESS) {
-                                result->set_exception(std::make_exception_ptr(
-                                    CommError("[rank " + std::to_string(world_rank()) + "] split of " +
-                                              this->name() + " failed with MPI error " + std::to_string(rc))));
-                              } else {
-                                result->set_value(child);
-                              }
-                            }});
-    }
-    wake_.notify_one();
-    if (future.wait_for(default_timeout()) != std::future_status::ready)
-      throw TimeoutError("[rank " + std::to_string(world_rank()) + "] split of " + this->name() + " into " + name +
-                         " timed out after " + std::to_string(default_timeout().count() / 1000.0) + " s");
-    MPI_Comm child = future.get();
-    if (child == MPI_COMM_NULL) return nullptr;
-    int rank = 0, size = 0;
-    MPI_Comm_rank(child, &rank);
-    MPI_Comm_size(child, &size);
-    return std::make_shared<MpiCommunicator>(child, rank, size, world_rank(), name, options);
-  }
-
- private:
-  struct Task {
-    detail::Op op;
-    std::shared_ptr<HostWork> work;
-    std::function<void()> control;  // set for internal steps (split) instead of an operation
-    bool inline_ok = false;         // a waiter may run it itself
-    Clock::time_point submitted{};
-  };
-  static constexpr std::chrono::microseconds kClaimGrace{20};
-  struct PendingP2P {
-    MPI_Request request;
-    std::shared_ptr<HostWork> work;
-    detail::Op op;
-  };
 
   void progress_loop() {
     for (;;) {
       std::optional<Task> task;
       {
         std::unique_lock<std::mutex> lock(mutex_);
-        // A waiting caller may be running the head operation itself (run_if_next).
         auto ready = [this] { return stop_ || (!queue_.empty() && !running_); };
         if (!ready()) {
-          if (pending_.empty()) {
-            wake_.wait(lock, ready);
-          } else {
-            // Point-to-point operations in flight: poll them, but yield the core in between.
-            wake_.wait_for(lock, std::chrono::microseconds(50), ready);
-          }
+          if (pending_.empty()) wake_.wait(lock, ready);
+          else wake_.wait_for(lock, kP2PPoll, ready);  // poll them, but yield the core in between
         }
         if (stop_ && queue_.empty() && !running_) break;
         if (!queue_.empty() && !running_) {
-          // Submit-then-wait is the common pattern: give the submitter a moment to claim the
-          // operation itself (run_if_next) before taking it here. Costs an asynchronous
-          // operation at most kClaimGrace of delay; saves a synchronous one two thread switches.
           const Task& head = queue_.front();
           if (head.inline_ok && Clock::now() - head.submitted < kClaimGrace) {
             lock.unlock();
@@ -207,7 +186,7 @@ class MpiCommunicator final : public Communicator, public detail::InlineExecutor
         }
       }
       if (task) {
-        if (!task->control) ran_by_progress_thread_.fetch_add(1, std::memory_order_relaxed);
+        ran_by_progress_thread_.fetch_add(1, std::memory_order_relaxed);
         run(*task);
         std::lock_guard<std::mutex> lock(mutex_);
         running_ = false;
@@ -216,43 +195,64 @@ class MpiCommunicator final : public Communicator, public detail::InlineExecutor
     }
     for (auto& p : pending_) {
       // Still unmatched at destruction: their works failed or nobody waits; release the requests.
-      MPI_Cancel(&p.request);
-      MPI_Request_free(&p.request);
-      p.work->fail(std::make_exception_ptr(CommError(p.op.info.describe() + ": communicator destroyed first")));
+      for (auto& request : p.requests) {
+        if (request == MPI_REQUEST_NULL) continue;
+        MPI_Cancel(&request);
+        MPI_Request_free(&request);
+      }
+      fail(p.work, std::make_exception_ptr(CommError(p.op.info.describe() + ": communicator destroyed first")),
+           p.op.info.describe() + ": communicator destroyed first");
     }
     pending_.clear();
   }
 
   void run(Task& task) {
-    if (task.control) {
-      task.control();
-      return;
-    }
     auto& work = task.work;
-    if (is_broken()) {
-      work->fail(std::make_exception_ptr(
-          CommError(task.op.info.describe() + ": not run: communicator is broken by an earlier error: " +
-                    broken_reason())));
-      return;
-    }
-    if (!work->start()) return;
-    std::weak_ptr<Communicator> self = weak_from_this();
-    detail::Watchdog::instance().watch(work, Clock::now() + task.op.info.timeout, [self, work] {
-      if (auto comm = self.lock()) static_cast<MpiCommunicator*>(comm.get())->on_timeout(work);
-    });
-    const bool p2p = task.op.info.type == OpType::Send || task.op.info.type == OpType::Recv;
+    if (!start(*work)) return;  // failed while queued (the communicator broke)
+    const OpType type = task.op.info.type;
+    const bool p2p = type == OpType::Send || type == OpType::Recv || type == OpType::SendRecvBatch;
     busy_.store(!p2p);
     try {
       if (p2p) {
         pending_.push_back(PendingP2P{post_p2p(task.op), work, std::move(task.op)});
       } else {
+        if (task.op.precheck) precheck(task.op);
         execute_collective(task.op);
-        work->finish();
+        finish(*work);
+      }
+    } catch (const MismatchError& e) {
+      fail(work, std::current_exception(), e.what());
+    } catch (const CommError& e) {
+      // An MPI error in a collective (a truncation: another rank passed another size) is explained
+      // by what the peers called.
+      const std::string why = p2p ? "" : diagnose(work->info());
+      if (why.empty()) {
+        fail(work, std::current_exception(), e.what());
+      } else {
+        const std::string message = std::string(e.what()) + "; " + why;
+        fail(work, std::make_exception_ptr(CommError(message)), message);
       }
     } catch (const Error& e) {
-      on_failure(work, std::current_exception(), e.what());
+      fail(work, std::current_exception(), e.what());
     }
     busy_.store(false);
+  }
+
+  // Ranks agree on the rolling fingerprint and the element count before any data moves: ranks
+  // passing different sizes would otherwise make MPI write past the smaller buffer (Open MPI's
+  // segmented algorithms free their buffers on a truncation error while receives are posted).
+  void precheck(detail::Op& op) {
+    const detail::PrecheckWords mine = detail::precheck_words(op.info, op.fingerprint);
+    detail::PrecheckWords reduced{};
+    check_mpi(MPI_Allreduce(mine.data(), reduced.data(), 4, MPI_INT64_T, MPI_MAX, comm_), op,
+              "MPI_Allreduce (fingerprint check)");
+    if (detail::precheck_agrees(mine, reduced)) return;
+    // Every rank saw the same disagreement; all of them now learn who called what.
+    const detail::SignatureWords own = detail::signature_words(op.info, op.fingerprint);
+    std::vector<detail::SignatureWords> all(size());
+    check_mpi(MPI_Allgather(own.data(), 8, MPI_INT64_T, all.data(), 8, MPI_INT64_T, comm_), op,
+              "MPI_Allgather (fingerprint check)");
+    throw MismatchError(op.info.describe() + ": " + detail::mismatch_report(op.info, op.fingerprint, all));
   }
 
   void execute_collective(detail::Op& op) {
@@ -313,94 +313,96 @@ class MpiCommunicator final : public Communicator, public detail::InlineExecutor
       case OpType::Barrier:
         check_mpi(MPI_Barrier(comm_), op, "MPI_Barrier");
         break;
+      case OpType::Split: {
+        const auto& request = *op.split;
+        MPI_Comm child = MPI_COMM_NULL;
+        check_mpi(MPI_Comm_split(comm_, request.color < 0 ? MPI_UNDEFINED : request.color, request.key, &child), op,
+                  "MPI_Comm_split");
+        if (child != MPI_COMM_NULL) op.split->result = std::make_shared<MpiCommunicator>(child, request.name, request.options);
+        break;
+      }
       case OpType::Send:
       case OpType::Recv:
+      case OpType::SendRecvBatch:
         break;  // posted by post_p2p
     }
   }
 
-  MPI_Request post_p2p(detail::Op& op) {
+  MPI_Request post_one(const detail::Op& op, bool send, const at::Tensor& t, int peer, int tag) {
     MPI_Request request = MPI_REQUEST_NULL;
-    if (op.info.type == OpType::Send) {
-      const at::Tensor& t = op.inputs[0];
-      check_mpi(MPI_Isend(t.data_ptr(), element_count(t, op), detail::mpi_datatype(t.scalar_type()), op.info.peer,
-                          tag_of(op), comm_, &request),
+    if (send)
+      check_mpi(MPI_Isend(t.data_ptr(), element_count(t, op), detail::mpi_datatype(t.scalar_type()), peer, tag, comm_,
+                          &request),
                 op, "MPI_Isend");
-    } else {
-      at::Tensor& t = op.outputs[0];
-      check_mpi(MPI_Irecv(t.data_ptr(), element_count(t, op), detail::mpi_datatype(t.scalar_type()), op.info.peer,
-                          tag_of(op), comm_, &request),
+    else
+      check_mpi(MPI_Irecv(t.data_ptr(), element_count(t, op), detail::mpi_datatype(t.scalar_type()), peer, tag, comm_,
+                          &request),
                 op, "MPI_Irecv");
-    }
     return request;
   }
 
-  static int tag_of(const detail::Op& op) { return op.tag; }
+  std::vector<MPI_Request> post_p2p(detail::Op& op) {
+    switch (op.info.type) {
+      case OpType::Send: return {post_one(op, true, op.inputs[0], op.info.peer, op.tag)};
+      case OpType::Recv: return {post_one(op, false, op.outputs[0], op.info.peer, op.tag)};
+      default: {
+        std::vector<MPI_Request> requests;
+        for (const auto& p : op.batch)
+          requests.push_back(post_one(op, p.kind == P2POp::Kind::Send, p.tensor, p.peer, p.tag));
+        return requests;
+      }
+    }
+  }
+
+  // The receive that got fewer elements than its tensor holds, if any (a size mismatch).
+  std::optional<std::string> short_receive(const detail::Op& op, size_t index, const MPI_Status& status) {
+    const at::Tensor* t = nullptr;
+    if (op.info.type == OpType::Recv) t = &op.outputs[0];
+    if (op.info.type == OpType::SendRecvBatch && op.batch[index].kind == P2POp::Kind::Recv) t = &op.batch[index].tensor;
+    if (t == nullptr) return std::nullopt;
+    int received = 0;
+    MPI_Get_count(&status, detail::mpi_datatype(t->scalar_type()), &received);
+    if (received == t->numel()) return std::nullopt;
+    return "expected " + std::to_string(t->numel()) + " elements, received " + std::to_string(received);
+  }
 
   void poll_p2p() {
     for (auto it = pending_.begin(); it != pending_.end();) {
-      int done = 0;
-      MPI_Status status;
-      int rc = MPI_Test(&it->request, &done, &status);
-      if (rc != MPI_SUCCESS) {
-        try {
-          check_mpi(rc, it->op, "MPI_Test");
-        } catch (const Error& e) {
-          on_failure(it->work, std::current_exception(), e.what());
-        }
-        it = pending_.erase(it);
-      } else if (done) {
-        if (it->op.info.type == OpType::Recv) {
-          int received = 0;
-          MPI_Get_count(&status, detail::mpi_datatype(it->op.outputs[0].scalar_type()), &received);
-          if (received != it->op.outputs[0].numel()) {
-            on_failure(it->work,
-                       std::make_exception_ptr(MismatchError(
-                           it->op.info.describe() + ": expected " + std::to_string(it->op.outputs[0].numel()) +
-                           " elements, received " + std::to_string(received))),
-                       "recv size mismatch");
-            it = pending_.erase(it);
-            continue;
+      std::exception_ptr error;
+      bool all_done = true;
+      for (size_t i = 0; i < it->requests.size() && !error; ++i) {
+        if (it->requests[i] == MPI_REQUEST_NULL) continue;
+        int done = 0;
+        MPI_Status status;
+        const int rc = MPI_Test(&it->requests[i], &done, &status);
+        if (rc != MPI_SUCCESS) {
+          try {
+            check_mpi(rc, it->op, "MPI_Test");
+          } catch (const Error&) {
+            error = std::current_exception();
           }
+        } else if (!done) {
+          all_done = false;
+        } else if (auto mismatch = short_receive(it->op, i, status)) {
+          error = std::make_exception_ptr(MismatchError(it->op.info.describe() + ": " + *mismatch));
         }
-        it->work->finish();
+      }
+      if (error) {
+        std::string message;
+        try {
+          std::rethrow_exception(error);
+        } catch (const Error& e) {
+          message = e.what();
+        }
+        fail(it->work, error, message);
+        it = pending_.erase(it);
+      } else if (all_done) {
+        finish(*it->work);
         it = pending_.erase(it);
       } else {
         ++it;
       }
     }
-  }
-
-  void on_timeout(const std::shared_ptr<HostWork>& work) {
-    const double elapsed = std::chrono::duration<double>(Clock::now() - work->started_at()).count();
-    char text[128];
-    std::snprintf(text, sizeof(text), " timed out after %.1f s (timeout %.1f s)", elapsed,
-                  work->info().timeout.count() / 1000.0);
-    std::string message = work->info().describe() + text;
-    on_failure(work, std::make_exception_ptr(TimeoutError(message)), message);
-  }
-
-  // A failed or timed-out operation leaves the communicator in an unknown state: break it, fail
-  // what is queued, and apply the error policy.
-  void on_failure(const std::shared_ptr<HostWork>& work, std::exception_ptr error, const std::string& message) {
-    if (!work->fail(std::move(error))) return;  // it completed just in time
-    mark_broken(message);
-    LOOM_LOG(error, message);
-    std::deque<Task> dropped;
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      dropped.swap(queue_);
-    }
-    for (auto& task : dropped) {
-      if (task.control) {
-        task.control = nullptr;  // a split waiting on this communicator times out on its own
-        continue;
-      }
-      task.work->fail(std::make_exception_ptr(
-          CommError(task.op.info.describe() + ": not run: communicator is broken by an earlier error: " + message)));
-    }
-    if (on_error() == OnError::Abort)
-      detail::abort_job_after(env::seconds_as_duration("LOOM_ABORT_GRACE", 0, 600), message);
   }
 
   MPI_Comm comm_;
@@ -421,10 +423,7 @@ std::shared_ptr<Communicator> world_communicator(const CommunicatorOptions& opti
   initialize();
   MPI_Comm comm;
   MPI_Comm_dup(MPI_COMM_WORLD, &comm);
-  int rank = 0, size = 0;
-  MPI_Comm_rank(comm, &rank);
-  MPI_Comm_size(comm, &size);
-  return std::make_shared<MpiCommunicator>(comm, rank, size, rank, "world", options);
+  return std::make_shared<MpiCommunicator>(comm, "world", options);
 }
 
 }  // namespace loom::mpi

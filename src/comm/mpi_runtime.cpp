@@ -5,6 +5,8 @@
 #include <string>
 
 #include "comm/abort.h"
+#include "comm/mpi_state.h"
+#include "comm/mpi_status_channel.h"
 #include "comm/mpi_types.h"
 #include "loom/comm/mpi.h"
 #include "loom/error.h"
@@ -14,11 +16,6 @@ namespace loom::mpi {
 namespace {
 std::atomic<bool> g_we_initialized{false};
 }
-
-namespace detail_state {
-// Progress threads still inside an MPI call on a broken communicator (see mpi_communicator.cpp).
-std::atomic<int> stuck_threads{0};
-}  // namespace detail_state
 
 bool initialized() {
   int flag = 0;
@@ -34,13 +31,14 @@ void initialize() {
   if (!already) {
     int provided = 0;
     int rc = MPI_Init_thread(nullptr, nullptr, MPI_THREAD_MULTIPLE, &provided);
-    if (rc != MPI_SUCCESS) throw ConfigError("MPI_Init_thread failed with code " + std::to_string(rc));
+    if (rc != MPI_SUCCESS) throw ConfigError(ErrorContext("init")("MPI_Init_thread failed with code " + std::to_string(rc)));
     if (provided < MPI_THREAD_MULTIPLE)
-      throw ConfigError("MPI provides thread level " + std::to_string(provided) +
-                        ", expected MPI_THREAD_MULTIPLE (" + std::to_string(MPI_THREAD_MULTIPLE) +
-                        "): torchloom drives MPI from a progress thread");
+      throw ConfigError(ErrorContext("init")("MPI provides thread level " + std::to_string(provided) +
+                                             ", expected MPI_THREAD_MULTIPLE (" + std::to_string(MPI_THREAD_MULTIPLE) +
+                                             "): torchloom drives MPI from a progress thread"));
     g_we_initialized = true;
     loom::detail::create_mpi_reduce_ops();
+    loom::detail::mpi_status::start();
     loom::detail::set_final_abort_step([](const std::string& reason) {
       LOOM_LOG(error, "MPI_Abort: " << reason);
       MPI_Abort(MPI_COMM_WORLD, 1);
@@ -49,19 +47,23 @@ void initialize() {
     int provided = 0;
     MPI_Query_thread(&provided);
     if (provided < MPI_THREAD_MULTIPLE)
-      throw ConfigError("MPI was initialized by someone else with thread level " + std::to_string(provided) +
-                        ", expected MPI_THREAD_MULTIPLE");
+      throw ConfigError(ErrorContext("init")("MPI was initialized by someone else with thread level " +
+                                             std::to_string(provided) + ", expected MPI_THREAD_MULTIPLE"));
     static std::atomic<bool> ops_created{false};
-    if (!ops_created.exchange(true)) loom::detail::create_mpi_reduce_ops();
+    if (!ops_created.exchange(true)) {
+      loom::detail::create_mpi_reduce_ops();
+      loom::detail::mpi_status::start();
+    }
   }
 }
 
 void finalize() {
   if (!initialized() || !g_we_initialized) return;
   if (loom::detail::abort_started()) return;  // MPI_Abort is on its way
-  if (detail_state::stuck_threads.load() > 0) {
+  loom::detail::mpi_status::stop();
+  if (loom::detail::mpi_state::stuck_threads.load() > 0) {
     // A thread is still inside a collective that will never complete; MPI_Finalize would hang.
-    LOOM_LOG(error, "not calling MPI_Finalize: " << detail_state::stuck_threads.load()
+    LOOM_LOG(error, "not calling MPI_Finalize: " << loom::detail::mpi_state::stuck_threads.load()
                                                  << " operation(s) are still stuck in MPI after a timeout");
     return;
   }

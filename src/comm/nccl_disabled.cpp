@@ -18,11 +18,22 @@ int device_count() {
   return 0;
 }
 
+void use_device(int /*device_index*/) {}
+
+int built_version() { return 0; }
+
+int loaded_version() { return 0; }
+
+void shutdown_all() {}
+
+void abort_all(const std::string& /*reason*/) {}
+
 std::shared_ptr<Communicator> make_communicator(std::shared_ptr<Communicator> /*bootstrap*/, int device_index,
                                                 const std::string& name, const CommunicatorOptions& /*options*/) {
-  throw InvalidArgumentError("NCCL communicator " + name + " on cuda:" + std::to_string(device_index) +
-                             " not created: torchloom was built without NCCL (CUDA or NCCL was not found at "
-                             "configure time); use the MPI communicator for CPU tensors or rebuild with NCCL");
+  throw InvalidArgumentError(ErrorContext("NCCL communicator " + name)(
+      "not created on cuda:" + std::to_string(device_index) +
+      ": torchloom was built without NCCL (CUDA or NCCL was not found at configure time); use the MPI communicator "
+      "for CPU tensors or rebuild with NCCL"));
 }
 
 }  // namespace loom::nccl

@@ -35,19 +35,18 @@ std::string shape_string(at::IntArrayRef sizes) {
 }
 
 [[noreturn]] void reject(const Op& op, const std::string& what) {
-  std::ostringstream s;
-  s << "[rank " << op.info.world_rank << "] " << to_string(op.info.type) << " group=" << op.info.group
-    << " (rank " << op.info.rank << " of " << op.info.group_size << "): " << what;
-  throw InvalidArgumentError(s.str());
+  throw InvalidArgumentError(ErrorContext(to_string(op.info.type), op.info.group, op.info.rank, op.info.group_size)(what));
 }
 
-void check_tensor(const Op& op, const at::Tensor& t, const char* role, c10::DeviceType device_type) {
+void check_tensor(const Op& op, const at::Tensor& t, const char* role, const at::Device& device) {
   if (!t.defined()) reject(op, std::string(role) + ": expected a defined tensor, found an undefined one");
   if (t.layout() != c10::kStrided)
     reject(op, std::string(role) + ": expected a dense (strided) tensor, found layout " + c10::toString(t.layout()));
-  if (t.device().type() != device_type)
-    reject(op, std::string(role) + ": expected a tensor on " + c10::DeviceTypeName(device_type, true) +
-                   ", found one on " + t.device().str());
+  const bool same_device = t.device().type() == device.type() &&
+                           (!device.has_index() || t.device().index() == device.index());
+  if (!same_device)
+    reject(op, std::string(role) + ": expected a tensor on " + device.str() + " (this communicator's device), found one on " +
+                   t.device().str());
   if (!supported_dtype(t.scalar_type()))
     reject(op, std::string(role) + ": dtype " + c10::toString(t.scalar_type()) +
                    " is not supported (expected float32, float64, float16, bfloat16, int8, uint8, int32, int64 or bool)");
@@ -71,12 +70,20 @@ void check_rank(const Op& op, int value, const char* role) {
                    std::to_string(op.info.group_size - 1));
 }
 
+void check_peer(const Op& op, int peer, int tag, bool send) {
+  check_rank(op, peer, send ? "destination" : "source");
+  if (tag < 0 || tag > kMaxTag)
+    reject(op, "tag " + std::to_string(tag) + " is out of range: expected 0.." + std::to_string(kMaxTag));
+  if (peer == op.info.rank)
+    reject(op, std::string("peer ") + std::to_string(peer) + " is this rank itself: expected another rank");
+}
+
 }  // namespace
 
-void validate(const Op& op, c10::DeviceType device_type) {
+void validate(const Op& op, const at::Device& device) {
   const int n = op.info.group_size;
-  for (const auto& t : op.inputs) check_tensor(op, t, "input", device_type);
-  for (const auto& t : op.outputs) check_tensor(op, t, "output", device_type);
+  for (const auto& t : op.inputs) check_tensor(op, t, "input", device);
+  for (const auto& t : op.outputs) check_tensor(op, t, "output", device);
 
   const bool reduces = op.info.type == OpType::AllReduce || op.info.type == OpType::ReduceScatter;
   if (reduces && op.info.reduce == ReduceOp::Avg) {
@@ -138,11 +145,15 @@ void validate(const Op& op, c10::DeviceType device_type) {
     }
     case OpType::Send:
     case OpType::Recv:
-      check_rank(op, op.info.peer, op.info.type == OpType::Send ? "destination" : "source");
-      if (op.tag < 0 || op.tag > 32767)
-        reject(op, "tag " + std::to_string(op.tag) + " is out of range: expected 0..32767");
-      if (op.info.peer == op.info.rank)
-        reject(op, std::string("peer ") + std::to_string(op.info.peer) + " is this rank itself: expected another rank");
+      check_peer(op, op.info.peer, op.tag, op.info.type == OpType::Send);
+      break;
+    case OpType::SendRecvBatch:
+      if (op.batch.empty()) reject(op, "expected at least one send or receive, found none");
+      for (const auto& p : op.batch) check_peer(op, p.peer, p.tag, p.kind == P2POp::Kind::Send);
+      break;
+    case OpType::Split:
+      if (op.split == nullptr || op.split->name.empty())
+        reject(op, "expected a name for the new communicator, found an empty one");
       break;
   }
 }

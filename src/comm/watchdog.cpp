@@ -2,6 +2,8 @@
 
 #include <algorithm>
 
+#include "loom/comm/communicator.h"
+#include "loom/config.h"
 #include "loom/log.h"
 
 namespace loom::detail {
@@ -14,20 +16,11 @@ Watchdog& Watchdog::instance() {
 
 Watchdog::Watchdog() : thread_([this] { run(); }) {}
 
-Watchdog::~Watchdog() {
-  {
-    std::lock_guard<std::mutex> lock(mutex_);
-    stop_ = true;
-  }
-  wake_.notify_all();
-  if (thread_.joinable()) thread_.join();
-}
-
-void Watchdog::watch(WorkPtr work, Clock::time_point deadline, std::function<void()> on_expire) {
+void Watchdog::watch(std::weak_ptr<Communicator> comm, std::shared_ptr<Work> work) {
   // No wake-up: the thread checks every poll interval anyway, and a notify per operation would
   // cost a system call on the hot path. Detection is at most one interval late.
   std::lock_guard<std::mutex> lock(mutex_);
-  entries_.push_back({std::move(work), deadline, std::move(on_expire)});
+  entries_.push_back({std::move(comm), std::move(work), 0});
 }
 
 void Watchdog::add_periodic(std::function<bool()> check) {
@@ -37,34 +30,55 @@ void Watchdog::add_periodic(std::function<bool()> check) {
 
 void Watchdog::run() {
   std::unique_lock<std::mutex> lock(mutex_);
-  while (!stop_) {
-    // Sleep until the earliest deadline (at most one poll interval: device works complete
-    // without telling anyone and are found by polling).
-    auto wake_at = Clock::now() + poll_interval_;
-    for (const auto& e : entries_) wake_at = std::min(wake_at, e.deadline);
-    wake_.wait_until(lock, wake_at);
-    if (stop_) break;
-
-    std::vector<std::function<void()>> expired;
-    auto now = Clock::now();
-    // is_completed() may take the work's own lock; it never takes ours, so no cycle.
-    auto keep = std::remove_if(entries_.begin(), entries_.end(), [&](Entry& e) {
-      if (e.work->is_completed()) return true;
-      if (now >= e.deadline) {
-        expired.push_back(std::move(e.on_expire));
-        return true;
-      }
-      return false;
-    });
-    entries_.erase(keep, entries_.end());
+  for (;;) {
+    wake_.wait_for(lock, poll_interval_);
+    double stall_fraction = 0;
+    try {
+      stall_fraction = config().stall_warning;
+    } catch (const std::exception&) {  // malformed before init(): init() reports it
+    }
+    struct Due {
+      std::weak_ptr<Communicator> comm;
+      std::shared_ptr<Work> work;
+      double elapsed;
+      bool expired;
+    };
+    std::vector<Due> due;
+    std::vector<Entry> watching;
+    watching.swap(entries_);
     auto periodic = periodic_;
-
     lock.unlock();
-    for (auto& on_expire : expired) {
+
+    // is_completed() may poll a device event or take the work's own lock; never ours.
+    std::vector<Entry> keep;
+    const auto now = Clock::now();
+    for (auto& e : watching) {
+      if (e.work->is_completed()) continue;
+      const auto started = e.work->started_at_time();
+      if (!started) {
+        keep.push_back(std::move(e));
+        continue;
+      }
+      const double elapsed = std::chrono::duration<double>(now - *started).count();
+      const double timeout = std::chrono::duration<double>(e.work->info().timeout).count();
+      if (elapsed >= timeout) {
+        due.push_back({e.comm, e.work, elapsed, true});
+        continue;
+      }
+      if (stall_fraction > 0 && e.warnings < 3 && elapsed >= stall_fraction * timeout * (e.warnings + 1)) {
+        ++e.warnings;
+        due.push_back({e.comm, e.work, elapsed, false});
+      }
+      keep.push_back(std::move(e));
+    }
+    for (auto& d : due) {
+      auto comm = d.comm.lock();
+      if (!comm) continue;
       try {
-        on_expire();
+        if (d.expired) comm->on_timeout(d.work);
+        else comm->on_stall(d.work, d.elapsed);
       } catch (const std::exception& e) {
-        LOOM_LOG(error, "watchdog: handling a timeout failed: " << e.what());
+        LOOM_LOG(error, "watchdog: handling " << d.work->info().describe() << " failed: " << e.what());
       }
     }
     std::vector<size_t> finished_checks;
@@ -78,6 +92,9 @@ void Watchdog::run() {
       if (!again) finished_checks.push_back(i);
     }
     lock.lock();
+    // Entries added while unlocked went to entries_; keep both.
+    keep.insert(keep.end(), std::make_move_iterator(entries_.begin()), std::make_move_iterator(entries_.end()));
+    entries_.swap(keep);
     // Periodic checks are only appended, so indices of the copy are still valid.
     for (auto it = finished_checks.rbegin(); it != finished_checks.rend(); ++it)
       periodic_.erase(periodic_.begin() + static_cast<long>(*it));

@@ -1,8 +1,9 @@
 // The watchdog: one thread per process that enforces every operation's timeout, whether or not
-// anyone waits on it. A backend registers a work when it starts running, with the deadline and
-// what to do on expiry (fail the work, break the communicator, apply the error policy). The
-// watchdog only detects and reports; ending the job is the job aborter's (abort.h), on its own
-// thread, so a blocking abort never stalls detection for other communicators.
+// anyone waits on it. The comm core registers each operation at submission; its deadline runs
+// from when it starts (an operation queued behind a slow one is not charged for the wait). On
+// expiry the watchdog hands the operation back to its communicator (which reports and applies
+// the error policy); at fractions of the timeout (LOOM_STALL_WARNING) it asks for a warning.
+// The watchdog only detects; ending the job is the job aborter's (abort.h), on its own thread.
 #pragma once
 
 #include <chrono>
@@ -15,6 +16,10 @@
 
 #include "loom/comm/work.h"
 
+namespace loom {
+class Communicator;
+}
+
 namespace loom::detail {
 
 class Watchdog {
@@ -23,26 +28,24 @@ class Watchdog {
 
   static Watchdog& instance();
 
-  // Calls on_expire (on the watchdog thread) if work has not completed by deadline. A work that
-  // completes is dropped at the next check; is_completed() is how device works are polled.
-  // poll_interval bounds how late a detection can be.
-  void watch(WorkPtr work, Clock::time_point deadline, std::function<void()> on_expire);
-  // Runs check() every poll interval until it returns false (device communicators poll
-  // asynchronous errors this way).
+  // Watches `work` of `comm` until it completes: Communicator::on_timeout once its timeout has
+  // passed since it started, Communicator::on_stall at each stall-warning fraction.
+  void watch(std::weak_ptr<Communicator> comm, std::shared_ptr<Work> work);
+  // Runs check() every poll interval until it returns false (the status channel's server,
+  // device communicators' asynchronous-error polls).
   void add_periodic(std::function<bool()> check);
 
   std::chrono::milliseconds poll_interval() const { return poll_interval_; }
   bool on_watchdog_thread() const { return std::this_thread::get_id() == thread_.get_id(); }
-  ~Watchdog();
 
  private:
   Watchdog();
   void run();
 
   struct Entry {
-    WorkPtr work;
-    Clock::time_point deadline;
-    std::function<void()> on_expire;
+    std::weak_ptr<Communicator> comm;
+    std::shared_ptr<Work> work;
+    int warnings = 0;  // stall warnings already given
   };
 
   std::chrono::milliseconds poll_interval_{50};
@@ -50,7 +53,6 @@ class Watchdog {
   std::condition_variable wake_;
   std::vector<Entry> entries_;
   std::vector<std::function<bool()>> periodic_;
-  bool stop_ = false;
   std::thread thread_;
 };
 

@@ -1,5 +1,7 @@
 #include "core/env.h"
 
+#include <cmath>
+#include <cstdio>
 #include <cstdlib>
 #include <stdexcept>
 
@@ -8,25 +10,51 @@
 namespace loom::env {
 
 const std::vector<Variable>& all_variables() {
-  static const std::vector<Variable> table = {
-      {"LOOM_LOG_LEVEL", "warn", "Log level: trace, debug, info, warn, error or off."},
-      {"LOOM_TIMEOUT", "600", "Default timeout of every communication operation, in seconds (0.001 to 86400)."},
+  // Never destroyed: read by threads that may outlive static destruction.
+  static const auto& table = *new std::vector<Variable>{
+      {"LOOM_LOG_LEVEL", "warn", "Log level: trace, debug, info, warn, error or off. Every line carries [rank r/n]."},
+      {"LOOM_TIMEOUT", "600",
+       "Default timeout of every communication operation, in seconds (0.001 to 86400). A per-call timeout in the "
+       "options overrides it."},
       {"LOOM_ON_ERROR", "abort",
-       "What a timed-out or failed collective does after raising its error: `abort` ends the whole job "
-       "(MPI_Abort / ncclCommAbort) so no rank hangs; `raise` only marks the communicator broken."},
+       "After an operation times out or fails, its error is raised to the waiter and logged; then abort ends the "
+       "whole job (device communicators aborted, then MPI_Abort) so that no rank hangs, while raise breaks only the "
+       "communicator (later calls on it raise loom::CommError at once; a device communicator is aborted so its "
+       "stream is released)."},
       {"LOOM_ABORT_GRACE", "2",
-       "Seconds between reporting a fatal communication error and aborting the job (0 to 600), so the "
-       "waiting thread can raise and log it first."},
+       "Seconds between reporting a fatal error and aborting the job (0 to 600), so the waiting thread can raise and "
+       "log it first."},
       {"LOOM_CHECK_COLLECTIVES", "0",
-       "1: before every collective, ranks exchange a fingerprint (operation, sequence number, dtype, "
-       "element count, root) and raise loom::MismatchError showing both sides when they differ. Costs "
-       "one small all-gather per collective; for debugging."},
+       "1: before every collective the ranks exchange a fingerprint (operation, sequence number, dtype, element "
+       "count, reduce op, root) and raise loom::MismatchError showing both sides when they differ. One small "
+       "all-gather per collective: for debugging."},
+      {"LOOM_SIZE_CHECK_BYTES", "256",
+       "Host (MPI) collectives of at least this many bytes first agree on the rolling fingerprint and element count "
+       "(one 32-byte all-reduce), so ranks that pass different sizes get loom::MismatchError naming both: Open MPI "
+       "writes past buffers when sizes differ from about 1 KB up, and is safe below (0 to 2^40; 0 checks every "
+       "collective)."},
+      {"LOOM_FINGERPRINT_INTERVAL", "1024",
+       "Every this many collectives on a communicator the ranks compare their rolling fingerprint of every earlier "
+       "call (operation, dtype, element count, reduce op, root), so a divergence is reported near where it began "
+       "(0 to 2^31; 0: only before large host collectives and timeouts)."},
+      {"LOOM_STALL_WARNING", "0.25",
+       "Fraction of an operation's timeout after which a still-pending operation is logged as a warning naming the "
+       "ranks that have not called it yet (again at twice and three times that; 0 to 1, 0: off)."},
+      {"LOOM_FLIGHT_RECORD", "16",
+       "Operations each communicator remembers for error reports: the last this many appear in the log with a "
+       "timeout or failure, and peers answer questions about them (1 to 4096)."},
       {"LOOM_TIMELINE", "",
-       "Path prefix of a Chrome-trace timeline (bucket ready / issued / completed); each rank writes "
-       "<path>.rank<r>.json at loom::finalize(). Unset: no timeline."},
+       "Path prefix of a timeline in Chrome trace JSON (open it in Perfetto): every rank writes <path>.rank<r>.json "
+       "at loom::finalize(). Checked at loom::init() (the file must be writable); a failed write is reported."},
       {"LOOM_NCCL", "auto",
-       "The device communicator loom::init() builds (NCCL over all ranks, device = local rank): auto (when a "
-       "GPU is visible), on (required), off."},
+       "The device communicator loom::init() builds (Runtime::device_comm(): NCCL over all ranks): auto when every "
+       "rank can use a GPU of its own, on always (loom::ConfigError on every rank when one cannot), off never. The "
+       "log says why it was or was not built."},
+      {"LOOM_DEVICE", "",
+       "CUDA device index of this process (0 to 1023). Unset: 0 when the process sees one GPU (CUDA_VISIBLE_DEVICES "
+       "per rank, Slurm --gpus-per-task=1), else the local rank."},
+      {"LOOM_TOPOLOGY", "",
+       "A JSON topology file describing the machine(s), used by the placement planner instead of detection."},
   };
   return table;
 }
@@ -37,47 +65,66 @@ static const Variable& lookup(const char* name) {
   throw std::logic_error(std::string("torchloom reads undeclared environment variable ") + name);
 }
 
-std::optional<std::string> raw(const char* name) {
+std::optional<std::string> raw(const Environment& env, const char* name) {
   lookup(name);
-  const char* value = std::getenv(name);
-  if (value == nullptr || *value == '\0') return std::nullopt;
-  return std::string(value);
+  auto it = env.find(name);
+  if (it == env.end() || it->second.empty()) return std::nullopt;
+  return it->second;
 }
 
-static std::string value_or_default(const char* name) {
-  auto value = raw(name);
+static std::string value_or_default(const Environment& env, const char* name) {
+  auto value = raw(env, name);
   return value ? *value : lookup(name).default_value;
 }
 
-std::chrono::milliseconds seconds_as_duration(const char* name, double min_seconds, double max_seconds) {
-  std::string text = value_or_default(name);
-  char* end = nullptr;
-  double seconds = std::strtod(text.c_str(), &end);
-  if (end == text.c_str() || *end != '\0' || !(seconds >= min_seconds && seconds <= max_seconds))
-    throw ConfigError(std::string("environment variable ") + name + "='" + text + "': expected seconds between " +
-                      std::to_string(min_seconds) + " and " + std::to_string(max_seconds));
-  return std::chrono::milliseconds(static_cast<long long>(seconds * 1000.0 + 0.5));
+static std::string number_text(double value) {
+  char text[32];
+  std::snprintf(text, sizeof(text), "%g", value);
+  return text;
 }
 
-long long integer(const char* name, long long min_value, long long max_value) {
-  std::string text = value_or_default(name);
+static ConfigError malformed(const char* name, const std::string& text, const std::string& expected) {
+  return ConfigError(ErrorContext("environment variable")(std::string(name) + "='" + text + "': expected " + expected));
+}
+
+std::chrono::milliseconds seconds(const Environment& env, const char* name, double min_seconds, double max_seconds) {
+  std::string text = value_or_default(env, name);
   char* end = nullptr;
+  double value = std::strtod(text.c_str(), &end);
+  if (end == text.c_str() || *end != '\0' || !std::isfinite(value) || !(value >= min_seconds && value <= max_seconds))
+    throw malformed(name, text, "seconds between " + number_text(min_seconds) + " and " + number_text(max_seconds));
+  return std::chrono::milliseconds(static_cast<long long>(value * 1000.0 + 0.5));
+}
+
+long long integer(const Environment& env, const char* name, long long min_value, long long max_value) {
+  std::string text = value_or_default(env, name);
+  char* end = nullptr;
+  errno = 0;
   long long value = std::strtoll(text.c_str(), &end, 10);
-  if (end == text.c_str() || *end != '\0' || value < min_value || value > max_value)
-    throw ConfigError(std::string("environment variable ") + name + "='" + text + "': expected an integer in [" +
-                      std::to_string(min_value) + ", " + std::to_string(max_value) + "]");
+  if (end == text.c_str() || *end != '\0' || errno != 0 || value < min_value || value > max_value)
+    throw malformed(name, text,
+                    "an integer from " + std::to_string(min_value) + " to " + std::to_string(max_value));
   return value;
 }
 
-bool flag(const char* name) { return choice(name, {"0", "1"}) == "1"; }
+double real(const Environment& env, const char* name, double min_value, double max_value) {
+  std::string text = value_or_default(env, name);
+  char* end = nullptr;
+  double value = std::strtod(text.c_str(), &end);
+  if (end == text.c_str() || *end != '\0' || !std::isfinite(value) || !(value >= min_value && value <= max_value))
+    throw malformed(name, text, "a number from " + number_text(min_value) + " to " + number_text(max_value));
+  return value;
+}
 
-std::string choice(const char* name, const std::vector<std::string>& accepted) {
-  std::string text = value_or_default(name);
+bool flag(const Environment& env, const char* name) { return choice(env, name, {"0", "1"}) == "1"; }
+
+std::string choice(const Environment& env, const char* name, const std::vector<std::string>& accepted) {
+  std::string text = value_or_default(env, name);
   for (const auto& a : accepted)
     if (a == text) return text;
   std::string list;
   for (const auto& a : accepted) list += (list.empty() ? "" : ", ") + a;
-  throw ConfigError(std::string("environment variable ") + name + "='" + text + "': expected one of " + list);
+  throw malformed(name, text, "one of " + list);
 }
 
 }  // namespace loom::env

@@ -1,5 +1,6 @@
 // The environment variables torchloom reads, declared once, parsed in one place, range-checked.
-// docs/environment.md documents the same table (a unit test keeps the two in step).
+// docs/environment.md documents the same table: a unit test checks that every row there has
+// this table's name, default and description, word for word.
 #pragma once
 
 #include <chrono>
@@ -7,26 +8,29 @@
 #include <string>
 #include <vector>
 
+#include "loom/world.h"
+
 namespace loom::env {
 
 struct Variable {
   const char* name;
-  const char* default_value;
+  const char* default_value;  // "" when the default is "unset"
   const char* description;
 };
 
 // Every variable the library reads.
 const std::vector<Variable>& all_variables();
 
-// The raw value, or nullopt when unset or empty. Throws std::logic_error for a name that is not
-// in the table (so a new variable cannot be read without being declared and documented).
-std::optional<std::string> raw(const char* name);
+// The value in `env`, or nullopt when unset or empty. Throws std::logic_error for a name that is
+// not in the table (so a new variable cannot be read without being declared and documented).
+std::optional<std::string> raw(const Environment& env, const char* name);
 
 // Typed readers: the default from the table when unset; a ConfigError naming the variable, its
 // value and the accepted range when malformed.
-std::chrono::milliseconds seconds_as_duration(const char* name, double min_seconds, double max_seconds);
-long long integer(const char* name, long long min_value, long long max_value);
-bool flag(const char* name);
-std::string choice(const char* name, const std::vector<std::string>& accepted);
+std::chrono::milliseconds seconds(const Environment& env, const char* name, double min_seconds, double max_seconds);
+long long integer(const Environment& env, const char* name, long long min_value, long long max_value);
+double real(const Environment& env, const char* name, double min_value, double max_value);
+bool flag(const Environment& env, const char* name);
+std::string choice(const Environment& env, const char* name, const std::vector<std::string>& accepted);
 
 }  // namespace loom::env

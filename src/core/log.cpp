@@ -6,7 +6,7 @@
 #include <atomic>
 #include <mutex>
 
-#include "core/env.h"
+#include <cstdlib>
 #include "loom/error.h"
 
 namespace loom::log {
@@ -26,22 +26,30 @@ spdlog::level::level_enum to_spdlog(Level level) {
   return spdlog::level::warn;
 }
 
-std::shared_ptr<spdlog::logger>& logger() {
+spdlog::logger& logger() {
   // stderr, unbuffered per line, shared by all threads; mpirun forwards it with the rank's output.
-  static std::shared_ptr<spdlog::logger> instance = [] {
-    auto l = std::make_shared<spdlog::logger>("loom", std::make_shared<spdlog::sinks::stderr_sink_mt>());
+  // Never destroyed: threads and destructors that run during process exit may still log.
+  static spdlog::logger* instance = [] {
+    auto* l = new spdlog::logger("loom", std::make_shared<spdlog::sinks::stderr_sink_mt>());
     l->set_pattern("[%Y-%m-%d %H:%M:%S.%e] [rank ?] [%l] %v");
     l->set_level(spdlog::level::trace);  // filtering is done by enabled()
     return l;
   }();
-  return instance;
+  return *instance;
 }
 
 int current_level() {
   int level = g_level.load(std::memory_order_relaxed);
   if (level < 0) {
-    auto text = env::raw("LOOM_LOG_LEVEL");
-    level = static_cast<int>(text ? parse_level(*text, "LOOM_LOG_LEVEL") : Level::warn);
+    // Before loom::init() has checked the configuration: a malformed LOOM_LOG_LEVEL is reported
+    // by init() as a ConfigError; logging itself never throws.
+    level = static_cast<int>(Level::warn);
+    if (const char* text = std::getenv("LOOM_LOG_LEVEL")) {
+      try {
+        level = static_cast<int>(parse_level(text, "LOOM_LOG_LEVEL"));
+      } catch (const Error&) {
+      }
+    }
     g_level.store(level, std::memory_order_relaxed);
   }
   return level;
@@ -53,18 +61,18 @@ Level parse_level(std::string_view text, std::string_view source) {
   static const char* names[] = {"trace", "debug", "info", "warn", "error", "off"};
   for (int i = 0; i < 6; ++i)
     if (text == names[i]) return static_cast<Level>(i);
-  throw ConfigError(std::string(source) + "='" + std::string(text) +
-                    "': expected one of trace, debug, info, warn, error, off");
+  throw ConfigError(ErrorContext("environment variable")(std::string(source) + "='" + std::string(text) +
+                                                        "': expected one of trace, debug, info, warn, error, off"));
 }
 
 bool enabled(Level level) { return static_cast<int>(level) >= current_level() && level != Level::off; }
 
-void write(Level level, std::string_view message) { logger()->log(to_spdlog(level), "{}", message); }
+void write(Level level, std::string_view message) { logger().log(to_spdlog(level), "{}", message); }
 
 void set_level(Level level) { g_level.store(static_cast<int>(level), std::memory_order_relaxed); }
 
 void set_rank(int rank, int size) {
-  logger()->set_pattern("[%Y-%m-%d %H:%M:%S.%e] [rank " + std::to_string(rank) + "/" + std::to_string(size) +
+  logger().set_pattern("[%Y-%m-%d %H:%M:%S.%e] [rank " + std::to_string(rank) + "/" + std::to_string(size) +
                         "] [%l] %v");
 }
 

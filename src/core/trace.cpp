@@ -1,12 +1,14 @@
 #include "loom/trace.h"
 
+#include <atomic>
 #include <fstream>
 #include <map>
 #include <mutex>
 #include <nlohmann/json.hpp>
 #include <vector>
 
-#include "core/env.h"
+#include <cerrno>
+#include <cstring>
 #include "loom/error.h"
 
 namespace loom::trace {
@@ -23,20 +25,13 @@ struct Recorder {
   std::vector<Event> events;
   int rank = 0;
   std::string path;
-  bool enabled = false;
+  std::atomic<bool> enabled{false};
   // Anchors steady-clock times to wall-clock microseconds, so ranks' files align.
   Clock::time_point steady_origin = Clock::now();
   double wall_origin_us = std::chrono::duration<double, std::micro>(
                               std::chrono::system_clock::now().time_since_epoch())
                               .count();
 
-  Recorder() {
-    auto value = env::raw("LOOM_TIMELINE");
-    if (value) {
-      path = *value;
-      enabled = true;
-    }
-  }
   double to_us(Clock::time_point t) const {
     return wall_origin_us + std::chrono::duration<double, std::micro>(t - steady_origin).count();
   }
@@ -66,10 +61,26 @@ void instant(const std::string& name, const std::string& category, Clock::time_p
   r.events.push_back({name, category, lane, 'i', at, at});
 }
 
-void set_rank(int rank) {
+static std::string file_of(const std::string& prefix, int rank) { return prefix + ".rank" + std::to_string(rank) + ".json"; }
+
+static void write_file(const std::string& file, const std::string& text, const char* what) {
+  errno = 0;
+  std::ofstream out(file, std::ios::binary | std::ios::trunc);
+  if (out) out << text;
+  if (out) out.flush();
+  if (!out)
+    throw Error(ErrorContext("LOOM_TIMELINE")(std::string(what) + " " + file + " failed: " +
+                                              (errno ? std::strerror(errno) : "write error")));
+}
+
+void configure(const std::string& path_prefix, int rank) {
   auto& r = recorder();
   std::lock_guard<std::mutex> lock(r.mutex);
   r.rank = rank;
+  r.path = path_prefix;
+  r.enabled = !path_prefix.empty();
+  // Checked now, so that an unwritable place is reported at start rather than after the run.
+  if (r.enabled) write_file(file_of(r.path, rank), "{\"traceEvents\": []}\n", "creating");
 }
 
 std::string flush() {
@@ -90,10 +101,8 @@ std::string flush() {
     events.push_back({{"name", "thread_name"}, {"ph", "M"}, {"pid", r.rank}, {"tid", id}, {"args", {{"name", lane}}}});
   events.push_back(
       {{"name", "process_name"}, {"ph", "M"}, {"pid", r.rank}, {"args", {{"name", "rank " + std::to_string(r.rank)}}}});
-  const std::string file = r.path + ".rank" + std::to_string(r.rank) + ".json";
-  std::ofstream out(file);
-  if (!out) throw Error("[rank " + std::to_string(r.rank) + "] LOOM_TIMELINE: cannot write " + file);
-  out << nlohmann::json{{"traceEvents", events}, {"displayTimeUnit", "ms"}}.dump() << "\n";
+  const std::string file = file_of(r.path, r.rank);
+  write_file(file, nlohmann::json{{"traceEvents", events}, {"displayTimeUnit", "ms"}}.dump() + "\n", "writing");
   return file;
 }
 

@@ -77,6 +77,24 @@ std::vector<int> parse_slurm_tasks_per_node(const std::string& text) {
   return per_node;
 }
 
+// The rank and size on this node; a value out of range is an error. With only one of the two the
+// pair is unknown (init() takes it from MPI), or an error when the launcher always sets both.
+void read_local(const Environment& env, const std::string& launcher, const std::string& rank_name,
+                const std::string& size_name, World& w, bool both_or_neither = false) {
+  auto local_rank = read_int(env, rank_name, launcher);
+  auto local_size = read_int(env, size_name, launcher);
+  if (local_rank && local_size) {
+    w.local_rank = *local_rank;
+    w.local_size = *local_size;
+    check_index(launcher, rank_name, w.local_rank, size_name, w.local_size);
+  } else if (both_or_neither && (local_rank || local_size)) {
+    throw ConfigError("launch environment (" + launcher + "): " + (local_rank ? rank_name : size_name) +
+                      " is set but " + (local_rank ? size_name : rank_name) + " is missing");
+  } else {
+    w.local_known = false;
+  }
+}
+
 World from_openmpi(const Environment& env) {
   const std::string L = "openmpi";
   World w;
@@ -84,15 +102,7 @@ World from_openmpi(const Environment& env) {
   w.rank = *read_int(env, "OMPI_COMM_WORLD_RANK", L);
   w.size = require_int(env, "OMPI_COMM_WORLD_SIZE", L, "OMPI_COMM_WORLD_RANK");
   check_index(L, "OMPI_COMM_WORLD_RANK", w.rank, "OMPI_COMM_WORLD_SIZE", w.size);
-  auto local_rank = read_int(env, "OMPI_COMM_WORLD_LOCAL_RANK", L);
-  auto local_size = read_int(env, "OMPI_COMM_WORLD_LOCAL_SIZE", L);
-  if (local_rank && local_size) {
-    w.local_rank = *local_rank;
-    w.local_size = *local_size;
-    check_index(L, "OMPI_COMM_WORLD_LOCAL_RANK", w.local_rank, "OMPI_COMM_WORLD_LOCAL_SIZE", w.local_size);
-  } else {
-    w.local_known = false;
-  }
+  read_local(env, L, "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE", w);
   w.node_known = false;  // Open MPI does not export the node index; init() derives it
   return w;
 }
@@ -122,15 +132,7 @@ World from_pmi(const Environment& env) {
   w.rank = *read_int(env, "PMI_RANK", L);
   w.size = require_int(env, "PMI_SIZE", L, "PMI_RANK");
   check_index(L, "PMI_RANK", w.rank, "PMI_SIZE", w.size);
-  auto local_rank = read_int(env, "MPI_LOCALRANKID", L);
-  auto local_size = read_int(env, "MPI_LOCALNRANKS", L);
-  if (local_rank && local_size) {
-    w.local_rank = *local_rank;
-    w.local_size = *local_size;
-    check_index(L, "MPI_LOCALRANKID", w.local_rank, "MPI_LOCALNRANKS", w.local_size);
-  } else {
-    w.local_known = false;
-  }
+  read_local(env, L, "MPI_LOCALRANKID", "MPI_LOCALNRANKS", w);
   w.node_known = false;
   return w;
 }
@@ -178,19 +180,8 @@ World from_torchrun(const Environment& env) {
   w.rank = *read_int(env, "RANK", L);
   w.size = require_int(env, "WORLD_SIZE", L, "RANK");
   check_index(L, "RANK", w.rank, "WORLD_SIZE", w.size);
-  auto local_rank = read_int(env, "LOCAL_RANK", L);
-  auto local_size = read_int(env, "LOCAL_WORLD_SIZE", L);
-  if (local_rank && local_size) {
-    w.local_rank = *local_rank;
-    w.local_size = *local_size;
-    check_index(L, "LOCAL_RANK", w.local_rank, "LOCAL_WORLD_SIZE", w.local_size);
-    if (w.size % w.local_size == 0) w.num_nodes = w.size / w.local_size;
-  } else if (local_rank || local_size) {
-    throw ConfigError(std::string("launch environment (torchrun): ") + (local_rank ? "LOCAL_RANK" : "LOCAL_WORLD_SIZE") +
-                      " is set but " + (local_rank ? "LOCAL_WORLD_SIZE" : "LOCAL_RANK") + " is missing");
-  } else {
-    w.local_known = false;
-  }
+  read_local(env, L, "LOCAL_RANK", "LOCAL_WORLD_SIZE", w, /*both_or_neither=*/true);
+  if (w.local_known && w.size % w.local_size == 0) w.num_nodes = w.size / w.local_size;
   auto group_rank = read_int(env, "GROUP_RANK", L);
   if (group_rank && w.local_known) {
     w.node_index = *group_rank;

@@ -89,7 +89,7 @@ struct GradientReducer::Impl : std::enable_shared_from_this<GradientReducer::Imp
   std::vector<uintptr_t> hook_keys;
   mutable std::mutex mutex;
 
-  std::string where() const { return "[rank " + std::to_string(group->rank()) + "] GradientReducer"; }
+  std::string where() const { return group->context("GradientReducer").prefix(); }
 
   // Alone in the group with the plain average there is nothing to reduce: gradients stay where
   // autograd put them and buckets are not used (no copies, no communication).
@@ -113,10 +113,9 @@ struct GradientReducer::Impl : std::enable_shared_from_this<GradientReducer::Imp
   }
 
   // The reducer's own small exchanges (model check, used flags, bucket order) travel on the
-  // group's device: a device communicator accepts only tensors on its GPU.
-  at::Device control_device() const {
-    return group->device_type() == c10::DeviceType::CPU ? at::Device(at::kCPU) : params.front().device();
-  }
+  // group's device (a device communicator accepts only tensors on its GPU), as internal operations
+  // that never shift the sequence numbers users see.
+  at::Device control_device() const { return group->device(); }
 
   // Every rank must hold the same parameter list: count, then each parameter's dtype and shape.
   void verify_same_model_on_all_ranks() {
@@ -125,7 +124,10 @@ struct GradientReducer::Impl : std::enable_shared_from_this<GradientReducer::Imp
     const auto on_group = at::TensorOptions().dtype(at::kLong).device(control_device());
     at::Tensor count = at::full({1}, static_cast<int64_t>(params.size()), at::kLong).to(control_device());
     at::Tensor counts = at::empty({n}, on_group);
-    group->all_gather(counts, count)->wait();
+    {
+      detail::InternalOperations internal("model check");
+      group->all_gather(counts, count)->wait();
+    }
     counts = counts.cpu();
     for (int r = 0; r < n; ++r) {
       if (counts[r].item<int64_t>() != static_cast<int64_t>(params.size()))
@@ -133,23 +135,35 @@ struct GradientReducer::Impl : std::enable_shared_from_this<GradientReducer::Imp
                             " parameters, rank " + std::to_string(r) + " has " +
                             std::to_string(counts[r].item<int64_t>()));
     }
-    constexpr int kMaxDims = 8;
+    // A row per parameter: dtype, rank, the first kShownDims sizes, and a hash of every size (so a
+    // difference past the shown ones is caught too).
+    constexpr int kShownDims = 7;
+    constexpr int kRow = kShownDims + 3;
     const int64_t P = static_cast<int64_t>(params.size());
-    at::Tensor mine = at::full({P, kMaxDims + 2}, -1, at::kLong);
+    at::Tensor mine = at::full({P, kRow}, -1, at::kLong);
     auto m = mine.accessor<int64_t, 2>();
     for (int64_t i = 0; i < P; ++i) {
       m[i][0] = static_cast<int64_t>(params[i].scalar_type());
       m[i][1] = params[i].dim();
-      for (int64_t d = 0; d < params[i].dim(); ++d) m[i][2 + std::min<int64_t>(d, kMaxDims - 1)] = params[i].size(d);
+      uint64_t hash = 1469598103934665603ull;
+      for (int64_t d = 0; d < params[i].dim(); ++d) {
+        if (d < kShownDims) m[i][2 + d] = params[i].size(d);
+        hash = (hash ^ static_cast<uint64_t>(params[i].size(d))) * 1099511628211ull;
+      }
+      m[i][kRow - 1] = static_cast<int64_t>(hash);
     }
-    at::Tensor all = at::empty({n * P, kMaxDims + 2}, on_group);
-    group->all_gather(all, mine.to(control_device()))->wait();
+    at::Tensor all = at::empty({n * P, kRow}, on_group);
+    {
+      detail::InternalOperations internal("model check");
+      group->all_gather(all, mine.to(control_device()))->wait();
+    }
     all = all.cpu();
     auto describe = [&](const at::Tensor& row) {
       std::ostringstream s;
       auto r = row.accessor<int64_t, 1>();
       s << c10::toString(static_cast<c10::ScalarType>(r[0])) << " [";
-      for (int64_t d = 0; d < std::min<int64_t>(r[1], kMaxDims); ++d) s << (d ? ", " : "") << r[2 + d];
+      for (int64_t d = 0; d < std::min<int64_t>(r[1], kShownDims); ++d) s << (d ? ", " : "") << r[2 + d];
+      if (r[1] > kShownDims) s << ", ...";
       s << "]";
       return s.str();
     };
@@ -169,7 +183,7 @@ struct GradientReducer::Impl : std::enable_shared_from_this<GradientReducer::Imp
     at::NoGradGuard no_grad;
     std::vector<at::Tensor> data;
     for (auto& p : params) data.push_back(p.detach());
-    detail::broadcast_tensors(*group, data);
+    detail::broadcast_tensors(*group, data, "parameter broadcast");
   }
 
   // Lays out buckets in `order`; gradients already present are carried over into the new slots.
@@ -301,7 +315,10 @@ struct GradientReducer::Impl : std::enable_shared_from_this<GradientReducer::Imp
         at::Tensor used = at::ones({static_cast<int64_t>(params.size())}, at::kByte);
         for (size_t i : missing) used[static_cast<int64_t>(i)] = 0;
         at::Tensor on_group = used.to(control_device());
-        group->all_reduce(on_group, {ReduceOp::Max})->wait();
+        {
+          detail::InternalOperations internal("used-parameter agreement");
+          group->all_reduce(on_group, {ReduceOp::Max})->wait();
+        }
         used = on_group.cpu();
         ++stats.used_set_agreements;
         for (size_t i = 0; i < params.size(); ++i) globally_used[i] = used[static_cast<int64_t>(i)].item<uint8_t>();
@@ -375,6 +392,7 @@ struct GradientReducer::Impl : std::enable_shared_from_this<GradientReducer::Imp
     }
     if (group->size() > 1) {
       at::Tensor on_group = order.to(control_device());
+      detail::InternalOperations internal("bucket order");
       group->broadcast(on_group, {0})->wait();
       order = on_group.cpu();
     }
@@ -401,7 +419,7 @@ struct GradientReducer::Impl : std::enable_shared_from_this<GradientReducer::Imp
 GradientReducer::GradientReducer(std::vector<at::Tensor> parameters, std::shared_ptr<Communicator> group,
                                  ReducerOptions options)
     : impl_(std::make_shared<Impl>()) {
-  if (!group) throw InvalidArgumentError("GradientReducer: expected a communicator, found none");
+  if (!group) throw InvalidArgumentError(ErrorContext("GradientReducer")("expected a communicator, found none"));
   impl_->params = std::move(parameters);
   impl_->group = std::move(group);
   impl_->options = std::move(options);

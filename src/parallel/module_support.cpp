@@ -6,8 +6,9 @@
 
 namespace loom::detail {
 
-void broadcast_tensors(Communicator& group, const std::vector<at::Tensor>& tensors) {
+void broadcast_tensors(Communicator& group, const std::vector<at::Tensor>& tensors, const char* purpose) {
   if (group.size() == 1 || tensors.empty()) return;
+  InternalOperations internal(purpose);
   std::vector<WorkPtr> works;
   std::vector<std::pair<at::Tensor, at::Tensor>> copies;  // (staging, destination)
   for (const auto& t : tensors) {
@@ -26,16 +27,16 @@ void broadcast_tensors(Communicator& group, const std::vector<at::Tensor>& tenso
 
 void check_same_parameters(const GradientReducer& reducer, const std::vector<at::Tensor>& current) {
   const auto& known = reducer.parameters();
-  const int rank = reducer.group().rank();
+  const ErrorContext where = reducer.group().context("DistributedDataParallel forward");
   if (current.size() != known.size())
-    throw InvalidArgumentError("[rank " + std::to_string(rank) + "] DistributedDataParallel forward: the module has " +
+    throw InvalidArgumentError(where.prefix() + ": the module has " +
                                std::to_string(current.size()) + " parameters but the reducer was built with " +
                                std::to_string(known.size()) +
                                " (parameters added or removed after construction are not reduced: build the "
                                "DistributedDataParallel wrapper after the model is complete)");
   for (size_t i = 0; i < known.size(); ++i) {
     if (!current[i].is_same(known[i]))
-      throw InvalidArgumentError("[rank " + std::to_string(rank) + "] DistributedDataParallel forward: parameter " +
+      throw InvalidArgumentError(where.prefix() + ": parameter " +
                                  std::to_string(i) +
                                  " was replaced after construction (expected the tensor the reducer hooks)");
   }

@@ -18,8 +18,8 @@ ParallelState::ParallelState(std::shared_ptr<Communicator> world, int tensor_par
 
 ParallelState::ParallelState(std::shared_ptr<Communicator> world, const ParallelConfig& config)
     : world_(std::move(world)) {
-  if (!world_) throw InvalidArgumentError("ParallelState: the world communicator is null");
-  const std::string where = "[rank " + std::to_string(world_->rank()) + "] ParallelState";
+  if (!world_) throw InvalidArgumentError(ErrorContext("ParallelState")("the world communicator is null"));
+  const std::string where = ErrorContext("ParallelState").prefix();
   const int t = config.tensor_parallel;
   // Every check is local and the same on every rank, so all ranks raise together before any
   // collective is entered: no rank is left waiting in make_parallel_groups.
@@ -44,12 +44,12 @@ ParallelState::ParallelState(std::shared_ptr<Communicator> world, const Parallel
 void ParallelState::seed(uint64_t seed, RngTracker& tracker) const { model_parallel_seed(seed, tp_rank(), tracker); }
 
 void ParallelState::require_divisible(const std::string& what, int64_t value) const {
-  detail::require_divisible("[rank " + std::to_string(world_->rank()) + "] ParallelState", what, value, tp_degree());
+  detail::require_divisible(ErrorContext("ParallelState").prefix(), what, value, tp_degree());
 }
 
 int64_t padded_vocab_size(int64_t vocab, int tp_degree, int64_t multiple) {
   if (vocab <= 0 || tp_degree < 1 || multiple < 1)
-    throw InvalidArgumentError("padded_vocab_size: expected vocab > 0, tp_degree >= 1, multiple >= 1; found " +
+    throw InvalidArgumentError(ErrorContext("padded_vocab_size")("expected vocab > 0, tp_degree >= 1, multiple >= 1; found ") +
                                std::to_string(vocab) + ", " + std::to_string(tp_degree) + ", " +
                                std::to_string(multiple));
   const int64_t step = tp_degree * multiple;

@@ -13,9 +13,10 @@ namespace loom::detail {
 inline int tp_size(const TensorParallelGroup& group) { return group ? group->size() : 1; }
 inline int tp_rank(const TensorParallelGroup& group) { return group ? group->rank() : 0; }
 
-// "[tp rank 1/2] ColumnParallelLinear" — a layer knows its TP group, not the world rank.
+// "[rank 3] ColumnParallelLinear group=tp1 (rank 1 of 2)", or "[rank 3] ColumnParallelLinear"
+// without a group.
 inline std::string tp_where(const TensorParallelGroup& group, const std::string& what) {
-  return "[tp rank " + std::to_string(tp_rank(group)) + "/" + std::to_string(tp_size(group)) + "] " + what;
+  return group ? group->context(what).prefix() : ErrorContext(what).prefix();
 }
 
 // Throws InvalidArgumentError naming what was expected (a multiple of degree) and what was found.

@@ -7,8 +7,7 @@ namespace loom {
 GradientAccumulator::GradientAccumulator(GradientReducer& reducer, size_t micro_batches)
     : reducer_(reducer), micro_batches_(micro_batches) {
   if (micro_batches == 0)
-    throw InvalidArgumentError("[rank " + std::to_string(reducer.group().rank()) +
-                               "] GradientAccumulator: micro_batches must be at least 1, found 0");
+    throw InvalidArgumentError(reducer.group().context("GradientAccumulator")("micro_batches must be at least 1, found 0"));
 }
 
 GradientAccumulator::MicroBatch GradientAccumulator::next() {

@@ -3,7 +3,9 @@
 
 A hang is a failure: every run has a hard limit well below CTest's. Each scenario states the
 exit status it expects, which typed error each rank must report, the bounds on how long that
-took (relative to the operation timeout), and what the message must say.
+took (relative to the operation timeout), what the messages must say (the culprit rank among
+it), what the output must never contain (a crash), and that no process of the job is left.
+The culprit ("victim") is always the last rank, so a scenario means the same at 2 and 4 ranks.
 """
 import argparse
 import os
@@ -12,41 +14,118 @@ import subprocess
 import sys
 import time
 
-TIMEOUT_S = 2.0  # LOOM_TIMEOUT for the scenarios: short, so the suite stays fast
+T = 2.0  # LOOM_TIMEOUT for the scenarios: short, so the suite stays fast
+CRASHES = ["Segmentation fault", "signal 11", "double free", "corruption", "munmap_chunk", "terminate called",
+           "signal 6 (Aborted)"]
 
+
+def expect(kind, low, high, *parts):
+    return {"kind": kind, "low": low, "high": high, "parts": list(parts)}
+
+
+# Each scenario: env, whether the job must exit 0, expectations for "victim" / "survivors" / "all"
+# (a dict or a function of (rank, n) returning one), extra output checks, and a wall-clock bound.
 SCENARIOS = {
-    # scenario: (ranks, extra environment, expect exit 0?, {rank: (kind, min_s, max_s, [substrings])})
-    "bad_input_one_rank": (2, {"LOOM_ON_ERROR": "raise"}, True, {
-        1: ("InvalidArgumentError", 0.0, 0.5,
-            ["[rank 1] all_reduce group=world (rank 1 of 2)", "expected a contiguous tensor, found shape [4, 6]"]),
-        0: ("TimeoutError", TIMEOUT_S, 2 * TIMEOUT_S,
-            ["[rank 0] all_reduce seq=0 group=world (rank 0 of 2) shape=[4, 6] dtype=Float op=sum timed out after",
-             "(timeout 2.0 s)"]),
-    }),
-    "missing_call_abort": (2, {"LOOM_ON_ERROR": "abort", "LOOM_ABORT_GRACE": "0.5"}, False, {
-        0: ("TimeoutError", TIMEOUT_S, 2 * TIMEOUT_S,
-            ["[rank 0] all_reduce seq=0 group=world (rank 0 of 2) shape=[4, 6] dtype=Float op=sum timed out after"]),
-    }),
-    "mismatch_detected": (2, {"LOOM_CHECK_COLLECTIVES": "1", "LOOM_ON_ERROR": "raise"}, True, {
-        0: ("MismatchError", 0.0, 1.0,
-            ["collective mismatch: this rank called all_reduce(seq=0, dtype=Float, numel=24, op=sum) "
-             "but rank 1 called broadcast(seq=0, dtype=Double, numel=12, root=0)"]),
-        1: ("MismatchError", 0.0, 1.0,
-            ["collective mismatch: this rank called broadcast(seq=0, dtype=Double, numel=12, root=0) "
-             "but rank 0 called all_reduce(seq=0, dtype=Float, numel=24, op=sum)"]),
-    }),
+    "bad_input_one_rank": dict(
+        env={"LOOM_ON_ERROR": "raise"}, success=True,
+        victim=lambda v, n: expect("InvalidArgumentError", 0, 0.5, f"[rank {v}] all_reduce group=world (rank {v} of {n})",
+                                   "expected a contiguous tensor, found shape [4, 6]"),
+        survivors=lambda r, n: expect("TimeoutError", T, 2 * T,
+                                      f"[rank {r}] all_reduce seq=0 group=world (rank {r} of {n}) shape=[4, 6] "
+                                      f"dtype=Float op=sum timed out after", "(timeout 2.0 s)",
+                                      f"not arrived: {n - 1} (called nothing on it yet)")),
+    "skipped_call": dict(
+        env={"LOOM_ON_ERROR": "raise"}, success=True,
+        survivors=lambda r, n: expect("TimeoutError", T, 2 * T, f"[rank {r}] all_reduce seq=0",
+                                      f"rank not arrived: {n - 1} (called nothing on it yet)")),
+    "missing_call_abort": dict(
+        env={"LOOM_ON_ERROR": "abort", "LOOM_ABORT_GRACE": "0.5"}, success=False,
+        survivors=lambda r, n: expect("TimeoutError", T, 2 * T, f"[rank {r}] all_reduce seq=0 group=world",
+                                      f"rank not arrived: {n - 1}")),
+    "mismatch_detected": dict(
+        env={"LOOM_CHECK_COLLECTIVES": "1", "LOOM_ON_ERROR": "raise"}, success=True,
+        survivors=lambda r, n: expect("MismatchError", 0, 1.0,
+                                      "collective mismatch: this rank called all_reduce(seq=0, dtype=Float, numel=24, "
+                                      f"op=sum) but rank {n - 1} called broadcast(seq=0, dtype=Double, numel=12, root=0)"),
+        victim=lambda v, n: expect("MismatchError", 0, 1.0,
+                                   "collective mismatch: this rank called broadcast(seq=0, dtype=Double, numel=12, "
+                                   "root=0) but rank 0 called all_reduce(seq=0, dtype=Float, numel=24, op=sum)")),
+    # Without LOOM_CHECK_COLLECTIVES: the always-on check before host collectives of >= 256 bytes.
+    "size_mismatch": dict(
+        env={"LOOM_ON_ERROR": "raise"}, success=True,
+        survivors=lambda r, n: expect("MismatchError", 0, 1.0,
+                                      "this rank called all_reduce(seq=0, dtype=Float, numel=1024, op=sum) but rank "
+                                      f"{n - 1} called all_reduce(seq=0, dtype=Float, numel=2048, op=sum)"),
+        victim=lambda v, n: expect("MismatchError", 0, 1.0,
+                                   "this rank called all_reduce(seq=0, dtype=Float, numel=2048, op=sum) but rank 0 "
+                                   "called all_reduce(seq=0, dtype=Float, numel=1024, op=sum)")),
+    "dtype_mismatch": dict(
+        env={"LOOM_ON_ERROR": "raise"}, success=True,
+        survivors=lambda r, n: expect("MismatchError", 0, 1.0, f"but rank {n - 1} called all_reduce(seq=0, "
+                                                               "dtype=Double, numel=1024, op=sum)")),
+    "op_mismatch": dict(
+        env={"LOOM_ON_ERROR": "raise"}, success=True,
+        survivors=lambda r, n: expect("MismatchError", 0, 1.0, f"but rank {n - 1} called all_reduce(seq=0, "
+                                                               "dtype=Float, numel=1024, op=max)")),
+    # Below the check: MPI truncates; every rank must end with a typed error, none may crash. (A
+    # progress thread stays stuck in MPI, so the ranks leave without MPI_Finalize: mpirun says 1.)
+    "small_size_mismatch": dict(
+        env={"LOOM_ON_ERROR": "raise"}, success=False, exit_code=1,
+        all=lambda r, n: expect(("CommError", "TimeoutError", "MismatchError"), 0, 2 * T + 1)),
     # A device communicator demanded where there is no GPU: a clear error on every rank at init.
-    "nccl_on_without_gpu": (2, {"LOOM_NCCL": "on"}, True, {
-        0: ("ConfigError", 0.0, 5.0, ["[rank 0] init: LOOM_NCCL=on but"]),
-        1: ("ConfigError", 0.0, 5.0, ["[rank 1] init: LOOM_NCCL=on but"]),
-    }),
-    # A killed rank: Open MPI's runtime ends the others; no rank may be left waiting.
-    "sigkill_rank": (2, {"LOOM_ON_ERROR": "abort", "LOOM_ABORT_GRACE": "0.5"}, False, {}),
-    # A stopped rank never answers: the others time out, report it, and end the job.
-    "sigstop_rank": (2, {"LOOM_ON_ERROR": "abort", "LOOM_ABORT_GRACE": "0.5"}, False, {
-        0: ("TimeoutError", TIMEOUT_S, 2 * TIMEOUT_S, ["timed out after", "seq=1"]),
-    }),
+    "nccl_on_without_gpu": dict(
+        env={"LOOM_NCCL": "on"}, success=True,
+        all=lambda r, n: expect("ConfigError", 0, 5.0, f"[rank {r}] init: LOOM_NCCL=on but")),
+    # A LOOM_ variable set on the victim only (a multi-node mpirun without -x).
+    "config_differs": dict(
+        env={}, victim_env={"LOOM_NCCL": "off"}, success=True,
+        all=lambda r, n: expect("ConfigError", 0, 5.0, f"[rank {r}] init: LOOM_NCCL is not the same on every rank: "
+                                                       f"'off' on rank {n - 1}, unset on rank")),
+    # Malformed values are found at init on every rank (they once broke the abort, or terminated).
+    "bad_config_value": dict(
+        env={"LOOM_ABORT_GRACE": "abc"}, success=True,
+        all=lambda r, n: expect("ConfigError", 0, 5.0, f"[rank {r}] environment variable: LOOM_ABORT_GRACE='abc': "
+                                                       "expected seconds between 0 and 600")),
+    "timeline_unwritable": dict(
+        env={"LOOM_TIMELINE": "/nonexistent/dir/trace"}, success=True,
+        all=lambda r, n: expect("ConfigError", 0, 5.0, "LOOM_TIMELINE: creating /nonexistent/dir/trace.rank")),
+    # A killed rank: Open MPI's runtime ends the others, naming the killed rank; nobody is left.
+    "sigkill_rank": dict(env={"LOOM_ON_ERROR": "abort", "LOOM_ABORT_GRACE": "0.5"}, success=False,
+                         output=[lambda n: f"process rank {n - 1} with PID"]),
+    "sigkill_in_ddp_backward": dict(env={"LOOM_ON_ERROR": "abort", "LOOM_ABORT_GRACE": "0.5"}, success=False,
+                                    output=[lambda n: f"process rank {n - 1} with PID"]),
+    "sigkill_in_tp_forward": dict(env={"LOOM_ON_ERROR": "abort", "LOOM_ABORT_GRACE": "0.5"}, success=False,
+                                  output=[lambda n: f"process rank {n - 1} with PID"]),
+    # A stopped rank never answers: the others time out, say it does not answer, and end the job.
+    "sigstop_rank": dict(
+        env={"LOOM_ON_ERROR": "abort", "LOOM_ABORT_GRACE": "0.5"}, success=False,
+        survivors=lambda r, n: expect("TimeoutError", T, 2 * T, "seq=1", f"no answer from rank {n - 1}")),
+    "sigstop_in_ddp_backward": dict(
+        env={"LOOM_ON_ERROR": "abort", "LOOM_ABORT_GRACE": "0.5"}, success=False,
+        survivors=lambda r, n: expect("TimeoutError", T, 2 * T, "timed out after", f"no answer from rank {n - 1}")),
+    # Leaving main without finalize after a timeout, with debug logging: no crash at exit, and the
+    # exit code is the program's own (1), every time.
+    "exit_without_finalize": dict(
+        env={"LOOM_ON_ERROR": "raise", "LOOM_LOG_LEVEL": "debug"}, success=False, exit_code=1,
+        survivors=lambda r, n: expect("TimeoutError", T, 2 * T, "timed out after")),
+    "stall_warning": dict(
+        env={"LOOM_TIMEOUT": "4", "LOOM_STALL_WARNING": "0.25"}, success=True,
+        all=lambda r, n: expect("none", 0, 4.0),
+        output=[lambda n: "still pending after 1.", lambda n: f"rank not arrived: {n - 1}"]),
+    # A timeline on a full disk is found at init (its file is created and written there)...
+    "timeline_disk_full": dict(
+        env={"LOOM_TIMELINE": "@FULL@"}, success=True,
+        all=lambda r, n: expect("ConfigError", 0, 5.0, f"[rank {r}] LOOM_TIMELINE: creating",
+                                "failed: No space left on device")),
+    # ... and one that fails later (the file grows past what the disk takes) is reported at
+    # finalize, without ending a successful run with a crash.
+    "timeline_write_fails": dict(
+        env={"LOOM_TIMELINE": "@TMP@"}, success=True,
+        output=[lambda n: "LOOM_TIMELINE: writing", lambda n: "failed: File too large"]),
 }
+
+RESULT = re.compile(r"^RESULT rank=(\d+) kind=(\S+) elapsed=([\d.]+) message=(.*)$")
+
 
 def gpu_visible():
     """Whether nvidia-smi lists a GPU (the scenario needs a machine without one)."""
@@ -57,7 +136,14 @@ def gpu_visible():
     return listing.returncode == 0 and "GPU" in listing.stdout
 
 
-RESULT = re.compile(r"^RESULT rank=(\d+) kind=(\S+) elapsed=([\d.]+) message=(.*)$")
+def leftovers(program, scenario):
+    ps = subprocess.run(["ps", "-eo", "pid,stat,args"], capture_output=True, text=True).stdout
+    found = []
+    for line in ps.splitlines()[1:]:
+        pid, stat, command = line.split(None, 2)
+        if command.startswith(program + " ") and command.rstrip().endswith(" " + scenario) and not stat.startswith("Z"):
+            found.append(line)
+    return found
 
 
 def main():
@@ -65,14 +151,39 @@ def main():
     parser.add_argument("--mpirun", required=True)
     parser.add_argument("--program", required=True)
     parser.add_argument("--scenario", required=True, choices=sorted(SCENARIOS))
+    parser.add_argument("--np", type=int, default=2)
     args = parser.parse_args()
-    ranks, extra_env, expect_success, expected = SCENARIOS[args.scenario]
+    spec = SCENARIOS[args.scenario]
+    n = args.np
     if args.scenario == "nccl_on_without_gpu" and gpu_visible():
         print("SKIP nccl_on_without_gpu: a GPU is visible here (benchmarks/gpu_check.sh covers this machine)")
         return 0
 
-    env = dict(os.environ, LOOM_TIMEOUT=str(TIMEOUT_S), OMP_NUM_THREADS="1", **extra_env)
-    command = [args.mpirun, "--oversubscribe", "--bind-to", "none", "-np", str(ranks), args.program, args.scenario]
+    env = dict(os.environ, LOOM_TIMEOUT=str(T), OMP_NUM_THREADS="1")
+    for k in [k for k in env if k.startswith("LOOM_")]:
+        if k != "LOOM_TIMEOUT":
+            del env[k]  # the scenario's environment only; the suite runs under the defaults
+    extra = dict(spec["env"])
+    workdir = None
+    if extra.get("LOOM_TIMELINE") == "@FULL@":
+        import tempfile
+        workdir = tempfile.mkdtemp(prefix="loom_full_")
+        for r in range(n):
+            os.symlink("/dev/full", os.path.join(workdir, f"trace.rank{r}.json"))
+        extra["LOOM_TIMELINE"] = os.path.join(workdir, "trace")
+    if extra.get("LOOM_TIMELINE") == "@TMP@":
+        import tempfile
+        workdir = tempfile.mkdtemp(prefix="loom_trace_")
+        extra["LOOM_TIMELINE"] = os.path.join(workdir, "trace")
+    env.update(extra)
+    base = [args.mpirun, "--oversubscribe", "--bind-to", "none"]
+    if "victim_env" in spec:
+        # MPMD: the victim gets its own environment (mpirun -x sets it for that part only).
+        exports = [x for k, v in spec["victim_env"].items() for x in ("-x", f"{k}={v}")]
+        command = base + ["-np", str(n - 1), args.program, args.scenario, ":", "-np", "1"] + exports + \
+            [args.program, args.scenario]
+    else:
+        command = base + ["-np", str(n), args.program, args.scenario]
     start = time.monotonic()
     try:
         proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=45)
@@ -82,23 +193,41 @@ def main():
         return 1
     wall = time.monotonic() - start
     output = proc.stdout + proc.stderr
-    print(f"--- {args.scenario}: exit {proc.returncode} after {wall:.1f} s ---\n{output}\n---")
+    print(f"--- {args.scenario} at {n} ranks: exit {proc.returncode} after {wall:.1f} s ---\n{output}\n---")
 
     failures = []
-    if expect_success and proc.returncode != 0:
+    if spec["success"] and proc.returncode != 0:
         failures.append(f"expected exit status 0, found {proc.returncode}")
-    if not expect_success and proc.returncode == 0:
+    if not spec["success"] and proc.returncode == 0:
         failures.append("expected the job to be ended with a non-zero status, found 0")
-    if not expect_success and wall > 30:
+    if "exit_code" in spec and proc.returncode != spec["exit_code"]:
+        failures.append(f"expected exit status {spec['exit_code']} (the program's), found {proc.returncode}")
+    if not spec["success"] and wall > 30:
         failures.append(f"the job took {wall:.1f} s to end; the ranks sleep 60 s, so it was not ended by the fault")
+    for crash in CRASHES:
+        if crash in output:
+            failures.append(f"a rank crashed: the output contains '{crash}'")
+    for make in spec.get("output", []):
+        if make(n) not in output:
+            failures.append(f"the output lacks '{make(n)}'")
+    time.sleep(0.5)
+    left = leftovers(args.program, args.scenario)
+    if left:
+        failures.append("processes left behind:\n  " + "\n  ".join(left))
 
     results = {}
     for line in proc.stdout.splitlines():
         m = RESULT.match(line.strip())
         if m:
             results[int(m.group(1))] = (m.group(2), float(m.group(3)), m.group(4))
-    for rank, (kind, low, high, parts) in expected.items():
-        if rank not in results and kind == "TimeoutError" and extra_env.get("LOOM_ON_ERROR") == "abort":
+    expected = {}
+    for r in range(n):
+        role = "victim" if r == n - 1 else "survivors"
+        make = spec.get(role) or spec.get("all")
+        if make:
+            expected[r] = make(r, n)
+    for rank, e in expected.items():
+        if rank not in results and e["kind"] == "TimeoutError" and spec["env"].get("LOOM_ON_ERROR") == "abort":
             # With LOOM_ON_ERROR=abort a waiter may itself be running the collective (the
             # submit-then-wait fast path) and so cannot raise: the watchdog's logged error and
             # the job's end are the report, as with c10d's asynchronous error handling.
@@ -108,18 +237,19 @@ def main():
                 m = re.search(r"timed out after ([\d.]+) s", logged[0])
                 results[rank] = ("TimeoutError", float(m.group(1)), logged[0])
         if rank not in results:
-            failures.append(f"rank {rank} reported nothing (expected {kind})")
+            failures.append(f"rank {rank} reported nothing (expected {e['kind']})")
             continue
         got_kind, elapsed, message = results[rank]
-        if got_kind != kind:
-            failures.append(f"rank {rank}: expected {kind}, found {got_kind}: {message}")
-        if not (low <= elapsed <= high):
-            failures.append(f"rank {rank}: error after {elapsed:.3f} s, expected between {low} and {high} s")
-        for part in parts:
+        kinds = e["kind"] if isinstance(e["kind"], tuple) else (e["kind"],)
+        if got_kind not in kinds:
+            failures.append(f"rank {rank}: expected {' or '.join(kinds)}, found {got_kind}: {message}")
+        if not (e["low"] <= elapsed <= e["high"]):
+            failures.append(f"rank {rank}: reported after {elapsed:.3f} s, expected between {e['low']} and {e['high']} s")
+        for part in e["parts"]:
             if part not in message:
                 failures.append(f"rank {rank}: message lacks '{part}': {message}")
-    if args.scenario == "sigkill_rank" and "RANK 1 SIGNALLING ITSELF" not in output:
-        failures.append("rank 1 never reached the kill")
+    if args.scenario.startswith("sig") and "SIGNALLING ITSELF" not in output:
+        failures.append("the victim never reached the signal")
 
     for f in failures:
         print("FAIL", f)

@@ -1,16 +1,24 @@
-// Fault scenarios, each run as a real job by check_fault.py, which checks the exit status,
-// the elapsed time and what every rank reports. A rank reports a caught error as one line:
-//   RESULT rank=<r> kind=<TimeoutError|InvalidArgumentError|MismatchError|none> elapsed=<s> message=<what()>
+// Fault scenarios, each run as a real job by check_fault.py, which checks the exit status, the
+// elapsed time and what every rank reports. A rank reports a caught error as one line:
+//   RESULT rank=<r> kind=<TimeoutError|InvalidArgumentError|MismatchError|CommError|ConfigError|none> elapsed=<s> message=<what()>
+// The culprit is always the last rank ("victim" below), so the scenarios mean the same at 2 and 4 ranks.
 #include <ATen/ATen.h>
 #include <signal.h>
+#include <sys/resource.h>
+#include <torch/nn/modules/linear.h>
+#include <torch/optim/sgd.h>
 
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <map>
 #include <string>
 #include <thread>
 
+#include "loom/comm/mpi.h"
 #include "loom/error.h"
+#include "loom/parallel/data_parallel.h"
+#include "loom/parallel/tensor_parallel.h"
 #include "loom/runtime.h"
 
 namespace {
@@ -36,9 +44,45 @@ void run_and_report(int rank, Call call) {
     report(rank, "InvalidArgumentError", start, e.what());
   } catch (const loom::MismatchError& e) {
     report(rank, "MismatchError", start, e.what());
+  } catch (const loom::ConfigError& e) {
+    report(rank, "ConfigError", start, e.what());
+  } catch (const loom::CommError& e) {
+    report(rank, "CommError", start, e.what());
   } catch (const loom::Error& e) {
     report(rank, "Error", start, e.what());
   }
+}
+
+int rank_from_environment() {
+  const char* r = std::getenv("OMPI_COMM_WORLD_RANK");
+  return r ? std::atoi(r) : 0;
+}
+
+// A small data-parallel training loop; `on_step` runs inside backward (from a gradient hook).
+void train_ddp(const std::shared_ptr<loom::Communicator>& comm, int steps, const std::function<void(int)>& on_step) {
+  torch::manual_seed(1);
+  torch::nn::Linear model(64, 64);
+  loom::GradientReducer reducer(model->parameters(), comm);
+  torch::optim::SGD opt(model->parameters(), 0.01);
+  int step = 0;
+  model->weight.register_hook([&](const at::Tensor& grad) {
+    on_step(step);
+    return grad;
+  });
+  for (step = 0; step < steps; ++step) {
+    reducer.zero_grad();
+    at::Tensor loss = model(at::randn({32, 64})).pow(2).mean();
+    loss.backward();
+    opt.step();
+  }
+}
+
+// Scenarios that fail inside loom::init(): every rank reports the ConfigError it raised.
+int init_scenario() {
+  const int rank = rank_from_environment();
+  run_and_report(rank, [] { loom::init(); });
+  loom::finalize();
+  return 0;
 }
 
 }  // namespace
@@ -49,65 +93,137 @@ int main(int argc, char** argv) {
     return 2;
   }
   const std::string scenario = argv[1];
-  if (scenario == "nccl_on_without_gpu") {
-    // LOOM_NCCL=on where no GPU is visible: init() refuses with a ConfigError on every rank.
-    auto start = Clock::now();
-    try {
-      loom::init();
-      report(-1, "none", start, "");
-    } catch (const loom::ConfigError& e) {
-      const std::string what = e.what();
-      const int rank = std::atoi(what.substr(what.find("[rank ") + 6).c_str());
-      report(rank, "ConfigError", start, what);
-    }
-    loom::finalize();
-    return 0;
+  if (scenario == "nccl_on_without_gpu" || scenario == "config_differs" || scenario == "bad_config_value" ||
+      scenario == "timeline_unwritable" || scenario == "timeline_disk_full")
+    return init_scenario();
+
+  std::shared_ptr<loom::Runtime> rt;
+  try {
+    rt = loom::init();
+  } catch (const loom::Error& e) {
+    std::fprintf(stderr, "fault_program: %s\n", e.what());
+    return 1;
   }
-  auto rt = loom::init();
   auto comm = rt->world_comm();
   const int rank = comm->rank();
-  auto control = comm->split(0, rank, "control");  // for the test's own coordination
+  const int victim = comm->size() - 1;
+  // For the test's own coordination: a communicator of its own, so that the tested one's sequence
+  // numbers start at 0.
+  auto control = loom::mpi::world_communicator();
   at::Tensor t = at::ones({4, 6});
 
   if (scenario == "bad_input_one_rank") {
-    // Rank 1 passes a non-contiguous tensor: it fails at once; rank 0 times out.
-    if (rank == 1) {
+    // The victim passes a non-contiguous tensor: it fails at once; the others time out, naming it.
+    if (rank == victim) {
       at::Tensor bad = at::ones({6, 4}).t();
       run_and_report(rank, [&] { comm->all_reduce(bad)->wait(); });
     } else {
       run_and_report(rank, [&] { comm->all_reduce(t)->wait(); });
     }
-    // Clean-up only the test needs: once rank 0 has seen its timeout, rank 1 makes the call it
-    // skipped, so rank 0's progress thread is released and both ranks finalize MPI normally.
+    // Clean-up only the test needs: once the others have seen their timeout, the victim makes the
+    // call it skipped, so their progress threads are released and every rank finalizes MPI.
     control->barrier({std::chrono::seconds(30)})->wait();
-    if (rank == 1) comm->all_reduce(t)->wait();
+    if (rank == victim) comm->all_reduce(t)->wait();
+    control->barrier({std::chrono::seconds(30)})->wait();
+  } else if (scenario == "skipped_call") {
+    // The victim skips one all_reduce and goes on to the next call: the others time out naming it.
+    if (rank != victim) run_and_report(rank, [&] { comm->all_reduce(t)->wait(); });
+    control->barrier({std::chrono::seconds(30)})->wait();
+    if (rank == victim) comm->all_reduce(t)->wait();  // release the others' progress threads
     control->barrier({std::chrono::seconds(30)})->wait();
   } else if (scenario == "missing_call_abort") {
-    // Rank 1 never makes the call. Rank 0's all_reduce times out, raises, and the job is ended.
-    if (rank == 0) {
-      run_and_report(rank, [&] { comm->all_reduce(t)->wait(); });
-      std::this_thread::sleep_for(std::chrono::seconds(60));  // the abort must come before this ends
-    } else {
-      std::this_thread::sleep_for(std::chrono::seconds(60));
-    }
+    // The victim never makes the call. The others' all_reduce times out, raises, and the job ends.
+    if (rank != victim) run_and_report(rank, [&] { comm->all_reduce(t)->wait(); });
+    std::this_thread::sleep_for(std::chrono::seconds(60));  // the abort must come before this ends
   } else if (scenario == "mismatch_detected") {
-    // LOOM_CHECK_COLLECTIVES=1: different collectives on the two ranks are caught before any
-    // data moves, on both ranks, with both sides in the message.
-    if (rank == 0) {
+    // LOOM_CHECK_COLLECTIVES=1: different collectives are caught before any data moves, on every
+    // rank, with both sides in the message.
+    if (rank != victim) {
       run_and_report(rank, [&] { comm->all_reduce(t)->wait(); });
     } else {
       at::Tensor other = at::ones({12}, at::kDouble);
       run_and_report(rank, [&] { comm->broadcast(other, {0})->wait(); });
     }
+  } else if (scenario == "size_mismatch" || scenario == "dtype_mismatch" || scenario == "op_mismatch") {
+    // No LOOM_CHECK_COLLECTIVES: the always-on check before host collectives of 256 bytes and more
+    // ends the call on every rank, naming both sides, before MPI could write past a buffer.
+    at::Tensor mine = at::ones({1024});
+    loom::ReduceOp op = loom::ReduceOp::Sum;
+    if (rank == victim) {
+      if (scenario == "size_mismatch") mine = at::ones({2048});
+      if (scenario == "dtype_mismatch") mine = at::ones({1024}, at::kDouble);
+      if (scenario == "op_mismatch") op = loom::ReduceOp::Max;
+    }
+    run_and_report(rank, [&] { comm->all_reduce(mine, {op})->wait(); });
+  } else if (scenario == "small_size_mismatch") {
+    // Below the check's threshold (16 vs 64 bytes): MPI truncates (safe at these sizes); every rank
+    // ends with a typed error within the timeout, and none crashes.
+    at::Tensor mine = at::ones({rank == victim ? 16 : 4});
+    run_and_report(rank, [&] {
+      comm->all_reduce(mine)->wait();
+      comm->all_reduce(t)->wait();  // the next step: the group is broken or a peer never comes
+    });
+    control->barrier({std::chrono::seconds(30)})->wait();
+    std::_Exit(0);  // a progress thread may be stuck inside MPI: end without finalizing
   } else if (scenario == "sigkill_rank" || scenario == "sigstop_rank") {
     comm->all_reduce(t)->wait();  // a healthy collective first
-    if (rank == 1) {
-      std::printf("RANK 1 SIGNALLING ITSELF\n");
+    if (rank == victim) {
+      std::printf("RANK %d SIGNALLING ITSELF\n", rank);
       std::fflush(stdout);
       raise(scenario == "sigkill_rank" ? SIGKILL : SIGSTOP);
     }
     run_and_report(rank, [&] { comm->all_reduce(t)->wait(); });
     std::this_thread::sleep_for(std::chrono::seconds(60));
+  } else if (scenario == "sigkill_in_ddp_backward" || scenario == "sigstop_in_ddp_backward") {
+    // Killed or stopped in the middle of a backward pass, while buckets are being all-reduced.
+    const int signal = scenario == "sigkill_in_ddp_backward" ? SIGKILL : SIGSTOP;
+    run_and_report(rank, [&] {
+      train_ddp(comm, 50, [&](int step) {
+        if (rank == victim && step == 5) {
+          std::printf("RANK %d SIGNALLING ITSELF\n", rank);
+          std::fflush(stdout);
+          raise(signal);
+        }
+      });
+    });
+    std::this_thread::sleep_for(std::chrono::seconds(60));
+  } else if (scenario == "sigkill_in_tp_forward") {
+    loom::ParallelState ps(comm, comm->size());
+    torch::manual_seed(3);
+    loom::ColumnParallelLinear fc1(32, 64, ps.tp_group());
+    loom::RowParallelLinear fc2(64, 32, ps.tp_group());
+    run_and_report(rank, [&] {
+      for (int step = 0; step < 50; ++step) {
+        at::Tensor h = fc1(at::randn({8, 32}));
+        if (rank == victim && step == 5) {
+          std::printf("RANK %d SIGNALLING ITSELF\n", rank);
+          std::fflush(stdout);
+          raise(SIGKILL);
+        }
+        fc2(at::gelu(h)).sum().backward();
+      }
+    });
+    std::this_thread::sleep_for(std::chrono::seconds(60));
+  } else if (scenario == "exit_without_finalize") {
+    // LOOM_ON_ERROR=raise with debug logging: the survivors get a TimeoutError and leave main
+    // without loom::finalize(), as a program's error path does. Teardown must not crash (the log
+    // and the communicators are gone in a safe order) and the exit code is the program's.
+    if (rank != victim) run_and_report(rank, [&] { comm->all_reduce(t)->wait(); });
+    // The victim leaves last, so mpirun does not end the others before they report.
+    else std::this_thread::sleep_for(std::chrono::seconds(5));
+    return 1;
+  } else if (scenario == "stall_warning") {
+    // The victim comes 2 s late to a collective with a 4 s timeout: the others log a warning
+    // naming it at 1 s, and the call then completes.
+    if (rank == victim) std::this_thread::sleep_for(std::chrono::seconds(2));
+    run_and_report(rank, [&] { comm->all_reduce(t)->wait(); });
+  } else if (scenario == "timeline_write_fails") {
+    // The trace cannot be written at the end (files are limited to 16 bytes from now on, as on a
+    // disk that filled up during the run): finalize reports it and the run still ends normally.
+    comm->all_reduce(t)->wait();
+    signal(SIGXFSZ, SIG_IGN);
+    struct rlimit limit = {16, 16};
+    setrlimit(RLIMIT_FSIZE, &limit);
   } else {
     std::fprintf(stderr, "unknown scenario %s\n", scenario.c_str());
     return 2;

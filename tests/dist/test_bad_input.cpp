@@ -3,6 +3,11 @@
 // a rejection the communicator is still usable and every rank's sequence numbers agree.
 #include <gtest/gtest.h>
 
+#include <fstream>
+#include <functional>
+#include <regex>
+#include <set>
+
 #include "test_util.h"
 
 using namespace loom;
@@ -106,4 +111,73 @@ TEST(BadInput, RejectionsDoNotShiftSequenceNumbers) {
   comm->all_gather(all, seq)->wait();
   EXPECT_TRUE(at::all(all.eq(seq)).item<bool>()) << all;
   EXPECT_FALSE(comm->is_broken());
+}
+
+namespace {
+
+// One bad call per way each public entry point can be misused, with what its message must say.
+struct BadCall {
+  std::string method;
+  std::string expected;
+  std::function<void(Communicator&)> call;
+};
+
+std::vector<BadCall> bad_calls(int n, int rank) {
+  const int other = (rank + 1) % n;
+  auto f = [](at::IntArrayRef shape) { return at::ones(shape); };
+  std::vector<BadCall> calls = {
+      {"all_reduce", "expected a contiguous tensor", [=](Communicator& c) { at::Tensor t = f({4, 6}).t(); c.all_reduce(t); }},
+      {"all_reduce", "op avg needs a floating-point dtype", [=](Communicator& c) { at::Tensor t = at::ones({3}, at::kInt); c.all_reduce(t, {ReduceOp::Avg}); }},
+      {"all_reduce", "timeout must be positive", [=](Communicator& c) { at::Tensor t = f({2}); c.all_reduce(t, {ReduceOp::Sum, Timeout(0)}); }},
+      {"broadcast", "root " + std::to_string(n) + " is out of range", [=](Communicator& c) { at::Tensor t = f({2}); c.broadcast(t, {n}); }},
+      {"broadcast", "expected a defined tensor", [=](Communicator& c) { at::Tensor t; c.broadcast(t); }},
+      {"all_gather", "output has " + std::to_string(2 * n + 1) + " elements", [=](Communicator& c) { at::Tensor out = at::empty({2 * n + 1}); c.all_gather(out, f({2})); }},
+      {"all_gather", "output tensors (one per rank)", [=](Communicator& c) { std::vector<at::Tensor> outs(n + 1, at::empty({2})); c.all_gather(outs, f({2})); }},
+      {"reduce_scatter", "input has 4 elements, expected " + std::to_string(3 * n), [=](Communicator& c) { at::Tensor out = at::empty({3}); c.reduce_scatter(out, f({4})); }},
+      {"all_to_all", "output has 3 elements", [=](Communicator& c) { at::Tensor out = at::empty({3}); c.all_to_all(out, f({2 * n})); }},
+      {"send", "destination " + std::to_string(n + 3), [=](Communicator& c) { c.send(f({2}), n + 3); }},
+      {"send", "is this rank itself", [=](Communicator& c) { c.send(f({2}), rank); }},
+      {"recv", "tag 40000 is out of range", [=](Communicator& c) { at::Tensor t = f({2}); c.recv(t, other, {40000}); }},
+      {"recv", "dtype ComplexFloat is not supported", [=](Communicator& c) { at::Tensor t = at::ones({2}, at::kComplexFloat); c.recv(t, other); }},
+      {"batch_isend_irecv", "expected at least one send or receive", [=](Communicator& c) { c.batch_isend_irecv({}); }},
+      {"batch_isend_irecv", "source -1 is out of range", [=](Communicator& c) { c.batch_isend_irecv({{P2POp::Kind::Recv, f({2}), -1}}); }},
+      {"barrier", "timeout must be positive", [=](Communicator& c) { c.barrier({Timeout(-5)}); }},
+      {"split", "expected a name for the new communicator", [=](Communicator& c) { c.split(0, 0, ""); }},
+  };
+  return calls;
+}
+
+}  // namespace
+
+TEST(BadInput, EveryPublicCallRejectsBadArgumentsAndTheCommunicatorStaysUsable) {
+  auto comm = test::world();
+  for (const auto& bad : bad_calls(comm->size(), comm->rank())) {
+    const std::string message = rejection([&] { bad.call(*comm); });
+    expect_contains(message, "[rank " + std::to_string(comm->rank()) + "] " + bad.method + " group=world");
+    expect_contains(message, bad.expected);
+    // Nothing was sent and nothing numbered: the next collective works and agrees on every rank.
+    at::Tensor probe = at::ones({3});
+    comm->all_reduce(probe)->wait();
+    EXPECT_TRUE(at::all(probe.eq(comm->size())).item<bool>()) << "after the bad " << bad.method;
+    ASSERT_FALSE(comm->is_broken()) << "a rejected " << bad.method << " broke the communicator";
+  }
+}
+
+// The matrix above is generated from the public header's list of calls: a call added to
+// Communicator without a bad-input case fails here.
+TEST(BadInput, TheMatrixCoversEveryPublicCallOfTheHeader) {
+  std::ifstream header(std::string(LOOM_SOURCE_DIR) + "/include/loom/comm/communicator.h");
+  ASSERT_TRUE(header.good());
+  std::string text((std::istreambuf_iterator<char>(header)), std::istreambuf_iterator<char>());
+  // The public section: from "public:" to the first "protected:".
+  text = text.substr(text.find(" public:"), text.find(" protected:") - text.find(" public:"));
+  const std::regex call(R"((?:WorkPtr|std::shared_ptr<Communicator>) (\w+)\()");
+  std::set<std::string> covered;
+  for (const auto& bad : bad_calls(2, 0)) covered.insert(bad.method);
+  int found = 0;
+  for (auto it = std::sregex_iterator(text.begin(), text.end(), call); it != std::sregex_iterator(); ++it) {
+    ++found;
+    EXPECT_TRUE(covered.count((*it)[1])) << "public call " << (*it)[1] << " has no bad-input case";
+  }
+  EXPECT_GE(found, 10) << "the header's calls were not found: did its layout change?";
 }

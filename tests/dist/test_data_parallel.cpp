@@ -303,7 +303,7 @@ TEST(DataParallel, MissingGradientWithoutFindUnusedIsAClearError) {
                            "find_unused_parameters = true"),
               std::string::npos)
         << message;
-    EXPECT_NE(message.find("[rank " + std::to_string(comm->rank()) + "] GradientReducer: parameters"),
+    EXPECT_NE(message.find("[rank " + std::to_string(comm->rank()) + "] GradientReducer group=world (rank " + std::to_string(comm->rank()) + " of " + std::to_string(comm->size()) + "): parameters"),
               std::string::npos)
         << message;
   }

@@ -72,16 +72,17 @@ TEST(GradScalerDistributed, InfOnOneTensorParallelShardSkipsTheWholeModel) {
   EXPECT_TRUE(scaled_step(scaler, shard, opt, at::full({4}, 0.25)));
 }
 
-TEST(GradScalerDistributed, WithTheReducerAndAccumulationTheUpdateIsExact) {
+TEST(GradScalerDistributed, WithDataParallelAndAccumulationTheUpdateIsExact) {
   // Power-of-two scales make scaling and unscaling exact, so DDP + accumulation + GradScaler
-  // must give the very weights of DDP + accumulation alone.
+  // must give the very weights of DDP + accumulation alone (the reducer has finished its
+  // reductions when backward returns, so the scaler needs no hand-off from it).
   auto comm = test::world();
   auto run = [&](bool with_scaler) {
     at::manual_seed(11);
     std::vector<at::Tensor> params = {(at::randn({6, 3}) * 0.5).requires_grad_(), at::zeros({3}).requires_grad_()};
     GradientReducer reducer(params, comm);
     torch::optim::SGD opt(params, 0.1);
-    GradScaler scaler({.enabled = with_scaler, .sync_groups = {comm}, .reducer = &reducer});
+    GradScaler scaler({.enabled = with_scaler, .sync_groups = {comm}});
     GradientAccumulator accumulate(reducer, 2);
     for (int step = 0; step < 4; ++step) {
       reducer.zero_grad();

@@ -639,17 +639,22 @@ TEST(TensorParallelState, DivisibilityErrorsNameRankExpectedAndFound) {
   const int tp = degrees().back();
   if (tp > 1) {
     auto group = state(tp).tp_group();
-    const std::string who = "[tp rank " + std::to_string(group->rank()) + "/" + std::to_string(tp) + "] ";
+    // The job rank, then the layer and its place in the TP group.
+    const std::string in_group = " group=" + group->name() + " (rank " + std::to_string(group->rank()) + " of " +
+                                 std::to_string(tp) + "): ";
+    const std::string job = "[rank " + std::to_string(world->rank()) + "] ";
     expect_invalid([&] { ColumnParallelLinear(8, tp + 1, group); },
-                   who + "ColumnParallelLinear: out_features must be a positive multiple of the tensor-parallel degree");
+                   job + "ColumnParallelLinear" + in_group +
+                       "out_features must be a positive multiple of the tensor-parallel degree");
     expect_invalid([&] { RowParallelLinear(tp + 1, 8, group); },
-                   who + "RowParallelLinear: in_features must be a positive multiple");
+                   job + "RowParallelLinear" + in_group + "in_features must be a positive multiple");
     expect_invalid([&] { VocabParallelEmbedding(tp * 3 + 1, 4, group); },
-                   who + "VocabParallelEmbedding: num_embeddings (vocabulary size) must be a positive multiple");
+                   job + "VocabParallelEmbedding" + in_group +
+                       "num_embeddings (vocabulary size) must be a positive multiple");
     // A token id no rank owns is an error on every rank, not a silent zero vector.
     VocabParallelEmbedding emb(tp * 3, 4, group);
     expect_invalid([&] { emb(at::tensor({0, tp * 3}, at::kLong)); },
-                   who + "VocabParallelEmbedding: expected token ids in [0, " + std::to_string(tp * 3) +
+                   job + "VocabParallelEmbedding" + in_group + "expected token ids in [0, " + std::to_string(tp * 3) +
                        "); found min 0, max " + std::to_string(tp * 3));
     ParallelTransformerBlockOptions o;
     o.num_heads = tp + 1;  // never a multiple of tp > 1

@@ -24,7 +24,7 @@ class CudaTraining : public ::testing::Test {
     if (!g_gpu) {
       loom::CommunicatorOptions options;
       options.timeout = std::chrono::seconds(60);
-      options.on_error = static_cast<int>(loom::OnError::Raise);
+      options.on_error = loom::OnError::Raise;
       const int device = g_runtime->world().local_rank % c10::cuda::device_count();
       g_gpu = loom::nccl::make_communicator(g_runtime->world_comm(), device, "gpu", options);
     }

@@ -33,7 +33,7 @@ const std::vector<ReduceOp> kOps = {ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Min,
 loom::CommunicatorOptions test_options() {
   loom::CommunicatorOptions options;
   options.timeout = std::chrono::seconds(60);
-  options.on_error = static_cast<int>(loom::OnError::Raise);
+  options.on_error = loom::OnError::Raise;
   return options;
 }
 

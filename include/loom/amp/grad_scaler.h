@@ -16,12 +16,15 @@
 // all-reduced (MAX) over `sync_groups` — the groups that shard the gradients (tensor parallel)
 // or still hold different gradients — so every rank steps or skips together and the scale
 // stays identical everywhere. At most one host synchronisation per step (reading the flag).
-// With a GradientReducer attached, unscale_ first waits for its reductions.
+// The scale lives on the device of the first loss scaled; a state loaded (load_state_dict,
+// update(new_scale)) before that is applied there, as torch.amp.GradScaler does.
 #pragma once
 
 #include <ATen/core/Tensor.h>
 
 #include <map>
+#include <optional>
+#include <utility>
 #include <memory>
 #include <string>
 #include <vector>
@@ -34,18 +37,14 @@ class Optimizer;
 
 namespace loom {
 
-class GradientReducer;
-
 struct GradScalerOptions {
   double init_scale = 65536.0;
   double growth_factor = 2.0;
   double backoff_factor = 0.5;
   int64_t growth_interval = 2000;
   bool enabled = true;
-  // found-inf is all-reduced (MAX) over each of these groups.
+  // found-inf is all-reduced (MAX) over each of these groups, on each group's own device.
   std::vector<std::shared_ptr<Communicator>> sync_groups;
-  // Synchronized before gradients are read (optional; not owned).
-  GradientReducer* reducer = nullptr;
 };
 
 class GradScaler {
@@ -88,12 +87,16 @@ class GradScaler {
   };
 
   void lazy_init(const at::Device& device);
+  // Sets the scale and growth tracker, now or (before the first scale()) when they are created.
+  void set_state(double scale, int64_t growth_tracker);
   PerOptimizer& state_of(const torch::optim::Optimizer& optimizer);
   std::string where(const char* call) const;
 
   GradScalerOptions options_;
   at::Tensor scale_;           // float32 [1]
   at::Tensor growth_tracker_;  // int32 [1]
+  // A state set before the first scale(): applied on the loss's device by lazy_init.
+  std::optional<std::pair<double, int64_t>> pending_state_;
   std::map<const torch::optim::Optimizer*, PerOptimizer> per_optimizer_;
 };
 

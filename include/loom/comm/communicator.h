@@ -1,25 +1,31 @@
 // loom::Communicator: collectives and point-to-point operations over a group of ranks.
 //
 // One interface, one backend per file behind it: the MPI communicator serves CPU tensors, the
-// NCCL communicator CUDA tensors. Every call is asynchronous and returns a Work handle;
-// operations run in submission order, which must be the same on every rank of the group.
+// NCCL communicator the CUDA tensors of one device. Every call is asynchronous and returns a
+// Work handle; operations run in submission order, which must be the same on every rank of the
+// group.
 //
 //   auto rt = loom::init();                            // starts MPI, reads the environment
 //   std::shared_ptr<loom::Communicator> comm = rt->world_comm();
-//   at::Tensor t = at::full({4}, comm->rank(), at::kFloat);
+//   at::Tensor t = at::full({4}, comm->rank(), at::TensorOptions().device(comm->device()));
 //   comm->all_reduce(t, {loom::ReduceOp::Sum})->wait();  // t == 0 + 1 + ... + (size-1)
 //
-// Every public call goes through one checked entry: arguments are validated on the calling
-// rank before anything is sent (a contiguous, dense tensor of a supported dtype on the
-// communicator's device, matching shapes, roots and peers in range), a bad one raising
-// loom::InvalidArgumentError; the operation gets its sequence number, optionally a cross-rank
-// fingerprint check (LOOM_CHECK_COLLECTIVES=1), a trace entry, and then goes to the backend.
+// Every public call goes through one checked entry: arguments are validated on the calling rank
+// before anything is sent (a contiguous, dense tensor of a supported dtype on the communicator's
+// device, matching shapes, roots and peers in range), a bad one raising
+// loom::InvalidArgumentError and leaving the communicator usable; the operation then gets its
+// sequence number, is recorded in the flight record, registered with the watchdog (its timeout)
+// and handed to the backend. Optionally (LOOM_CHECK_COLLECTIVES=1) every collective is first
+// compared across ranks; always, a rolling fingerprint of every call is compared before large
+// host collectives, every LOOM_FINGERPRINT_INTERVAL collectives, and before a timeout is
+// reported, so ranks that diverge get a loom::MismatchError naming both sides.
 //
 // Supported dtypes: float32, float64, float16, bfloat16, int8, uint8, int32, int64, bool.
 // Avg is defined for floating-point dtypes; for bool, Sum/Max are logical or, Min/Product logical and.
 #pragma once
 
 #include <ATen/core/Tensor.h>
+#include <c10/core/Device.h>
 
 #include <atomic>
 #include <memory>
@@ -29,28 +35,37 @@
 
 #include "loom/comm/types.h"
 #include "loom/comm/work.h"
+#include "loom/error.h"
 
 namespace loom {
 
 namespace detail {
 struct Op;
-}
+class FlightRecorder;
+class Watchdog;
+}  // namespace detail
 
 class Communicator : public std::enable_shared_from_this<Communicator> {
  public:
-  virtual ~Communicator() = default;
+  virtual ~Communicator();
   Communicator(const Communicator&) = delete;
   Communicator& operator=(const Communicator&) = delete;
 
   int rank() const { return rank_; }
   int size() const { return size_; }
   const std::string& name() const { return name_; }
+  // This process's rank in the job, and every member's (indexed by rank in this communicator).
+  int job_rank() const { return members_[rank_]; }
+  const std::vector<int>& members() const { return members_; }
+  // The device whose tensors this communicator accepts: CPU (MPI) or one CUDA device (NCCL).
+  const at::Device& device() const { return device_; }
+  c10::DeviceType device_type() const { return device_.type(); }
   Timeout default_timeout() const { return timeout_; }
   OnError on_error() const { return on_error_; }
   // "mpi" or "nccl".
   virtual const char* backend() const = 0;
-  // The device type of the tensors this communicator accepts (CPU for MPI, CUDA for NCCL).
-  virtual c10::DeviceType device_type() const = 0;
+  // "[rank J] what group=NAME (rank r of n)": the prefix of this communicator's messages.
+  ErrorContext context(std::string_view what) const { return ErrorContext(what, name_, rank_, size_); }
 
   // In place: every rank's tensor becomes the reduction over the group.
   WorkPtr all_reduce(at::Tensor& tensor, const AllReduceOptions& options = {});
@@ -65,52 +80,115 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
   WorkPtr reduce_scatter(at::Tensor& output, const at::Tensor& input, const ReduceScatterOptions& options = {});
   // input and output hold size() equal chunks; chunk j of rank i's input lands in chunk i of rank j's output.
   WorkPtr all_to_all(at::Tensor& output, const at::Tensor& input, const AllToAllOptions& options = {});
+  // Point-to-point. A send and its receive match in issue order (and by tag on MPI). Two ranks
+  // that both send and then both receive can deadlock on NCCL once the message exceeds its
+  // buffering: exchange with batch_isend_irecv instead.
   WorkPtr send(const at::Tensor& tensor, int dst, const SendRecvOptions& options = {});
   WorkPtr recv(at::Tensor& tensor, int src, const SendRecvOptions& options = {});
+  // Sends and receives issued together (one NCCL group; MPI non-blocking): any order of sends and
+  // receives between the ranks completes. One Work for the whole batch; options.tag is unused.
+  WorkPtr batch_isend_irecv(std::vector<P2POp> operations, const SendRecvOptions& options = {});
   WorkPtr barrier(const BarrierOptions& options = {});
 
   // Collective over this communicator: ranks that pass the same color form a new communicator,
   // ordered by key (ties by rank). A rank passing color < 0 joins none and gets nullptr.
-  std::shared_ptr<Communicator> split(int color, int key, const std::string& name);
+  std::shared_ptr<Communicator> split(int color, int key, const std::string& name, const SplitOptions& options = {});
 
   // True once an operation timed out or failed; every later call raises loom::CommError.
   bool is_broken() const { return broken_.load(); }
+  std::string broken_reason() const;
 
  protected:
-  Communicator(int rank, int size, int world_rank, std::string name, const CommunicatorOptions& options);
+  // members: the job rank of every rank of the new communicator.
+  Communicator(int rank, std::vector<int> members, std::string name, at::Device device,
+               const CommunicatorOptions& options);
 
-  // Backends implement these. The op is validated and numbered; launch must not block on the
-  // network (the progress thread or device stream does), and returns the op's Work.
-  virtual WorkPtr launch(detail::Op& op) = 0;
-  virtual std::shared_ptr<Communicator> launch_split(int color, int key, const std::string& name,
-                                                     const CommunicatorOptions& options) = 0;
-  // Backend-specific argument checks (e.g. the device index), run with validation before the
-  // operation is numbered; throws loom::InvalidArgumentError.
-  virtual void check_device(const detail::Op& op) const {}
+  // ---- What a backend implements -------------------------------------------------------------
+  // The Work of an operation (device backends return their own kind, which polls an event).
+  virtual std::shared_ptr<Work> make_work(const detail::Op& op);
+  // Starts the validated, numbered, watched operation. Must not block on the network (a progress
+  // thread or the device stream runs it): calls start() when it begins, finish() when done, and
+  // fail() on an error. Split operations fill op.split->result.
+  virtual void issue(detail::Op& op, const std::shared_ptr<Work>& work) = 0;
+  // Releases what is in flight after a failure (ncclCommAbort), so waiters and streams are freed.
+  // Never called on the watchdog thread, and at most once.
+  virtual void abort_backend(const std::string& reason) {}
 
-  // Records the first fatal error; later calls to the communicator raise CommError naming it.
-  void mark_broken(const std::string& reason);
-  std::string broken_reason();
-  const CommunicatorOptions& options() const { return options_; }
-  int world_rank() const { return world_rank_; }
+  // ---- What the core gives backends ----------------------------------------------------------
+  static bool start(Work& work) { return work.start(); }
+  static void finish(Work& work) { work.finish(); }
+  static void set_wait_assist(Work& work, std::function<void(Work*)> assist) {
+    work.set_wait_assist(std::move(assist));
+  }
+  // The one failure path: fails `work` (unless it finished just in time) and every operation
+  // submitted after it, breaks the communicator, logs the error once with the flight record, and
+  // applies the error policy (abort the job, or abort only this communicator's backend).
+  void fail(const std::shared_ptr<Work>& work, std::exception_ptr error, const std::string& message);
+  // A failure of the communicator as a whole (e.g. an asynchronous NCCL error): fails every
+  // operation in flight with `message`.
+  void fail_all(const std::string& message);
+  // Blocks until every submitted operation has finished or failed (each is bounded by its
+  // timeout, which the watchdog enforces).
+  void drain();
+  const detail::FlightRecorder& flight_record() const { return *recorder_; }
+  // What the other ranks say about an operation this rank is stuck in or failed at, asked over
+  // the side channel: "ranks not arrived: 1 (last called seq=76)", "mismatch: ... rank 2 called
+  // broadcast(...)". Empty alone in the group, for point-to-point, or without a side channel.
+  std::string diagnose(const OpInfo& info);
 
  private:
+  friend class detail::Watchdog;
   WorkPtr enqueue_checked(detail::Op& op);
-  void check_fingerprint(const detail::Op& op);
+  void check_fingerprint(detail::Op& op);
+  void mark_broken(const std::string& reason);
+  void apply_policy(const std::string& message);
+  // Called by the watchdog.
+  void on_timeout(const std::shared_ptr<Work>& work);
+  void on_stall(const std::shared_ptr<Work>& work, double elapsed_seconds);
 
   int rank_;
   int size_;
-  int world_rank_;
+  std::vector<int> members_;
   std::string name_;
-  CommunicatorOptions options_;
+  at::Device device_;
   Timeout timeout_;
   OnError on_error_;
   bool check_collectives_;
-  std::atomic<uint64_t> collective_seq_{0};
-  std::atomic<uint64_t> p2p_seq_{0};
+  int64_t size_check_bytes_;
+  int64_t fingerprint_interval_;
+  // Numbering, fingerprinting, recording and issuing happen under one lock, so that operations
+  // reach the backend in the order of their sequence numbers even with several submitting threads
+  // (recursive: the LOOM_CHECK_COLLECTIVES exchange is itself submitted from inside).
+  std::recursive_mutex submit_mutex_;
+  uint64_t collective_seq_ = 0;
+  uint64_t p2p_seq_ = 0;
+  uint64_t internal_seq_ = 0;
+  uint64_t collectives_total_ = 0;
+  uint64_t rolling_fingerprint_ = 0;
   std::atomic<bool> broken_{false};
-  std::mutex broken_mutex_;
+  std::atomic<bool> backend_aborted_{false};
+  mutable std::mutex broken_mutex_;
   std::string broken_reason_;
+  std::mutex inflight_mutex_;
+  std::vector<std::weak_ptr<Work>> inflight_;  // in submission order; completed ones pruned from the front
+  std::shared_ptr<detail::FlightRecorder> recorder_;
+  uint64_t peer_key_ = 0;  // this communicator's name in peer queries (detail::peers)
 };
+
+namespace detail {
+// While an InternalOperations guard is alive on a thread, the collectives that thread submits are
+// the library's own (agreements, checks): numbered apart, named by `purpose` in messages, and
+// never shifting the sequence numbers users see.
+class InternalOperations {
+ public:
+  explicit InternalOperations(const char* purpose);
+  ~InternalOperations();
+  InternalOperations(const InternalOperations&) = delete;
+  InternalOperations& operator=(const InternalOperations&) = delete;
+
+ private:
+  const char* previous_;
+};
+}  // namespace detail
 
 }  // namespace loom

@@ -1,13 +1,14 @@
-// The NCCL communicator: collectives and point-to-point operations on CUDA tensors.
+// The NCCL communicator: collectives and point-to-point operations on the CUDA tensors of one
+// device.
 //
 // Built when CUDA and NCCL are found (compiled() says whether this build has it); usable where a
 // GPU is present (device_available()). Creating one is collective over a CPU communicator that
-// carries NCCL's bootstrap (rank 0's ncclUniqueId is broadcast over MPI):
+// carries NCCL's bootstrap (rank 0's ncclUniqueId is broadcast over MPI). loom::init() makes the
+// job's (Runtime::device_comm()); make one yourself like this:
 //
 //   auto rt = loom::init();
-//   int device = rt->world().local_rank;
-//   auto gpu = loom::nccl::make_communicator(rt->world_comm(), device, "world-gpu");
-//   at::Tensor g = at::ones({1024}, at::TensorOptions().device(at::kCUDA, device));
+//   auto gpu = loom::nccl::make_communicator(rt->world_comm(), /*device_index=*/0, "world-gpu");
+//   at::Tensor g = at::ones({1024}, at::TensorOptions().device(gpu->device()));
 //   gpu->all_reduce(g, {loom::ReduceOp::Avg})->wait();   // the current stream waits; the host does not
 //   float v = g[0].item<float>();                        // ordered after the all_reduce
 //
@@ -18,11 +19,21 @@
 // timeout. A barrier's wait() blocks the host (that is what a barrier is for). Tensors stay valid
 // while an operation uses them even if the caller frees them (the caching allocator is told).
 //
-// NCCL matches point-to-point operations between two ranks in issue order; tags are accepted for
-// API compatibility but do not reorder matching.
+// Communicators are nonblocking (ncclCommInitRankConfig with blocking = 0): no NCCL call holds a
+// thread past its operation's deadline, including the first collective or send that connects to a
+// peer. With LOOM_ON_ERROR=raise a failed or timed-out communicator is aborted (ncclCommAbort, on a
+// helper thread), which releases its stream: the waiter gets the error and later device work runs.
 //
-// Destroy NCCL communicators on every rank (loom::finalize() does): ncclCommDestroy is collective
-// among the ranks of a node. A broken communicator (timeout, NCCL error) is aborted instead.
+// NCCL matches point-to-point operations between two ranks in issue order; tags are accepted for
+// API compatibility but do not reorder matching. Two ranks that exchange data must use
+// batch_isend_irecv (one NCCL group), or order their sends and receives oppositely.
+//
+// Operations on different communicators of one device must be issued in the same order on every
+// rank (NCCL's rule); torchloom serialises operations per communicator only.
+//
+// loom::finalize() destroys every NCCL communicator on the calling thread (ncclCommDestroy is
+// collective among a node's ranks); a program that leaves without it (an error path) has its
+// communicators aborted before the CUDA runtime shuts down.
 #pragma once
 
 #include <memory>
@@ -38,12 +49,27 @@ bool compiled();
 bool device_available();
 // CUDA devices visible to this process (0 without NCCL).
 int device_count();
+// NCCL's version codes: the headers this build was compiled with, and the library loaded (0
+// without NCCL). make_communicator refuses a library older than the headers.
+int built_version();
+int loaded_version();
+
+// Makes `device_index` the calling thread's current CUDA device (LibTorch's and the runtime's),
+// so that tensors created "on cuda" land there. loom::init() calls it for the device communicator.
+void use_device(int device_index);
 
 // Collective over `bootstrap` (a CPU communicator; every rank calls it): returns a communicator
 // with the same ranks on CUDA device `device_index` of this process. Throws
 // loom::InvalidArgumentError when any rank's device index is out of range (naming those ranks) or
-// NCCL is not compiled in, loom::CommError when NCCL fails to set up.
+// NCCL is not compiled in, loom::ConfigError when the loaded NCCL is older than the headers, and
+// loom::CommError / loom::TimeoutError when NCCL fails to set up on any rank (every rank raises).
 std::shared_ptr<Communicator> make_communicator(std::shared_ptr<Communicator> bootstrap, int device_index,
                                                 const std::string& name, const CommunicatorOptions& options = {});
+
+// Destroys every live NCCL communicator of this process on the calling thread (waiting for its
+// operations, bounded by their timeouts; a broken one is aborted). Called by loom::finalize().
+void shutdown_all();
+// Aborts every live NCCL communicator (local, needs no peer). For exits without finalize().
+void abort_all(const std::string& reason);
 
 }  // namespace loom::nccl

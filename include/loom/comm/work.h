@@ -8,38 +8,93 @@
 // wait() makes the caller's current CUDA stream wait for the operation, and synchronize() blocks
 // the host as well. Every operation has a timeout enforced by the watchdog whether or not anyone
 // waits; when it expires the operation fails with loom::TimeoutError.
+//
+// The life of an operation is the same for every backend and lives here: Queued -> Running ->
+// Done, or Failed from any state (the first outcome wins). A backend only says when an operation
+// starts and ends (device backends also poll for the end and order streams).
 #pragma once
 
+#include <ATen/core/Tensor.h>
+
 #include <chrono>
+#include <condition_variable>
 #include <exception>
+#include <functional>
 #include <memory>
+#include <mutex>
 #include <optional>
+#include <vector>
 
 #include "loom/comm/types.h"
 
 namespace loom {
 
+class Communicator;
+
 class Work {
  public:
-  virtual ~Work() = default;
+  using Clock = std::chrono::steady_clock;
+  enum class State { Queued, Running, Done, Failed };
+
+  Work(OpInfo info, std::vector<at::Tensor> keep_alive);
+  virtual ~Work();
+  Work(const Work&) = delete;
+  Work& operator=(const Work&) = delete;
 
   // True once the operation has finished, successfully or not. Never blocks.
-  virtual bool is_completed() = 0;
+  bool is_completed();
   // True once the operation has finished without error.
-  bool is_success() { return is_completed() && exception() == nullptr; }
+  bool is_success();
   // Waits for the operation; rethrows its error. With an explicit timeout, throws
   // loom::TimeoutError when the operation has not finished by then (the operation itself goes on
   // under its own timeout).
-  virtual void wait(Timeout timeout = kDefaultTimeout) = 0;
+  void wait(Timeout timeout = kDefaultTimeout);
   // Blocks the host until the operation has finished (same as wait() for host communicators).
-  virtual void synchronize() { wait(); }
+  void synchronize();
   // The operation's error, or nullptr while it is running or when it succeeded.
-  virtual std::exception_ptr exception() = 0;
+  std::exception_ptr exception();
+  State state();
   // What was submitted: type, sequence number, group, shape, dtype.
-  virtual const OpInfo& info() const = 0;
-  // When the operation started and finished, where the backend knows (timelines use them).
-  virtual std::optional<std::chrono::steady_clock::time_point> started_at_time() { return std::nullopt; }
-  virtual std::optional<std::chrono::steady_clock::time_point> finished_at_time() { return std::nullopt; }
+  const OpInfo& info() const { return info_; }
+  // When the operation started and finished; nullopt until then.
+  virtual std::optional<Clock::time_point> started_at_time();
+  virtual std::optional<Clock::time_point> finished_at_time();
+
+ protected:
+  friend class Communicator;
+
+  // Queued -> Running; false when the work already failed (e.g. its communicator broke).
+  bool start();
+  // Running -> Done (releases the tensors). No effect once failed (a late completion).
+  void finish();
+  // Any state -> Failed with this error; false when it had already finished.
+  bool fail(std::exception_ptr error);
+
+  // Device backends: look whether the device has finished (and call finish() or fail()).
+  virtual void poll() {}
+  // True when completion must be polled rather than signalled (device works).
+  virtual bool completion_is_polled() const { return false; }
+  // True when wait() without a timeout must block the host (host works, barriers).
+  virtual bool wait_blocks_host() const { return true; }
+  // After a successful wait: device works make the caller's current stream wait.
+  virtual void after_wait() {}
+  // Set by backends that can run a queued operation on the waiting thread itself.
+  void set_wait_assist(std::function<void(Work*)> assist) { wait_assist_ = std::move(assist); }
+
+ private:
+  bool terminal() const { return state_ == State::Done || state_ == State::Failed; }
+  // Blocks until the work is terminal or the deadline passes; true when terminal.
+  bool wait_until(Clock::time_point deadline);
+
+  const OpInfo info_;
+  std::vector<at::Tensor> tensors_;  // kept alive until the operation has finished
+  std::mutex mutex_;
+  std::condition_variable finished_;
+  State state_ = State::Queued;
+  std::exception_ptr error_;
+  Clock::time_point started_at_{};
+  Clock::time_point finished_at_{};
+  std::function<void(Work*)> wait_assist_;
 };
 
 using WorkPtr = std::shared_ptr<Work>;

@@ -157,8 +157,9 @@ struct DataParallelOptions {
 };
 
 namespace detail {
-// Broadcasts tensors from rank 0 of the group in place (used for buffers).
-void broadcast_tensors(Communicator& group, const std::vector<at::Tensor>& tensors);
+// Broadcasts tensors from rank 0 of the group in place (parameters, buffers): internal operations
+// named by `purpose`.
+void broadcast_tensors(Communicator& group, const std::vector<at::Tensor>& tensors, const char* purpose);
 // Throws loom::InvalidArgumentError when the module's parameters are no longer those the reducer
 // was built with (a parameter added or replaced after construction).
 void check_same_parameters(const GradientReducer& reducer, const std::vector<at::Tensor>& current);
@@ -174,14 +175,14 @@ class DistributedDataParallel {
         options_(std::move(options)),
         group_(group),
         reducer_(std::make_unique<GradientReducer>(module_->parameters(), std::move(group), options_.reducer)) {
-    if (options_.broadcast_buffers) detail::broadcast_tensors(*group_, module_->buffers());
+    if (options_.broadcast_buffers) detail::broadcast_tensors(*group_, module_->buffers(), "buffer broadcast");
   }
 
   template <typename... Args>
   decltype(auto) forward(Args&&... args) {
     detail::check_same_parameters(*reducer_, module_->parameters());
     if (options_.broadcast_buffers && reducer_->sync_enabled())
-      detail::broadcast_tensors(*group_, module_->buffers());
+      detail::broadcast_tensors(*group_, module_->buffers(), "buffer broadcast");
     return module_->forward(std::forward<Args>(args)...);
   }
 

@@ -1,0 +1,138 @@
+// The operation lifecycle every backend shares (see loom/comm/work.h).
+#include "loom/comm/work.h"
+
+#include <algorithm>
+#include <cstdio>
+#include <thread>
+
+#include "comm/durations.h"
+#include "loom/error.h"
+
+namespace loom {
+
+Work::Work(OpInfo info, std::vector<at::Tensor> keep_alive) : info_(std::move(info)), tensors_(std::move(keep_alive)) {}
+
+Work::~Work() = default;
+
+Work::State Work::state() {
+  if (completion_is_polled()) poll();
+  std::lock_guard<std::mutex> lock(mutex_);
+  return state_;
+}
+
+bool Work::is_completed() {
+  const State s = state();
+  return s == State::Done || s == State::Failed;
+}
+
+bool Work::is_success() { return state() == State::Done; }
+
+std::exception_ptr Work::exception() {
+  if (completion_is_polled()) poll();
+  std::lock_guard<std::mutex> lock(mutex_);
+  return error_;
+}
+
+std::optional<Work::Clock::time_point> Work::started_at_time() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (state_ == State::Queued) return std::nullopt;
+  return started_at_;
+}
+
+std::optional<Work::Clock::time_point> Work::finished_at_time() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (state_ != State::Done) return std::nullopt;
+  return finished_at_;
+}
+
+bool Work::start() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (state_ != State::Queued) return false;
+  state_ = State::Running;
+  started_at_ = Clock::now();
+  return true;
+}
+
+void Work::finish() {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (terminal()) return;
+    if (state_ == State::Queued) started_at_ = Clock::now();
+    state_ = State::Done;
+    finished_at_ = Clock::now();
+    tensors_.clear();
+  }
+  finished_.notify_all();
+}
+
+bool Work::fail(std::exception_ptr error) {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (terminal()) return false;
+    state_ = State::Failed;
+    error_ = std::move(error);
+    finished_at_ = Clock::now();
+    // Tensors stay referenced: a backend may still be writing into them (a collective stuck in the
+    // network); releasing them here could hand their memory to someone else.
+  }
+  finished_.notify_all();
+  return true;
+}
+
+bool Work::wait_until(Clock::time_point deadline) {
+  if (!completion_is_polled()) {
+    std::unique_lock<std::mutex> lock(mutex_);
+    if (deadline == Clock::time_point::max()) {
+      // The watchdog fails the work when its own timeout expires, so this wait is bounded.
+      finished_.wait(lock, [this] { return terminal(); });
+      return true;
+    }
+    return finished_.wait_until(lock, deadline, [this] { return terminal(); });
+  }
+  // Device works finish without telling anyone: poll, backing off from 20 us to 1 ms. A failure
+  // (timeout, abort) is signalled, so it also ends the wait at once.
+  auto pause = std::chrono::microseconds(20);
+  for (;;) {
+    poll();
+    std::unique_lock<std::mutex> lock(mutex_);
+    if (terminal()) return true;
+    const auto now = Clock::now();
+    if (now >= deadline) return false;
+    finished_.wait_for(lock, std::min<Clock::duration>(pause, deadline - now));
+    pause = std::min(pause * 2, std::chrono::microseconds(1000));
+  }
+}
+
+void Work::wait(Timeout timeout) {
+  const auto begin = Clock::now();
+  // Not with an explicit timeout: that caller wants control back by then, and a thread inside a
+  // blocking call cannot give up.
+  if (timeout == kDefaultTimeout && wait_assist_) wait_assist_(this);
+  if (timeout != kDefaultTimeout || wait_blocks_host()) {
+    const auto deadline = timeout == kDefaultTimeout ? Clock::time_point::max() : begin + timeout;
+    if (!wait_until(deadline))
+      throw TimeoutError(info_.describe() + ": wait(" + detail::seconds_text(timeout) + " s) gave up after " +
+                         detail::seconds_text(Clock::now() - begin) +
+                         " s; the operation goes on under its own timeout of " + detail::seconds_text(info_.timeout) +
+                         " s");
+  } else if (completion_is_polled()) {
+    poll();
+  }
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (error_) std::rethrow_exception(error_);
+  }
+  after_wait();
+}
+
+void Work::synchronize() {
+  if (wait_assist_) wait_assist_(this);
+  wait_until(Clock::time_point::max());
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (error_) std::rethrow_exception(error_);
+  }
+  after_wait();
+}
+
+}  // namespace loom
