@@ -1,12 +1,12 @@
-# The topology layer: torch-free code that builds in
+# The topology layer and the placement planner: torch-free code that builds in
 # seconds, so `cmake --build build --target loom_topology_tests` never waits
 # for LibTorch. Included from the top-level CMakeLists.txt after tests/examples/benchmarks (so
 # enable_testing() has run when tests are on); it re-finds what it needs because targets imported
 # inside those subdirectories are not visible here.
 #
 # Targets:
-#   loom_topology        static library (-fPIC): model, parsers, detection
-#   loom_topology_tests  single-process GoogleTest (parsers, detection)
+#   loom_topology        static library (-fPIC): model, parsers, detection, planner, rendering
+#   loom_topology_tests  single-process GoogleTest (parsers, detection, planner)
 # CTest: topology_unit.
 
 include(GNUInstallDirs)
@@ -33,6 +33,12 @@ add_library(loom_topology STATIC
   ${LOOM_TOPOLOGY_DIR}/src/topology/merge.cpp
   ${LOOM_TOPOLOGY_DIR}/src/topology/nvml_loader.cpp
   ${LOOM_TOPOLOGY_DIR}/src/topology/detect.cpp
+  ${LOOM_TOPOLOGY_DIR}/src/topology/cost_model.cpp
+  ${LOOM_TOPOLOGY_DIR}/src/topology/ordering.cpp
+  ${LOOM_TOPOLOGY_DIR}/src/topology/grouping.cpp
+  ${LOOM_TOPOLOGY_DIR}/src/topology/placement.cpp
+  ${LOOM_TOPOLOGY_DIR}/src/topology/explain.cpp
+  ${LOOM_TOPOLOGY_DIR}/src/topology/render.cpp
 )
 target_compile_features(loom_topology PUBLIC cxx_std_20)
 set_target_properties(loom_topology PROPERTIES POSITION_INDEPENDENT_CODE ON)
@@ -60,6 +66,8 @@ if(LOOM_BUILD_TESTS)
     ${LOOM_TOPOLOGY_DIR}/tests/unit/test_topology_json.cpp
     ${LOOM_TOPOLOGY_DIR}/tests/unit/test_topology_detect.cpp
     ${LOOM_TOPOLOGY_DIR}/tests/unit/test_topology_fuzz.cpp
+    ${LOOM_TOPOLOGY_DIR}/tests/unit/test_placement.cpp
+    ${LOOM_TOPOLOGY_DIR}/tests/unit/test_placement_render.cpp
   )
   target_link_libraries(loom_topology_tests PRIVATE loom_topology nlohmann_json::nlohmann_json
                         GTest::gtest GTest::gtest_main)

@@ -1,12 +1,14 @@
 // Mutation fuzzing of every parser with a fixed seed: a few thousand damaged copies of every fixture
 // (byte flips, insertions, deletions, line swaps, duplications, truncation). No input may crash a
-// parser or make it throw anything but ParseError, and what a parser accepts must be a valid model.
+// parser or make it throw anything but ParseError, and what a parser accepts must be a valid model
+// that the planner can plan.
 #include <gtest/gtest.h>
 
 #include <cstdint>
 #include <cstdio>
 #include <random>
 
+#include "loom/topology/placement.h"
 #include "topology_test_util.h"
 
 using namespace loom::topo;
@@ -99,6 +101,18 @@ Outcome fuzz(const std::string& name, const std::string& text, std::uint32_t see
       Topology t = parse(mutant);
       ++out.accepted;
       validate(t);
+      const Node& n = t.nodes.at(0);
+      const int gpus = static_cast<int>(std::min<size_t>(n.gpus.size(), 8));
+      if (gpus > 0) {
+        Topology one;
+        one.nodes.push_back(n);
+        one.nodes[0].gpus.resize(gpus);
+        one.nodes[0].gpu_links.resize(gpus);
+        for (auto& row : one.nodes[0].gpu_links) row.resize(gpus);
+        one.nodes[0].nic_links.resize(gpus);
+        Plan p = plan(one, {gpus, 1, 0, 1 << 20});
+        EXPECT_EQ(static_cast<int>(p.layout.ranks.size()), gpus);
+      }
     } catch (const ParseError&) {
       ++out.rejected;
     } catch (const std::exception& e) {
