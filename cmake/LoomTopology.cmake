@@ -1,13 +1,15 @@
-# The topology layer and the placement planner: torch-free code that builds in
-# seconds, so `cmake --build build --target loom_topology_tests` never waits
+# The topology layer, the placement planner and the loomrun launcher: torch-free code that builds in
+# seconds, so `cmake --build build --target loom_topology_tests loomrun` never waits
 # for LibTorch. Included from the top-level CMakeLists.txt after tests/examples/benchmarks (so
 # enable_testing() has run when tests are on); it re-finds what it needs because targets imported
 # inside those subdirectories are not visible here.
 #
 # Targets:
 #   loom_topology        static library (-fPIC): model, parsers, detection, planner, rendering
-#   loom_topology_tests  single-process GoogleTest (parsers, detection, planner)
-# CTest: topology_unit.
+#   loom_launcher        static library: loomrun's argument parsing, mpirun argv, process control
+#   loomrun              the launcher
+#   loom_topology_tests  single-process GoogleTest (parsers, planner, launcher arguments)
+# CTest: topology_unit, loomrun_processes (real mpirun jobs).
 
 include(GNUInstallDirs)
 find_package(PkgConfig REQUIRED)
@@ -48,6 +50,22 @@ target_include_directories(loom_topology
 target_link_libraries(loom_topology PRIVATE PkgConfig::LOOM_HWLOC nlohmann_json::nlohmann_json ${CMAKE_DL_LIBS})
 target_compile_options(loom_topology PRIVATE ${LOOM_TOPOLOGY_WARNINGS})
 
+add_library(loom_launcher STATIC
+  ${LOOM_TOPOLOGY_DIR}/src/launcher/launcher_args.cpp
+  ${LOOM_TOPOLOGY_DIR}/src/launcher/hosts.cpp
+  ${LOOM_TOPOLOGY_DIR}/src/launcher/mpirun_command.cpp
+  ${LOOM_TOPOLOGY_DIR}/src/launcher/launcher_exec.cpp
+)
+target_compile_features(loom_launcher PUBLIC cxx_std_20)
+target_include_directories(loom_launcher PUBLIC ${LOOM_TOPOLOGY_DIR}/src)
+target_link_libraries(loom_launcher PUBLIC loom_topology PRIVATE CLI11::CLI11)
+target_compile_options(loom_launcher PRIVATE ${LOOM_TOPOLOGY_WARNINGS})
+
+add_executable(loomrun ${LOOM_TOPOLOGY_DIR}/src/launcher/loomrun.cpp)
+target_link_libraries(loomrun PRIVATE loom_launcher)
+target_compile_options(loomrun PRIVATE ${LOOM_TOPOLOGY_WARNINGS})
+install(TARGETS loomrun RUNTIME DESTINATION ${CMAKE_INSTALL_BINDIR})
+
 if(LOOM_BUILD_TESTS)
   find_package(GTest REQUIRED)
   find_package(Python3 REQUIRED COMPONENTS Interpreter)
@@ -68,8 +86,9 @@ if(LOOM_BUILD_TESTS)
     ${LOOM_TOPOLOGY_DIR}/tests/unit/test_topology_fuzz.cpp
     ${LOOM_TOPOLOGY_DIR}/tests/unit/test_placement.cpp
     ${LOOM_TOPOLOGY_DIR}/tests/unit/test_placement_render.cpp
+    ${LOOM_TOPOLOGY_DIR}/tests/unit/test_loomrun.cpp
   )
-  target_link_libraries(loom_topology_tests PRIVATE loom_topology nlohmann_json::nlohmann_json
+  target_link_libraries(loom_topology_tests PRIVATE loom_launcher loom_topology nlohmann_json::nlohmann_json
                         GTest::gtest GTest::gtest_main)
   target_include_directories(loom_topology_tests PRIVATE ${LOOM_TOPOLOGY_DIR}/src ${LOOM_TOPOLOGY_DIR}/tests/unit)
   target_compile_definitions(loom_topology_tests PRIVATE
@@ -80,5 +99,13 @@ if(LOOM_BUILD_TESTS)
 
   add_test(NAME topology_unit COMMAND loom_topology_tests)
   set_tests_properties(topology_unit PROPERTIES TIMEOUT 300)
+
+  # Real processes under mpirun: arguments arrive verbatim, exit codes propagate, SIGINT (sent by
+  # a process and typed at a terminal) leaves no rank behind, plan binding reaches the ranks.
+  add_test(NAME loomrun_processes
+           COMMAND ${Python3_EXECUTABLE} ${LOOM_TOPOLOGY_DIR}/tests/launcher/check_loomrun.py
+                   --loomrun $<TARGET_FILE:loomrun>)
+  set_tests_properties(loomrun_processes PROPERTIES TIMEOUT 240
+    ENVIRONMENT "OMP_NUM_THREADS=1;OMPI_MCA_btl=self,vader,tcp;OMPI_MCA_pml=ob1")
 
 endif()
