@@ -1,5 +1,5 @@
 # The topology layer, the placement planner and the loomrun launcher: torch-free code that builds in
-# seconds, so `cmake --build build --target loom_topology_tests loomrun` never waits
+# seconds, so `cmake --build build --target loom_topology_tests loomrun placement_bench` never waits
 # for LibTorch. Included from the top-level CMakeLists.txt after tests/examples/benchmarks (so
 # enable_testing() has run when tests are on); it re-finds what it needs because targets imported
 # inside those subdirectories are not visible here.
@@ -9,7 +9,8 @@
 #   loom_launcher        static library: loomrun's argument parsing, mpirun argv, process control
 #   loomrun              the launcher
 #   loom_topology_tests  single-process GoogleTest (parsers, planner, launcher arguments)
-# CTest: topology_unit, loomrun_processes (real mpirun jobs).
+#   placement_bench      modelled planned-vs-naive all-reduce times and planner run time
+# CTest: topology_unit, loomrun_processes (real mpirun jobs), placement_bench_smoke.
 
 include(GNUInstallDirs)
 find_package(PkgConfig REQUIRED)
@@ -66,6 +67,13 @@ target_link_libraries(loomrun PRIVATE loom_launcher)
 target_compile_options(loomrun PRIVATE ${LOOM_TOPOLOGY_WARNINGS})
 install(TARGETS loomrun RUNTIME DESTINATION ${CMAKE_INSTALL_BINDIR})
 
+if(LOOM_BUILD_BENCHMARKS)
+  add_executable(placement_bench ${LOOM_TOPOLOGY_DIR}/benchmarks/placement_bench.cpp)
+  target_link_libraries(placement_bench PRIVATE loom_topology nlohmann_json::nlohmann_json CLI11::CLI11)
+  target_compile_definitions(placement_bench PRIVATE LOOM_SOURCE_DIR="${LOOM_TOPOLOGY_DIR}")
+  set_target_properties(placement_bench PROPERTIES RUNTIME_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/benchmarks)
+endif()
+
 if(LOOM_BUILD_TESTS)
   find_package(GTest REQUIRED)
   find_package(Python3 REQUIRED COMPONENTS Interpreter)
@@ -108,4 +116,8 @@ if(LOOM_BUILD_TESTS)
   set_tests_properties(loomrun_processes PROPERTIES TIMEOUT 240
     ENVIRONMENT "OMP_NUM_THREADS=1;OMPI_MCA_btl=self,vader,tcp;OMPI_MCA_pml=ob1")
 
+  if(TARGET placement_bench)
+    add_test(NAME placement_bench_smoke COMMAND placement_bench --quick --json ${CMAKE_CURRENT_BINARY_DIR}/placement_bench_smoke.json)
+    set_tests_properties(placement_bench_smoke PROPERTIES TIMEOUT 120)
+  endif()
 endif()
