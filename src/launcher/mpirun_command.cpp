@@ -69,6 +69,8 @@ Launch build_launch(const Options& o, const LaunchContext& ctx) {
     // --plan alone may plan a described (simulated) cluster as it is; a launch plans its hosts.
     const bool as_described = o.plan && local;
     launch.topology = as_described ? described : topology_for_hosts(described, hosts.size(), o.topology, launch.notes);
+    if (!as_described)  // node i runs on host i: name it so in the plan and its printout
+      for (size_t i = 0; i < hosts.size(); ++i) launch.topology->nodes[i].hostname = hosts[i].name;
     int ranks_per_node = 0;
     if (!local && std::all_of(hosts.begin(), hosts.end(), [&](const Host& h) { return h.slots == hosts[0].slots; }))
       ranks_per_node = std::min(hosts[0].slots, o.np);

@@ -173,6 +173,7 @@ TEST(Loomrun, TopologyBindsRanksThroughARankfile) {
   Launch l = build_launch(o, with_tp);
   ASSERT_TRUE(l.plan);
   EXPECT_EQ(l.topology->nodes.size(), 2u);  // one described node stands for both hosts
+  EXPECT_EQ(l.plan->hostnames, (std::vector<std::string>{"n1", "n2"}));
   EXPECT_EQ(l.notes.at(0), "the topology file describes one node; planned as 2 identical hosts");
   EXPECT_EQ(l.argv, concat({{"mpirun", "-np", "16", "-H", "n1:8,n2:8", "--rankfile", kRankfilePlaceholder, "--mca",
                              "rmaps_rank_file_physical", "1", "-x", "LOOM_RANKS_PER_NODE=8"},

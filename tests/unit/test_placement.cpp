@@ -312,6 +312,29 @@ TEST(Placement, MultiNodeRingsCrossNodesTheMinimumNumberOfTimes) {
   for (const auto& ring : spread.layout.tp_groups) EXPECT_EQ(bottleneck(ring, spread.costs), (Link{LinkClass::NV, 2}));
 }
 
+TEST(Placement, NodesThatDiffer) {
+  // merge_nodes output as loom::init builds it: an 8-GPU DGX-1, a 4-GPU Azure box, a 2-GPU workstation.
+  Topology t =
+      merge_nodes({fixture("dgx1_v100_1nic_oneflow.txt"), fixture("azure_nc96ads_a100v4_4gpu_nv12_pairs_4numa.txt"),
+                   fixture("gtx1080ti_2gpu_phb_numa_na.txt")});
+  Plan p = plan(t, {14, 2, 0, 1 << 20});
+  check_invariants(p, t);
+  EXPECT_EQ(p.ranks_per_node, (std::vector<int>{8, 4, 2}));
+  for (int node = 0; node < 3; ++node)
+    EXPECT_EQ(planned_score(p, t, node), exhaustive_optimum(t.nodes[node], t.costs, p.ranks_per_node[node], 2));
+  for (const auto& ring : p.layout.dp_groups) {
+    auto [hops, nodes] = crossings(p, ring);
+    EXPECT_EQ(nodes, 3);
+    EXPECT_EQ(hops, minimum_crossings(nodes));
+  }
+  // Azure's TP pairs are its NV12 pairs.
+  for (const auto& ring : p.layout.tp_groups) {
+    if (p.layout.ranks[ring.ranks[0]].node == 1) {
+      EXPECT_EQ(bottleneck(ring, p.costs), (Link{LinkClass::NV, 12}));
+    }
+  }
+}
+
 TEST(Placement, ManyNodesPlanInUnderASecond) {
   const Topology cluster = topology_from_json(replicated_json("dgx1_v100_1nic_oneflow.txt", 1024), "1024x8.json");
   const auto start = std::chrono::steady_clock::now();
