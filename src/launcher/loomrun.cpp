@@ -1,0 +1,125 @@
+// loomrun: starts a torchloom job through mpirun (docs/launcher.md).
+//
+//   loomrun -np 16 -H node1:8,node2:8 --tp 2 --topology dgx.txt -- ./train --epochs 3
+//   loomrun -np 8 --tp 2 --topology dgx.txt --plan            # where each rank would run, and why
+//   loomrun -np 2 --dry-run -- ./train                         # the exact mpirun command
+//
+// Exit status: the job's (mpirun's), 128 + signal when mpirun died of one, 2 for bad arguments,
+// 127 when mpirun cannot be started.
+#include <limits.h>
+#include <stdlib.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <fstream>
+#include <iostream>
+
+#include "launcher/hosts.h"
+#include "launcher/launcher_args.h"
+#include "launcher/launcher_exec.h"
+#include "launcher/mpirun_command.h"
+
+extern char** environ;
+
+namespace {
+
+using namespace loom::launcher;
+
+constexpr int kUsageExit = 2;
+
+std::string hostname() {
+  char name[HOST_NAME_MAX + 1] = {};
+  gethostname(name, sizeof(name) - 1);
+  return name;
+}
+
+int usage_error(const std::string& message) {
+  std::cerr << "loomrun: " << message << "\nRun loomrun --help for the options.\n";
+  return kUsageExit;
+}
+
+int print_plan(const Options& o, const Launch& launch) {
+  if (!launch.plan) return usage_error("--plan needs a topology: give --topology FILE (or set LOOM_TOPOLOGY)");
+  if (o.json) {
+    std::cout << loom::topo::plan_to_json(*launch.plan) << "\n";
+  } else {
+    for (const auto& note : launch.notes) std::cout << "Note: " << note << "\n";
+    std::cout << loom::topo::explain(*launch.plan, static_cast<double>(o.message_bytes));
+  }
+  if (!o.svg.empty()) {
+    std::ofstream out(o.svg);
+    out << loom::topo::to_svg(*launch.plan, *launch.topology, 0);
+    if (!out) {
+      std::cerr << "loomrun: cannot write " << o.svg << "\n";
+      return 1;
+    }
+  }
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Options o;
+  Launch launch;
+  try {
+    const char* env_topology = std::getenv("LOOM_TOPOLOGY");
+    Parsed parsed = parse_arguments(std::vector<std::string>(argv + 1, argv + argc), env_topology ? env_topology : "");
+    if (parsed.help) {
+      std::cout << *parsed.help;
+      return 0;
+    }
+    o = parsed.options;
+    LaunchContext ctx;
+    ctx.is_root = geteuid() == 0;
+    ctx.local_slots = local_core_count();
+    ctx.local_hostname = hostname();
+    for (char** e = environ; *e; ++e) {
+      std::string kv = *e;
+      size_t eq = kv.find('=');
+      if (eq != std::string::npos) ctx.environment[kv.substr(0, eq)] = kv.substr(eq + 1);
+    }
+    launch = build_launch(o, ctx);
+  } catch (const UsageError& e) {
+    return usage_error(e.what());
+  } catch (const loom::topo::ParseError& e) {
+    return usage_error(std::string("cannot read the topology: ") + e.what());
+  } catch (const loom::topo::PlanError& e) {
+    return usage_error(std::string("cannot place the job: ") + e.what());
+  }
+  if (o.plan) return print_plan(o, launch);
+
+  std::string dir;
+  if (!launch.rankfile.empty()) {
+    std::string rankfile = "XXXXXX/rankfile";
+    if (!o.dry_run) {
+      char pattern[] = "/tmp/loomrun-XXXXXX";
+      if (!mkdtemp(pattern)) {
+        std::perror("loomrun: mkdtemp");
+        return 1;
+      }
+      dir = pattern;
+      rankfile = dir + "/rankfile";
+      std::ofstream(rankfile) << launch.rankfile;
+    } else {
+      rankfile = "/tmp/loomrun-XXXXXX/rankfile";
+    }
+    for (auto& arg : launch.argv)
+      if (arg == kRankfilePlaceholder) arg = rankfile;
+  }
+  if (o.dry_run) {
+    for (const auto& note : launch.notes) std::cout << "# " << note << "\n";
+    std::cout << shell_quote(launch.argv) << "\n";
+    if (!launch.rankfile.empty())
+      std::cout << "# rankfile (written to a new /tmp/loomrun-* directory):\n" << launch.rankfile;
+    return 0;
+  }
+  std::string error;
+  int status = run_and_wait(launch.argv, error);
+  if (!dir.empty()) {
+    std::remove((dir + "/rankfile").c_str());
+    rmdir(dir.c_str());
+  }
+  if (!error.empty()) std::cerr << "loomrun: " << error << "\n";
+  return status;
+}

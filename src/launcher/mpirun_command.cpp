@@ -1,0 +1,129 @@
+#include "launcher/mpirun_command.h"
+
+#include <algorithm>
+#include <cctype>
+#include <numeric>
+#include <string_view>
+
+namespace loom::launcher {
+
+namespace {
+
+bool forwarded(const std::string& name) {
+  return name.rfind("NCCL_", 0) == 0 || name.rfind("LOOM_", 0) == 0 || name == "OMP_NUM_THREADS" ||
+         name == "CUDA_VISIBLE_DEVICES";
+}
+
+// The topology the plan runs on: one node per host. A single-node description stands for every
+// host (clusters are usually uniform); otherwise it must list as many nodes as there are hosts.
+topo::Topology topology_for_hosts(const topo::Topology& described, size_t hosts, const std::string& path,
+                                  std::vector<std::string>& notes) {
+  if (described.nodes.size() == hosts) return described;
+  if (described.nodes.size() == 1) {
+    topo::Topology t;
+    t.costs = described.costs;
+    for (size_t i = 0; i < hosts; ++i) t.nodes.push_back(described.nodes[0]);
+    notes.push_back("the topology file describes one node; planned as " + std::to_string(hosts) + " identical hosts");
+    return t;
+  }
+  throw UsageError("--topology " + path + " describes " + std::to_string(described.nodes.size()) +
+                   " nodes but the job has " + std::to_string(hosts) + " host(s): give one node, or one per host");
+}
+
+}  // namespace
+
+Launch build_launch(const Options& o, const LaunchContext& ctx) {
+  Launch launch;
+  std::vector<std::string>& a = launch.argv;
+  a = {o.mpirun, "-np", std::to_string(o.np)};
+  if (ctx.is_root) a.push_back("--allow-run-as-root");
+
+  const bool local = o.hosts.empty();
+  std::vector<Host> hosts = local ? std::vector<Host>{{ctx.local_hostname, ctx.local_slots}} : o.hosts;
+  if (!o.hostfile.empty()) {
+    a.insert(a.end(), {"--hostfile", o.hostfile});
+  } else if (!local) {
+    std::string list;
+    for (const auto& h : hosts) list += (list.empty() ? "" : ",") + h.name + ":" + std::to_string(h.slots);
+    a.insert(a.end(), {"-H", list});
+  }
+  const int slots = std::accumulate(hosts.begin(), hosts.end(), 0, [](int s, const Host& h) { return s + h.slots; });
+  const std::string where = local ? "this machine's " + std::to_string(slots) + " cores"
+                                  : "the " + std::to_string(slots) + " slots of the hosts";
+  if (o.np > slots) {
+    if (!o.allow_oversubscribe)
+      throw UsageError("-np " + std::to_string(o.np) + " exceeds " + where +
+                       " and --no-oversubscribe was given: add hosts or slots, or drop --no-oversubscribe");
+    a.push_back("--oversubscribe");
+    launch.notes.push_back("-np " + std::to_string(o.np) + " exceeds " + where + ": --oversubscribe");
+  }
+  // Ranks fill each host's slots in order, so a TP group (consecutive ranks) must fit in one host.
+  if (!local && o.tp > 1)
+    for (const auto& h : hosts)
+      if (h.slots % o.tp != 0)
+        throw UsageError("host '" + h.name + "' has " + std::to_string(h.slots) + " slots, not a multiple of --tp " +
+                         std::to_string(o.tp) + ": a tensor-parallel group would span two hosts");
+
+  if (!o.topology.empty()) {
+    topo::Topology described = topo::load_topology_file(o.topology);
+    // --plan alone may plan a described (simulated) cluster as it is; a launch plans its hosts.
+    const bool as_described = o.plan && local;
+    launch.topology = as_described ? described : topology_for_hosts(described, hosts.size(), o.topology, launch.notes);
+    if (!as_described)  // node i runs on host i: name it so in the plan and its printout
+      for (size_t i = 0; i < hosts.size(); ++i) launch.topology->nodes[i].hostname = hosts[i].name;
+    int ranks_per_node = 0;
+    if (!local && std::all_of(hosts.begin(), hosts.end(), [&](const Host& h) { return h.slots == hosts[0].slots; }))
+      ranks_per_node = std::min(hosts[0].slots, o.np);
+    launch.plan = topo::plan(*launch.topology, {o.np, o.tp, ranks_per_node, o.message_bytes});
+    const auto& ranks = launch.plan->layout.ranks;
+    const bool bindable =
+        !as_described && std::all_of(ranks.begin(), ranks.end(), [](const auto& r) { return !r.cpus.empty(); });
+    if (bindable) {
+      for (const auto& r : ranks)
+        launch.rankfile += "rank " + std::to_string(r.rank) + "=" + hosts[r.node].name +
+                           " slot=" + topo::format_cpu_list(r.cpus) + "\n";
+      // Physical (OS) CPU numbers, as in the plan and nvidia-smi's CPU Affinity.
+      a.insert(a.end(), {"--rankfile", kRankfilePlaceholder, "--mca", "rmaps_rank_file_physical", "1"});
+    } else {
+      a.insert(a.end(), {"--map-by", "slot", "--bind-to", "none"});
+      if (!as_described) launch.notes.push_back("the topology gives no CPU affinity: ranks are not bound");
+    }
+    if (ranks_per_node > 0) a.insert(a.end(), {"-x", "LOOM_RANKS_PER_NODE=" + std::to_string(ranks_per_node)});
+  } else {
+    a.insert(a.end(), {"--map-by", "slot", "--bind-to", "none"});
+  }
+
+  // The launch environment the ranks need; option values win over the caller's variables.
+  std::map<std::string, std::string> set;
+  if (!o.topology.empty()) set["LOOM_TOPOLOGY"] = o.topology;
+  if (!o.timeline.empty()) set["LOOM_TIMELINE"] = o.timeline;
+  if (!o.timeout.empty()) set["LOOM_TIMEOUT"] = o.timeout;
+  if (o.tp_given) set["LOOM_TP"] = std::to_string(o.tp);
+  for (const auto& [name, value] : ctx.environment)
+    if (forwarded(name) && !set.count(name) && name != "LOOM_RANKS_PER_NODE") a.insert(a.end(), {"-x", name});
+  for (const auto& [name, value] : set) a.insert(a.end(), {"-x", name + "=" + value});
+
+  a.insert(a.end(), o.program.begin(), o.program.end());
+  return launch;
+}
+
+std::string shell_quote(const std::vector<std::string>& argv) {
+  std::string out;
+  for (const auto& arg : argv) {
+    if (!out.empty()) out += ' ';
+    const bool plain = !arg.empty() && std::all_of(arg.begin(), arg.end(), [](char c) {
+      return std::isalnum(static_cast<unsigned char>(c)) ||
+             std::string_view("_@%+=:,./-").find(c) != std::string_view::npos;
+    });
+    if (plain) {
+      out += arg;
+      continue;
+    }
+    out += '\'';
+    for (char c : arg) out += c == '\'' ? std::string("'\\''") : std::string(1, c);
+    out += '\'';
+  }
+  return out;
+}
+
+}  // namespace loom::launcher

@@ -1,0 +1,187 @@
+#include "topology/nvml_loader.h"
+
+#include <dlfcn.h>
+
+#include <climits>
+#include <cstring>
+
+#include "topology/pcie_path.h"
+
+namespace loom::topo::detail {
+
+namespace {
+
+// The parts of nvml.h used here (NVML API, stable ABI; _v2/_v3 entry points where they exist).
+using nvmlReturn_t = int;
+using nvmlDevice_t = struct nvmlDevice_st*;
+constexpr nvmlReturn_t NVML_SUCCESS = 0;
+constexpr unsigned NVML_NVLINK_MAX_LINKS = 18;
+constexpr int NVML_FEATURE_ENABLED = 1;
+struct nvmlPciInfo_t {
+  char busIdLegacy[16];
+  unsigned int domain;
+  unsigned int bus;
+  unsigned int device;
+  unsigned int pciDeviceId;
+  unsigned int pciSubSystemId;
+  char busId[32];
+};
+
+using InitFn = nvmlReturn_t (*)();
+using ShutdownFn = nvmlReturn_t (*)();
+using ErrorStringFn = const char* (*)(nvmlReturn_t);
+using GetCountFn = nvmlReturn_t (*)(unsigned int*);
+using GetHandleFn = nvmlReturn_t (*)(unsigned int, nvmlDevice_t*);
+using GetNameFn = nvmlReturn_t (*)(nvmlDevice_t, char*, unsigned int);
+using GetPciInfoFn = nvmlReturn_t (*)(nvmlDevice_t, nvmlPciInfo_t*);
+using GetNvLinkStateFn = nvmlReturn_t (*)(nvmlDevice_t, unsigned int, int*);
+using GetNvLinkRemotePciFn = nvmlReturn_t (*)(nvmlDevice_t, unsigned int, nvmlPciInfo_t*);
+using GetCpuAffinityFn = nvmlReturn_t (*)(nvmlDevice_t, unsigned int, unsigned long*);
+using GetCommonAncestorFn = nvmlReturn_t (*)(nvmlDevice_t, nvmlDevice_t, int*);
+
+class Library {
+ public:
+  explicit Library(const std::string& path) : handle_(dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL)) {}
+  ~Library() {
+    if (handle_) dlclose(handle_);
+  }
+  Library(const Library&) = delete;
+  Library& operator=(const Library&) = delete;
+  explicit operator bool() const { return handle_ != nullptr; }
+  template <typename Fn>
+  Fn symbol(std::initializer_list<const char*> names) const {
+    for (const char* name : names)
+      if (void* p = dlsym(handle_, name)) return reinterpret_cast<Fn>(p);
+    return nullptr;
+  }
+
+ private:
+  void* handle_;
+};
+
+std::string bus_id_of(const nvmlPciInfo_t& pci) {
+  char text[sizeof(pci.busId) + 1] = {};
+  std::memcpy(text, pci.busId, sizeof(pci.busId));
+  if (text[0] == '\0') std::memcpy(text, pci.busIdLegacy, sizeof(pci.busIdLegacy));
+  return normalize_bus_id(text);
+}
+
+}  // namespace
+
+std::optional<Link> link_from_nvml_level(int level) {
+  switch (level) {
+    case 0:   // NVML_TOPOLOGY_INTERNAL: devices on one board
+    case 10:  // NVML_TOPOLOGY_SINGLE
+      return Link{LinkClass::PIX, 0};
+    case 20:
+      return Link{LinkClass::PXB, 0};  // NVML_TOPOLOGY_MULTIPLE
+    case 30:
+      return Link{LinkClass::PHB, 0};  // NVML_TOPOLOGY_HOSTBRIDGE
+    case 40:
+      return Link{LinkClass::NODE, 0};  // NVML_TOPOLOGY_NODE
+    case 50:
+      return Link{LinkClass::SYS, 0};  // NVML_TOPOLOGY_SYSTEM
+    default:
+      return std::nullopt;
+  }
+}
+
+std::optional<NvmlSnapshot> read_nvml(const std::string& library, std::string& why) {
+  Library lib(library);
+  if (!lib) {
+    const char* err = dlerror();
+    why = "cannot load " + library + ": " + (err ? err : "unknown dlopen error");
+    return std::nullopt;
+  }
+  auto init = lib.symbol<InitFn>({"nvmlInit_v2", "nvmlInit"});
+  auto shutdown = lib.symbol<ShutdownFn>({"nvmlShutdown"});
+  auto error_string = lib.symbol<ErrorStringFn>({"nvmlErrorString"});
+  auto get_count = lib.symbol<GetCountFn>({"nvmlDeviceGetCount_v2", "nvmlDeviceGetCount"});
+  auto get_handle = lib.symbol<GetHandleFn>({"nvmlDeviceGetHandleByIndex_v2", "nvmlDeviceGetHandleByIndex"});
+  auto get_name = lib.symbol<GetNameFn>({"nvmlDeviceGetName"});
+  auto get_pci = lib.symbol<GetPciInfoFn>({"nvmlDeviceGetPciInfo_v3", "nvmlDeviceGetPciInfo_v2"});
+  auto nvlink_state = lib.symbol<GetNvLinkStateFn>({"nvmlDeviceGetNvLinkState"});
+  auto nvlink_remote = lib.symbol<GetNvLinkRemotePciFn>({"nvmlDeviceGetNvLinkRemotePciInfo_v2"});
+  auto cpu_affinity = lib.symbol<GetCpuAffinityFn>({"nvmlDeviceGetCpuAffinity"});
+  auto common_ancestor = lib.symbol<GetCommonAncestorFn>({"nvmlDeviceGetTopologyCommonAncestor"});
+  if (!init || !shutdown || !get_count || !get_handle || !get_pci) {
+    why = library + " lacks nvmlInit/nvmlShutdown/nvmlDeviceGetCount/nvmlDeviceGetHandleByIndex/nvmlDeviceGetPciInfo";
+    return std::nullopt;
+  }
+  auto describe = [&](nvmlReturn_t r) {
+    std::string s = "NVML error " + std::to_string(r);
+    if (error_string) {
+      const char* text = error_string(r);
+      if (text) s += " (" + std::string(text) + ")";
+    }
+    return s;
+  };
+  if (nvmlReturn_t r = init(); r != NVML_SUCCESS) {
+    why = "nvmlInit failed: " + describe(r);
+    return std::nullopt;
+  }
+  NvmlSnapshot snap;
+  unsigned count = 0;
+  if (nvmlReturn_t r = get_count(&count); r != NVML_SUCCESS) {
+    why = "nvmlDeviceGetCount failed: " + describe(r);
+    shutdown();
+    return std::nullopt;
+  }
+  std::vector<nvmlDevice_t> handles(count, nullptr);
+  auto note = [&](const std::string& s) {
+    if (snap.driver_notes.size() < 2000) snap.driver_notes += (snap.driver_notes.empty() ? "" : "; ") + s;
+  };
+  for (unsigned i = 0; i < count; ++i) {
+    NvmlDevice dev;
+    if (nvmlReturn_t r = get_handle(i, &handles[i]); r != NVML_SUCCESS) {
+      why = "nvmlDeviceGetHandleByIndex(" + std::to_string(i) + ") failed: " + describe(r);
+      shutdown();
+      return std::nullopt;
+    }
+    nvmlPciInfo_t pci{};
+    if (nvmlReturn_t r = get_pci(handles[i], &pci); r != NVML_SUCCESS) {
+      why = "nvmlDeviceGetPciInfo(" + std::to_string(i) + ") failed: " + describe(r);
+      shutdown();
+      return std::nullopt;
+    }
+    dev.bus_id = bus_id_of(pci);
+    if (get_name) {
+      char name[96] = {};
+      if (get_name(handles[i], name, sizeof(name) - 1) == NVML_SUCCESS) dev.name = name;
+    }
+    if (cpu_affinity) {
+      constexpr unsigned kWords = (kMaxCpu + 1) / (sizeof(unsigned long) * CHAR_BIT);
+      std::vector<unsigned long> mask(kWords, 0);
+      if (nvmlReturn_t r = cpu_affinity(handles[i], kWords, mask.data()); r == NVML_SUCCESS) {
+        for (unsigned w = 0; w < kWords; ++w)
+          for (unsigned b = 0; b < sizeof(unsigned long) * CHAR_BIT; ++b)
+            if (mask[w] & (1ul << b)) dev.cpus.push_back(static_cast<int>(w * sizeof(unsigned long) * CHAR_BIT + b));
+      } else {
+        note("nvmlDeviceGetCpuAffinity(" + std::to_string(i) + "): " + describe(r));
+      }
+    }
+    if (nvlink_state && nvlink_remote) {
+      for (unsigned link = 0; link < NVML_NVLINK_MAX_LINKS; ++link) {
+        int active = 0;
+        if (nvlink_state(handles[i], link, &active) != NVML_SUCCESS || active != NVML_FEATURE_ENABLED) continue;
+        nvmlPciInfo_t remote{};
+        if (nvlink_remote(handles[i], link, &remote) != NVML_SUCCESS) continue;
+        ++dev.nvlinks[bus_id_of(remote)];
+      }
+    }
+    snap.devices.push_back(std::move(dev));
+  }
+  snap.common_ancestor.assign(count, std::vector<int>(count, -1));
+  if (common_ancestor) {
+    for (unsigned a = 0; a < count; ++a)
+      for (unsigned b = a + 1; b < count; ++b) {
+        int level = -1;
+        if (common_ancestor(handles[a], handles[b], &level) == NVML_SUCCESS)
+          snap.common_ancestor[a][b] = snap.common_ancestor[b][a] = level;
+      }
+  }
+  shutdown();
+  return snap;
+}
+
+}  // namespace loom::topo::detail

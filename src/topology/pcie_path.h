@@ -1,0 +1,30 @@
+// The nvidia-smi link class between two PCI devices from their places in the PCI tree. Shared by
+// the NCCL XML parser (nesting of <pci> elements) and hwloc detection (PCI objects), so both
+// classify paths the same way.
+#pragma once
+
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "loom/topology/topology.h"
+
+namespace loom::topo::detail {
+
+struct PciPlace {
+  int numa = -1;         // the CPU-side domain the device hangs off (-1: unknown)
+  int host_bridge = -1;  // which host bridge (root complex) of that domain (-1: unknown)
+  // Ids of the PCI elements from just below the host bridge down to the device itself (last).
+  std::vector<int> chain;
+};
+
+// SYS across domains; NODE between host bridges of one domain (or when the host bridge is unknown
+// and the chains share nothing); PHB through one host bridge; PIX when the path crosses one PCIe
+// bridge, PXB when it crosses more.
+Link pcie_link(const PciPlace& a, const PciPlace& b);
+
+// "00000000:3B:00.0" (NVML), "0000:3b:00.0" (NCCL, hwloc) -> "0000:3b:00.0": lower case, a 4-digit
+// domain. Text that is not a bus id comes back lower-cased and otherwise unchanged.
+std::string normalize_bus_id(std::string_view bus_id);
+
+}  // namespace loom::topo::detail

@@ -1,0 +1,254 @@
+// loomrun's argument checking and the exact mpirun argv it builds (single node, host list,
+// hostfile, environment forwarding, binding from a plan). Real processes: tests/launcher/check_loomrun.py.
+#include <gtest/gtest.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <fstream>
+
+#include "launcher/hosts.h"
+#include "launcher/launcher_args.h"
+#include "launcher/launcher_exec.h"
+#include "launcher/mpirun_command.h"
+#include "topology_test_util.h"
+
+using namespace loom::launcher;
+using Argv = std::vector<std::string>;
+
+namespace {
+
+Options parse(const Argv& args, const std::string& env_topology = "") {
+  return parse_arguments(args, env_topology).options;
+}
+
+std::string usage_error(const Argv& args) {
+  try {
+    parse_arguments(args);
+  } catch (const UsageError& e) {
+    return e.what();
+  }
+  return "";
+}
+
+LaunchContext context(bool root = false) {
+  LaunchContext c;
+  c.is_root = root;
+  c.local_slots = 4;
+  c.local_hostname = "here";
+  c.environment = {
+      {"PATH", "/usr/bin"},        {"HOME", "/root"},        {"NCCL_DEBUG", "INFO"},          {"NCCL_IB_HCA", "mlx5"},
+      {"LOOM_LOG_LEVEL", "debug"}, {"OMP_NUM_THREADS", "1"}, {"CUDA_VISIBLE_DEVICES", "0,1"}, {"NCCLX", "no"},
+      {"MY_LOOM_VAR", "no"}};
+  return c;
+}
+
+std::string write_temp(const std::string& name, const std::string& text) {
+  const std::string path = ::testing::TempDir() + "/" + name;
+  std::ofstream(path) << text;
+  return path;
+}
+
+const Argv kForwarded = {"-x", "CUDA_VISIBLE_DEVICES", "-x", "LOOM_LOG_LEVEL", "-x", "NCCL_DEBUG",
+                         "-x", "NCCL_IB_HCA",          "-x", "OMP_NUM_THREADS"};
+
+Argv concat(std::initializer_list<Argv> parts) {
+  Argv out;
+  for (const auto& p : parts) out.insert(out.end(), p.begin(), p.end());
+  return out;
+}
+
+}  // namespace
+
+TEST(Loomrun, SingleNodeDryRunArgv) {
+  Options o = parse({"-np", "2", "--dry-run", "--", "./train", "--lr", "0.1"});
+  EXPECT_TRUE(o.dry_run);
+  Launch l = build_launch(o, context());
+  EXPECT_EQ(l.argv, concat({{"mpirun", "-np", "2", "--map-by", "slot", "--bind-to", "none"},
+                            kForwarded,
+                            {"./train", "--lr", "0.1"}}));
+  // As root mpirun needs --allow-run-as-root; more ranks than cores need --oversubscribe.
+  Launch root = build_launch(parse({"-np", "6", "--", "./train"}), context(true));
+  EXPECT_EQ(Argv(root.argv.begin(), root.argv.begin() + 5),
+            (Argv{"mpirun", "-np", "6", "--allow-run-as-root", "--oversubscribe"}));
+  EXPECT_EQ(root.notes.at(0), "-np 6 exceeds this machine's 4 cores: --oversubscribe");
+}
+
+TEST(Loomrun, HostListArgvAndOptionsBecomeEnvironment) {
+  Options o = parse({"-np", "16", "-H", "node1:8,node2:8", "--tp", "2", "--timeline", "/tmp/tl", "--timeout", "30",
+                     "--mpirun", "/opt/ompi/bin/mpirun", "--", "./train", "a b"});
+  Launch l = build_launch(o, context());
+  EXPECT_EQ(
+      l.argv,
+      concat({{"/opt/ompi/bin/mpirun", "-np", "16", "-H", "node1:8,node2:8", "--map-by", "slot", "--bind-to", "none"},
+              kForwarded,
+              {"-x", "LOOM_TIMELINE=/tmp/tl", "-x", "LOOM_TIMEOUT=30", "-x", "LOOM_TP=2", "./train", "a b"}}));
+  EXPECT_TRUE(l.notes.empty());
+  // Oversubscribed hosts.
+  Launch over = build_launch(parse({"-np", "20", "-H", "a:8,b:8", "--", "x"}), context());
+  EXPECT_NE(std::find(over.argv.begin(), over.argv.end(), "--oversubscribe"), over.argv.end());
+  EXPECT_EQ(over.notes.at(0), "-np 20 exceeds the 16 slots of the hosts: --oversubscribe");
+}
+
+TEST(Loomrun, HostfileArgv) {
+  const std::string path =
+      write_temp("hosts.txt", "# two nodes\nnode1 slots=8\n\nnode2 slots=8 max_slots=8  # comment\n");
+  Options o = parse({"-np", "16", "--hostfile", path, "--", "./train"});
+  ASSERT_EQ(o.hosts.size(), 2u);
+  EXPECT_EQ(o.hosts[1].name, "node2");
+  EXPECT_EQ(o.hosts[1].slots, 8);
+  Launch l = build_launch(o, context());
+  EXPECT_EQ(l.argv, concat({{"mpirun", "-np", "16", "--hostfile", path, "--map-by", "slot", "--bind-to", "none"},
+                            kForwarded,
+                            {"./train"}}));
+}
+
+TEST(Loomrun, BadArgumentsSayWhatIsWrong) {
+  EXPECT_EQ(usage_error({"-np", "0", "--", "x"}), "-np 0: expected at least 1 rank");
+  EXPECT_EQ(usage_error({"-np", "-3", "--", "x"}), "-np -3: expected at least 1 rank");
+  EXPECT_EQ(usage_error({"--", "x"}), "-np is missing: how many ranks to start (e.g. -np 4)");
+  EXPECT_EQ(usage_error({"-np", "6", "--tp", "4", "--", "x"}),
+            "-np 6 is not divisible by --tp 4: every rank belongs to one tensor-parallel group of 4");
+  EXPECT_EQ(usage_error({"-np", "2", "--tp", "0", "--", "x"}), "--tp 0: expected at least 1");
+  EXPECT_EQ(usage_error({"-np", "2", "-H", "host:abc", "--", "x"}),
+            "-H 'host:abc': 'host:abc' is not host or host:slots (slots must be a positive integer, found 'abc')");
+  EXPECT_EQ(usage_error({"-np", "2", "-H", ":4", "--", "x"}),
+            "-H ':4': ':4' is not host or host:slots (the host name is empty)");
+  EXPECT_EQ(usage_error({"-np", "2", "-H", "a:0", "--", "x"}),
+            "-H 'a:0': 'a:0' is not host or host:slots (slots must be a positive integer, found '0')");
+  EXPECT_EQ(usage_error({"-np", "2", "-H", "a:2,a:2", "--", "x"}),
+            "-H 'a:2,a:2': host 'a' is listed twice; give it once with all its slots (a:N)");
+  EXPECT_EQ(usage_error({"-np", "2", "--"}), "the program is missing after --");
+  EXPECT_EQ(usage_error({"-np", "2"}), "the program is missing: put it after --, e.g. loomrun -np 2 -- ./train");
+  EXPECT_EQ(
+      usage_error({"-np", "2", "./train"}),
+      "The following argument was not expected: ./train (put the program after --: loomrun -np 2 -- ./program args)");
+  EXPECT_EQ(usage_error({"-np", "2", "--hostfile", "/nonexistent/hosts", "--", "x"}),
+            "--hostfile /nonexistent/hosts: cannot read it (No such file or directory)");
+  const std::string bad = write_temp("bad_hosts.txt", "node1 slots=8\nnode2 cpus=8\n");
+  EXPECT_EQ(usage_error({"-np", "2", "--hostfile", bad, "--", "x"}),
+            "--hostfile " + bad + ", line 2: 'cpus=8': expected slots=N or max_slots=N");
+  EXPECT_EQ(usage_error({"-np", "2", "-H", "a", "--hostfile", bad, "--", "x"}),
+            "give either -H or --hostfile, not both");
+  EXPECT_EQ(usage_error({"-np", "2", "--json", "--", "x"}), "--json needs --plan");
+  EXPECT_EQ(usage_error({"-np", "2", "--timeout", "soon", "--", "x"}),
+            "--timeout soon: expected seconds between 0.001 and 86400");
+  EXPECT_EQ(usage_error({"-np", "2", "--", "-x"}),
+            "the program '-x' starts with '-': mpirun would read it as an option");
+  EXPECT_EQ(usage_error({"-np", "2", "--frobnicate", "--", "x"}),
+            "The following argument was not expected: --frobnicate");
+  EXPECT_EQ(usage_error({"-np", "two", "--", "x"}), "-np two: expected an integer");
+  EXPECT_EQ(usage_error({"-np", "2", "--tp", "2.5", "--", "x"}), "--tp 2.5: expected an integer");
+  // After "--" everything belongs to the program, even what looks like loomrun's options.
+  Options o = parse({"-np", "1", "--", "prog", "-np", "5", "--", "--tp"});
+  EXPECT_EQ(o.program, (Argv{"prog", "-np", "5", "--", "--tp"}));
+  EXPECT_EQ(o.np, 1);
+  EXPECT_TRUE(parse_arguments({"--help"}).help.has_value());
+}
+
+TEST(Loomrun, SlotsAndTensorParallelGroupsMustFitHosts) {
+  auto error = [](const Argv& args) {
+    try {
+      build_launch(parse(args), context());
+    } catch (const UsageError& e) {
+      return std::string(e.what());
+    }
+    return std::string();
+  };
+  EXPECT_EQ(error({"-np", "8", "--no-oversubscribe", "--", "x"}),
+            "-np 8 exceeds this machine's 4 cores and --no-oversubscribe was given: add hosts or slots, or drop "
+            "--no-oversubscribe");
+  EXPECT_EQ(error({"-np", "6", "-H", "a:3,b:3", "--tp", "2", "--", "x"}),
+            "host 'a' has 3 slots, not a multiple of --tp 2: a tensor-parallel group would span two hosts");
+  EXPECT_EQ(error({"-np", "4", "--no-oversubscribe", "--", "x"}), "");
+}
+
+TEST(Loomrun, TopologyBindsRanksThroughARankfile) {
+  const std::string dgx = loom::topo::testing::fixture_path("dgx1_v100_1nic_oneflow.txt");
+  LaunchContext c = context();
+  c.environment["LOOM_TOPOLOGY"] = "/old.json";  // options win over the caller's variables: no duplicate -x
+  LaunchContext with_tp = c;
+  with_tp.environment["LOOM_TP"] = "4";
+  Options o = parse({"-np", "16", "-H", "n1:8,n2:8", "--tp", "2", "--topology", dgx, "--", "./train"});
+  Launch l = build_launch(o, with_tp);
+  ASSERT_TRUE(l.plan);
+  EXPECT_EQ(l.topology->nodes.size(), 2u);  // one described node stands for both hosts
+  EXPECT_EQ(l.plan->hostnames, (std::vector<std::string>{"n1", "n2"}));
+  EXPECT_EQ(l.notes.at(0), "the topology file describes one node; planned as 2 identical hosts");
+  EXPECT_EQ(l.argv, concat({{"mpirun", "-np", "16", "-H", "n1:8,n2:8", "--rankfile", kRankfilePlaceholder, "--mca",
+                             "rmaps_rank_file_physical", "1", "-x", "LOOM_RANKS_PER_NODE=8"},
+                            kForwarded,
+                            {"-x", "LOOM_TOPOLOGY=" + dgx, "-x", "LOOM_TP=2", "./train"}}));
+  // One line per rank: its host and the CPUs next to its GPU.
+  std::vector<std::string> lines;
+  size_t pos = 0;
+  while (pos < l.rankfile.size()) {
+    size_t end = l.rankfile.find('\n', pos);
+    lines.push_back(l.rankfile.substr(pos, end - pos));
+    pos = end + 1;
+  }
+  ASSERT_EQ(lines.size(), 16u);
+  for (int r = 0; r < 16; ++r) {
+    const auto& p = l.plan->layout.ranks[r];
+    EXPECT_EQ(lines[r], "rank " + std::to_string(r) + "=" + (p.node == 0 ? "n1" : "n2") +
+                            " slot=" + loom::topo::format_cpu_list(p.cpus));
+  }
+  // Hosts with fewer slots than GPUs: that many ranks per host, the rest of the GPUs unused.
+  Launch half = build_launch(parse({"-np", "8", "-H", "n1:4,n2:4", "--tp", "2", "--topology", dgx, "--", "x"}), c);
+  EXPECT_EQ(half.plan->ranks_per_node, (std::vector<int>{4, 4}));
+  // A local job: the local host name in the rankfile, no rank count to pass on.
+  Launch local = build_launch(parse({"-np", "2", "--topology", dgx, "--", "x"}), c);
+  EXPECT_EQ(local.rankfile.substr(0, 12), "rank 0=here ");
+  EXPECT_EQ(std::count(local.argv.begin(), local.argv.end(), "-x"), 6);
+  // A topology with two nodes cannot describe three hosts.
+  const std::string two =
+      write_temp("two.json", loom::topo::testing::replicated_json("gtx1080ti_2gpu_phb_numa_na.txt", 2));
+  try {
+    build_launch(parse({"-np", "6", "-H", "a:2,b:2,c:2", "--topology", two, "--", "x"}), c);
+    FAIL();
+  } catch (const UsageError& e) {
+    EXPECT_EQ(std::string(e.what()),
+              "--topology " + two + " describes 2 nodes but the job has 3 host(s): give one node, or one per host");
+  }
+  // Plan errors and unreadable topologies come through as their own types.
+  EXPECT_THROW(build_launch(parse({"-np", "32", "--topology", dgx, "--", "x"}), c), loom::topo::PlanError);
+  EXPECT_THROW(build_launch(parse({"-np", "2", "--topology", "/nonexistent.json", "--", "x"}), c),
+               loom::topo::ParseError);
+  // LOOM_TOPOLOGY from the environment is used when --topology is not given.
+  EXPECT_EQ(parse({"-np", "2", "--", "x"}, dgx).topology, dgx);
+}
+
+TEST(Loomrun, ShellQuoteRoundTripsThroughASh) {
+  const Argv words = {"mpirun",     "plain",       "a b",       "it's",      "$(echo x)", "*",   "",
+                      "semi;colon", "back\\slash", "tab\there", "new\nline", "-x",        "K=V", "\"dq\""};
+  const std::string line = shell_quote(words);
+  // The shell splits the quoted line back into the same words (printed NUL-separated).
+  std::string script = "for a in " + line + "; do printf '%s\\0' \"$a\"; done";
+  FILE* p = popen(("/bin/sh -c " + shell_quote({script})).c_str(), "r");
+  ASSERT_NE(p, nullptr);
+  std::string out;
+  char buf[256];
+  size_t n;
+  while ((n = fread(buf, 1, sizeof(buf), p)) > 0) out.append(buf, n);
+  ASSERT_EQ(pclose(p), 0);
+  Argv back;
+  for (size_t pos = 0; pos < out.size();) {
+    size_t end = out.find('\0', pos);
+    back.push_back(out.substr(pos, end - pos));
+    pos = end + 1;
+  }
+  EXPECT_EQ(back, words);
+  EXPECT_EQ(shell_quote({"mpirun", "-np", "2", "./a.out"}), "mpirun -np 2 ./a.out");
+}
+
+TEST(Loomrun, RunAndWaitReportsHowTheChildEnded) {
+  std::string error;
+  EXPECT_EQ(run_and_wait({"/bin/sh", "-c", "exit 3"}, error), 3);
+  EXPECT_EQ(run_and_wait({"/bin/sh", "-c", "kill -TERM $$"}, error), 128 + 15);
+  EXPECT_EQ(error, "");
+  EXPECT_EQ(run_and_wait({"/nonexistent/mpirun"}, error), 127);
+  EXPECT_EQ(error, "cannot run /nonexistent/mpirun: No such file or directory");
+  // Arguments arrive verbatim (no shell in between).
+  error.clear();
+  EXPECT_EQ(run_and_wait({"/bin/sh", "-c", "test \"$1\" = 'a b;$(echo x)|*'", "sh", "a b;$(echo x)|*"}, error), 0);
+}
