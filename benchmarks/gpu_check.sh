@@ -1,26 +1,26 @@
 #!/usr/bin/env bash
-# The GPU check: on a machine with one GPU, builds torchloom and runs the tests that need a GPU,
-# in a few minutes, then prints a PASS/FAIL table. Exits non-zero when anything failed.
+# The GPU check: on a machine with one GPU (or more), builds what the GPU tests need and runs them,
+# in a few minutes, then prints a PASS/FAIL table and the NCCL / CUDA runtime the tests loaded.
+# Exits non-zero when anything failed.
 #
-# What it checks (tests/gpu/):
-#   test_nccl   the NCCL communicator at world size 1 (mpirun -np 1): every collective x dtype
-#               against values computed on the CPU; in-place and list forms; operations ordered
-#               after the caller's CUDA stream; inputs freed right after a call not reused while the
-#               NCCL stream reads them; Work::wait() ordering the current stream without blocking
-#               the host, synchronize() blocking it, wait(timeout) giving up; rejected input (CPU
-#               tensor, avg on integers, non-contiguous, bad device index); the watchdog's timeout
-#               breaking a communicator; split by color and key.
-#   test_cuda_training  data parallelism over NCCL on CUDA parameters equals one process on the
-#               whole batch (with accumulation, small buckets); the fp16 compression hook on the
-#               device; GradScaler + float16 autocast: an overflow skips the step and halves the
-#               scale, and training still learns; Column/RowParallelLinear and the
-#               vocabulary-parallel cross-entropy over an NCCL group equal the plain layers.
-#   test_*      any other GPU test binary built into build/tests/gpu/, each under mpirun -np 1.
+# What runs (tests/gpu/):
+#   test_nccl           the NCCL communicator: every collective x dtype against the CPU, stream
+#                       ordering, c10d Work semantics, split, rejected input, timeouts; at two ranks
+#                       also raise-mode abort releasing the stream, a peer that never connects, and a
+#                       batched exchange that cannot deadlock
+#   test_cuda_training  DDP over NCCL against one process on the whole batch, the fp16 hook, the
+#                       GradScaler with float16 autocast (and a state loaded before the first scale),
+#                       the device loom::init() chooses, tensor-parallel layers over NCCL
+#   exit without finalize  test_cuda_training --exit-without-finalize: exit status 0, no crash
+# each at `mpirun -np 1`, and at `-np 2` on the same GPU: each rank gets its own NCCL_HOSTID, so
+# NCCL treats them as two hosts talking over loopback sockets (NCCL refuses two ranks on one device
+# of one host). At one rank NCCL skips in-place sum/min/max/product and broadcast entirely; the
+# two-rank run is what checks the dtype/op mapping and real communication.
 #
 # Usage: bash benchmarks/gpu_check.sh [--no-setup] [--no-build]
 #   --no-setup  skip scripts/setup.sh (a machine without network access, dependencies present)
-#   --no-build  use the existing build (BUILD_DIR, default build/)
-# Each test binary gets at most GPU_TEST_TIMEOUT seconds (default 150).
+#   --no-build  use an existing build (GPU_BUILD_DIR, default build-gpu; or build/ if that has the tests)
+# Each run gets at most GPU_TEST_TIMEOUT seconds (default 180).
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
 
@@ -33,11 +33,11 @@ for arg in "$@"; do
     *) echo "usage: $0 [--no-setup] [--no-build]" >&2; exit 2 ;;
   esac
 done
-BUILD_DIR=${BUILD_DIR:-build}
-TEST_TIMEOUT=${GPU_TEST_TIMEOUT:-150}
+BUILD_DIR=${GPU_BUILD_DIR:-build-gpu}
+if ((build == 0)) && [[ ! -x "$BUILD_DIR/tests/gpu/test_nccl" && -x build/tests/gpu/test_nccl ]]; then BUILD_DIR=build; fi
+TEST_TIMEOUT=${GPU_TEST_TIMEOUT:-180}
 LOG_DIR="$BUILD_DIR/gpu_check"
 start=$SECONDS
-
 phase() { echo "[gpu_check] $* (t=$((SECONDS - start)) s)"; }
 
 # Without a visible GPU every test would skip and the check would pass without checking anything.
@@ -46,45 +46,63 @@ if ! command -v nvidia-smi >/dev/null || ! nvidia-smi -L | grep -q '^GPU '; then
   exit 1
 fi
 nvidia-smi -L
+nvidia-smi --query-gpu=driver_version --format=csv,noheader | sed 's/^/driver /'
 
 if ((setup)); then
   phase "setup"
   bash scripts/setup.sh || { echo "[gpu_check] FAIL: scripts/setup.sh" >&2; exit 1; }
 fi
 if ((build)); then
-  phase "build"
-  BUILD_DIR="$BUILD_DIR" bash scripts/build.sh || { echo "[gpu_check] FAIL: scripts/build.sh" >&2; exit 1; }
+  phase "build ($BUILD_DIR: the library and the GPU tests only)"
+  PYTHON=${PYTHON:-python3}
+  if [[ ! -f "$BUILD_DIR/build.ninja" ]]; then
+    cmake -S . -B "$BUILD_DIR" -G Ninja -DCMAKE_BUILD_TYPE=Release -DLOOM_BUILD_EXAMPLES=OFF \
+      -DLOOM_BUILD_BENCHMARKS=OFF -DLOOM_WITH_NCCL=ON \
+      -DCMAKE_PREFIX_PATH="$("$PYTHON" -c 'import torch; print(torch.utils.cmake_prefix_path)')" \
+      -DPython3_EXECUTABLE="$(command -v "$PYTHON")" >"$BUILD_DIR.configure.log" 2>&1 ||
+      { tail -n 30 "$BUILD_DIR.configure.log"; echo "[gpu_check] FAIL: configure" >&2; exit 1; }
+  fi
+  cmake --build "$BUILD_DIR" -j "$(nproc)" --target test_nccl test_cuda_training ||
+    { echo "[gpu_check] FAIL: build" >&2; exit 1; }
+fi
+if [[ ! -x "$BUILD_DIR/tests/gpu/test_nccl" || ! -x "$BUILD_DIR/tests/gpu/test_cuda_training" ]]; then
+  echo "[gpu_check] FAIL: $BUILD_DIR/tests/gpu has no test_nccl / test_cuda_training (NCCL found at configure time?)" >&2
+  exit 1
 fi
 
 source scripts/mpi_env.sh
 mkdir -p "$LOG_DIR"
-
-if [[ ! -x "$BUILD_DIR/tests/gpu/test_nccl" ]]; then
-  echo "[gpu_check] FAIL: $BUILD_DIR/tests/gpu/test_nccl was not built (was NCCL found at configure time?)" >&2
-  exit 1
-fi
-tests=("$BUILD_DIR/tests/gpu/test_nccl")
-for t in "$BUILD_DIR"/tests/gpu/test_*; do
-  [[ -f "$t" && -x "$t" && "$t" != "${tests[0]}" ]] && tests+=("$t")
-done
+echo "[gpu_check] libraries the tests load:"
+ldd "$BUILD_DIR/tests/gpu/test_nccl" | grep -E 'nccl|cudart|torchloom' | sed 's/^/    /'
 
 names=()
 results=()
 failed=0
-for t in "${tests[@]}"; do
-  name=$(basename "$t")
-  log="$LOG_DIR/$name.log"
+# run NAME NP COMMAND...: one job under mpirun with NP ranks on this GPU.
+run() {
+  local name=$1 np=$2
+  shift 2
+  local log="$LOG_DIR/$name.log"
   phase "run $name"
-  t0=$SECONDS
+  local t0=$SECONDS
+  local extra=()
+  if ((np > 1)); then
+    # Two "hosts" on one GPU: a host id per rank, sockets over loopback, no InfiniBand.
+    extra=(-x NCCL_SOCKET_IFNAME=lo -x NCCL_IB_DISABLE=1 -x NCCL_P2P_DISABLE=1 -x NCCL_SHM_DISABLE=1)
+  fi
   # shellcheck disable=SC2086  # LOOM_MPIRUN_FLAGS is a list of flags
-  timeout --kill-after=10 "$TEST_TIMEOUT" mpirun -np 1 ${LOOM_MPIRUN_FLAGS} -x OMP_NUM_THREADS=1 "$t" >"$log" 2>&1
-  rc=$?
-  # GoogleTest's closing lines: "[  PASSED  ] 17 tests.", "[  SKIPPED ] 2 tests, listed below:", ...
+  timeout --kill-after=10 "$TEST_TIMEOUT" mpirun -np "$np" ${LOOM_MPIRUN_FLAGS} -x OMP_NUM_THREADS=1 -x NCCL_DEBUG=WARN \
+    "${extra[@]}" bash -c 'NCCL_HOSTID=loom-check-$OMPI_COMM_WORLD_RANK exec "$@"' bash "$@" >"$log" 2>&1
+  local rc=$?
   count() { sed -n "s/^\[  $1 *\] \([0-9][0-9]*\) tests*[,.].*/\1/p" "$log" | tail -n 1; }
+  local passed skipped failures verdict
   passed=$(count PASSED)
   skipped=$(count SKIPPED)
   failures=$(count FAILED)
-  if ((rc == 0)); then
+  if grep -qE 'Segmentation fault|signal 11|core dumped' "$log"; then
+    verdict="FAIL (crash)"
+    rc=1
+  elif ((rc == 0)); then
     verdict="PASS"
   elif ((rc == 124 || rc == 137)); then
     verdict="FAIL (timed out after ${TEST_TIMEOUT} s)"
@@ -92,7 +110,7 @@ for t in "${tests[@]}"; do
     verdict="FAIL (exit $rc)"
   fi
   names+=("$name")
-  results+=("$(printf '%-26s %4d passed %3d skipped %3d failed %4d s' "$verdict" "${passed:-0}" "${skipped:-0}" \
+  results+=("$(printf '%-28s %4d passed %3d skipped %3d failed %4d s' "$verdict" "${passed:-0}" "${skipped:-0}" \
     "${failures:-0}" $((SECONDS - t0)))")
   if ((rc != 0)); then
     failed=1
@@ -100,12 +118,19 @@ for t in "${tests[@]}"; do
     tail -n 60 "$log"
     echo "----"
   fi
+}
+
+for np in 1 2; do
+  run "test_nccl.np$np" "$np" "$BUILD_DIR/tests/gpu/test_nccl"
+  run "test_cuda_training.np$np" "$np" "$BUILD_DIR/tests/gpu/test_cuda_training"
+  run "exit_without_finalize.np$np" "$np" "$BUILD_DIR/tests/gpu/test_cuda_training" --exit-without-finalize
 done
 
 echo
 echo "GPU check summary ($(nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1), $((SECONDS - start)) s)"
+grep -h "^NCCL loaded" "$LOG_DIR"/test_nccl.np1.log 2>/dev/null | head -n 1 | sed 's/^/  /'
 for i in "${!names[@]}"; do
-  printf '  %-24s %s\n' "${names[$i]}" "${results[$i]}"
+  printf '  %-28s %s\n' "${names[$i]}" "${results[$i]}"
 done
 echo "logs: $LOG_DIR/"
 if ((failed)); then

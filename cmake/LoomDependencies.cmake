@@ -31,6 +31,13 @@ if(EXISTS "${LOOM_TORCH_NCCL_DIR}")
   set(LOOM_LINK_OPTIONS "LINKER:-rpath-link,${LOOM_TORCH_NCCL_DIR}")
   list(APPEND LOOM_RUNTIME_RPATH "${LOOM_TORCH_NCCL_DIR}")
 endif()
+# ... and the CUDA runtime it was built with (the wheel's, newer than the toolkit's): first on the
+# run path, so that the process loads one libcudart, the one libtorch_cuda expects.
+set(LOOM_TORCH_CUDART_DIR "${LOOM_SITE_PACKAGES}/nvidia/cu13/lib")
+if(EXISTS "${LOOM_TORCH_CUDART_DIR}/libcudart.so.13")
+  list(PREPEND LOOM_RUNTIME_RPATH "${LOOM_TORCH_CUDART_DIR}")
+  set(LOOM_CUDART_LIBRARY "${LOOM_TORCH_CUDART_DIR}/libcudart.so.13")
+endif()
 message(STATUS "torchloom: LibTorch ${Torch_VERSION} in ${LOOM_TORCH_LIB_DIR}")
 
 # NCCL: prefer the copy LibTorch itself loads (the pip wheel ships one next to its CUDA
@@ -42,7 +49,9 @@ if(NOT LOOM_WITH_NCCL STREQUAL "OFF")
   find_path(LOOM_NCCL_INCLUDE_DIR nccl.h
             HINTS ${_site_packages}/nvidia/nccl/include ${CUDAToolkit_INCLUDE_DIRS} /usr/local/cuda/include
             NO_DEFAULT_PATH)
-  find_library(LOOM_NCCL_LIBRARY NAMES nccl libnccl.so.2
+  # NAMES_PER_DIR: the wheel's directory is searched first for every name (it has only
+  # libnccl.so.2; the toolkit's unversioned, older libnccl.so must not win by name).
+  find_library(LOOM_NCCL_LIBRARY NAMES libnccl.so.2 nccl NAMES_PER_DIR
                HINTS ${_site_packages}/nvidia/nccl/lib ${CUDAToolkit_LIBRARY_DIR} /usr/local/cuda/lib64
                NO_DEFAULT_PATH)
   set(_torch_has_cuda OFF)

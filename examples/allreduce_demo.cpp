@@ -20,9 +20,7 @@ std::string show(const at::Tensor& t) {
   return s.str();
 }
 
-}  // namespace
-
-int main() {
+int run() {
   auto rt = loom::init();
   auto comm = rt->world_comm();
   const loom::World& w = rt->world();
@@ -64,4 +62,16 @@ int main() {
   rt.reset();
   loom::finalize();
   return at::equal(values, expected) ? 0 : 1;
+}
+
+}  // namespace
+
+int main() {
+  try {
+    return run();
+  } catch (const loom::Error& e) {
+    // A bad LOOM_* variable, a timeout, a rank that died: say what, and leave (mpirun ends the rest).
+    std::fprintf(stderr, "allreduce_demo: %s\n", e.what());
+    return 1;
+  }
 }

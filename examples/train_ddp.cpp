@@ -218,9 +218,10 @@ int main(int argc, char** argv) {
   try {
     status = train(o);
   } catch (const std::exception& e) {
-    // Leaving without finalizing makes mpirun end the other ranks instead of letting them hang.
+    // Leaving without finalizing makes mpirun end the other ranks instead of letting them hang;
+    // exit code 1, as when torchloom ends the job itself (MPI_Abort), whichever rank reports first.
     std::fprintf(stderr, "train_ddp: %s\n", e.what());
-    return 2;
+    return 1;
   }
   loom::finalize();
   return status;

@@ -200,7 +200,8 @@ int train(Options o) {
 int main(int argc, char** argv) {
   CLI::App app{"GPT-style character model with tensor x data parallelism (torchloom)"};
   Options o;
-  app.add_option("--tp", o.tp, "tensor-parallel degree (default: 2 on an even world, else 1)");
+  app.add_option("--tp", o.tp, "tensor-parallel degree (default: 2 on an even world, else 1)")
+      ->check(CLI::NonNegativeNumber);
   app.add_option("--steps", o.steps, "optimizer steps")->check(CLI::PositiveNumber);
   app.add_option("--batch", o.batch, "global batch (sequences per step, split over DP replicas)")
       ->check(CLI::PositiveNumber);
@@ -220,9 +221,10 @@ int main(int argc, char** argv) {
   try {
     status = train(o);
   } catch (const std::exception& e) {
-    // Leaving without finalizing makes mpirun end the other ranks instead of letting them hang.
+    // Leaving without finalizing makes mpirun end the other ranks instead of letting them hang;
+    // exit code 1, as when torchloom ends the job itself (MPI_Abort), whichever rank reports first.
     std::fprintf(stderr, "train_gpt_tp: %s\n", e.what());
-    return 2;
+    return 1;
   }
   loom::finalize();
   return status;

@@ -289,7 +289,11 @@ struct GradientReducer::Impl : std::enable_shared_from_this<GradientReducer::Imp
       bucket.issued_at = trace::now();
       bucket.reduction = passthrough() ? PendingReduction{} : hook(handed);
       bucket.issued = true;
-      if (during_backward) ++issued_during_backward;
+      // Counted only when a bucket really went to a communicator (alone in the group, none does).
+      if (!passthrough()) {
+        ++stats.buckets_reduced;
+        if (during_backward) ++issued_during_backward;
+      }
       ++next_to_issue;
     }
   }

@@ -8,7 +8,9 @@
 // in one call. The gradient d loss / d z_c = p_c - (1 - e) [c = t] - e/V only needs the softmax of
 // this rank's classes, which forward saves: backward communicates nothing.
 #include <ATen/ops/empty.h>
+#include <ATen/ops/cat.h>
 #include <ATen/ops/stack.h>
+#include <ATen/ops/tensor.h>
 #include <torch/csrc/autograd/custom_function.h>
 
 #include "loom/parallel/tensor_parallel.h"
@@ -34,7 +36,27 @@ struct VocabParallelCrossEntropy : torch::autograd::Function<VocabParallelCrossE
     at::Tensor tgt = target.reshape({-1}).to(at::kLong);
 
     at::Tensor max = z.amax(1);
-    if (t > 1) detail::tp_all_reduce(max, group, ReduceOp::Max);
+    if (t > 1) {
+      // Ranks must hold slices of one width: two more entries, this rank's width and its negation,
+      // ride along in the max all-reduce; after it they equal the width on every rank only when
+      // every rank's width is the same (max of -w is -min w). Read on the host where that is free.
+      const bool check = detail::host_checks_enabled(logits);
+      if (check) {
+        const double w = static_cast<double>(local_classes);
+        max = at::cat({max, at::tensor({w, -w}, max.options())});
+      }
+      detail::tp_all_reduce(max, group, ReduceOp::Max);
+      if (check) {
+        const int64_t widest = static_cast<int64_t>(max[-2].item<double>());
+        const int64_t narrowest = -static_cast<int64_t>(max[-1].item<double>());
+        if (widest != local_classes || narrowest != local_classes)
+          throw MismatchError(detail::tp_where(group, "vocab_parallel_cross_entropy") +
+                              ": ranks pass logits of different widths: this rank's last dimension is " +
+                              std::to_string(local_classes) + ", the group's ranges from " + std::to_string(narrowest) +
+                              " to " + std::to_string(widest) + " (every rank must hold vocab / tp classes)");
+        max = max.narrow(0, 0, max.size(0) - 2);
+      }
+    }
     at::Tensor shifted = z - max.unsqueeze(1);
     at::Tensor exp = shifted.exp();
 
@@ -112,10 +134,12 @@ at::Tensor vocab_parallel_cross_entropy(const at::Tensor& logits, const at::Tens
     throw InvalidArgumentError(where + ": label_smoothing must be in [0, 1]; found " +
                                std::to_string(options.label_smoothing));
   // Out-of-range targets are an error in torch too; checked here because a target no rank owns
-  // would silently contribute a zero logit.
+  // would silently contribute a zero logit. (On a GPU only in the debug mode: reading the flag would
+  // stall the stream every step.)
   const int64_t classes = logits.size(-1) * detail::tp_size(group);
   at::Tensor checked = target.ne(options.ignore_index);
-  if (checked.logical_and(target.lt(0).logical_or(target.ge(classes))).any().item<bool>())
+  if (detail::host_checks_enabled(target) &&
+      checked.logical_and(target.lt(0).logical_or(target.ge(classes))).any().item<bool>())
     throw InvalidArgumentError(where + ": target ids must be in [0, " + std::to_string(classes) +
                                ") or equal ignore_index " + std::to_string(options.ignore_index) + "; found min " +
                                std::to_string(target.min().item<int64_t>()) + ", max " +

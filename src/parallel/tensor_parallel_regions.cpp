@@ -7,6 +7,7 @@
 
 #include <atomic>
 
+#include "loom/config.h"
 #include "loom/parallel/tensor_parallel.h"
 #include "parallel/tensor_parallel_util.h"
 
@@ -229,6 +230,8 @@ void reset_comm_stats() {
 }  // namespace loom::tp
 
 namespace loom::detail {
+
+bool host_checks_enabled(const at::Tensor& on) { return on.device().is_cpu() || config().check_collectives; }
 
 void tp_all_reduce(at::Tensor& tensor, const TensorParallelGroup& group, ReduceOp op) {
   group->all_reduce(tensor, {op})->wait();

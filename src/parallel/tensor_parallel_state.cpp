@@ -1,4 +1,7 @@
 // ParallelState: checks the layout and the model's dimensions, then builds the TP and DP groups.
+#include <ATen/ops/empty.h>
+#include <ATen/ops/tensor.h>
+
 #include "loom/error.h"
 #include "loom/parallel/tensor_parallel.h"
 #include "parallel/tensor_parallel_util.h"
@@ -38,7 +41,38 @@ ParallelState::ParallelState(std::shared_ptr<Communicator> world, const Parallel
   if (config.hidden_size && config.num_heads && config.hidden_size % config.num_heads != 0)
     throw InvalidArgumentError(where + ": hidden size must be divisible by the number of attention heads " +
                                std::to_string(config.num_heads) + "; found " + std::to_string(config.hidden_size));
+  agree_on_config(config);
   groups_ = make_parallel_groups(*world_, t, config.order);
+}
+
+// Ranks built with different configurations would split into groups that do not match (and wait
+// for each other until the timeout): one small exchange first names the difference.
+void ParallelState::agree_on_config(const ParallelConfig& config) const {
+  const int n = world_->size();
+  if (n == 1) return;
+  uint64_t order_hash = 1469598103934665603ull;
+  for (int r : config.order) order_hash = (order_hash ^ static_cast<uint64_t>(r)) * 1099511628211ull;
+  const int64_t mine[] = {config.tensor_parallel, config.hidden_size,    config.num_heads,
+                          config.ffn_hidden_size, config.vocab_size,     static_cast<int64_t>(order_hash)};
+  const char* names[] = {"tensor_parallel", "hidden_size", "num_heads", "ffn_hidden_size", "vocab_size", "order"};
+  constexpr int kFields = 6;
+  at::Tensor local = at::tensor(at::IntArrayRef(mine, kFields), at::kLong).to(world_->device());
+  at::Tensor all = at::empty({n * kFields}, local.options());
+  {
+    detail::InternalOperations internal("ParallelState agreement");
+    world_->all_gather(all, local)->wait();
+  }
+  all = all.cpu();
+  const int64_t* words = all.data_ptr<int64_t>();
+  for (int f = 0; f < kFields; ++f)
+    for (int r = 0; r < n; ++r)
+      if (words[r * kFields + f] != mine[f]) {
+        const bool order = f == kFields - 1;
+        throw MismatchError(ErrorContext("ParallelState")(
+            std::string("ranks were built with different configurations: ") + names[f] + " is " +
+            (order ? "a different permutation" : std::to_string(mine[f])) + " on this rank but " +
+            (order ? "another" : std::to_string(words[r * kFields + f])) + " on rank " + std::to_string(r)));
+      }
 }
 
 void ParallelState::seed(uint64_t seed, RngTracker& tracker) const { model_parallel_seed(seed, tp_rank(), tracker); }

@@ -28,6 +28,11 @@ inline void require_divisible(const std::string& where, const std::string& what,
                                std::to_string(value % degree) + ")");
 }
 
+// Checks that read a device value on the host (a range check, a cross-rank agreement) are free on
+// the CPU; on a GPU they would stall the stream every call, so there they run only in the debug
+// mode (LOOM_CHECK_COLLECTIVES=1).
+bool host_checks_enabled(const at::Tensor& on);
+
 // An in-place all-reduce over the TP group, counted in tp::comm_stats() (for code that
 // communicates outside the region operations, such as the cross-entropy).
 void tp_all_reduce(at::Tensor& tensor, const TensorParallelGroup& group, ReduceOp op);

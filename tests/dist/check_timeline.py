@@ -22,11 +22,15 @@ def main():
         prefix = os.path.join(folder, "timeline")
         env = dict(os.environ, LOOM_TIMELINE=prefix, OMP_NUM_THREADS="1")
         command = [args.mpirun, "--oversubscribe", "--bind-to", "none", "-np", str(args.np), args.program,
-                   "--gtest_filter=DataParallel.ConvNetSgdWithManySmallBucketsOverlapsBackward"]
+                   "--gtest_filter=DataParallel.ConvNetSgdWithManySmallBuckets"]
         proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=120)
         if proc.returncode != 0:
             print(proc.stdout, proc.stderr)
             print("FAIL: the traced run failed")
+            return 1
+        if "PASSED" not in proc.stdout or " 1 test." not in proc.stdout:
+            print(proc.stdout)
+            print("FAIL: the traced test did not run (was it renamed?)")
             return 1
         files = sorted(glob.glob(prefix + ".rank*.json"))
         failures = []

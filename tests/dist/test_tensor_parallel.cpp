@@ -8,6 +8,8 @@
 // and gradients are compared with rtol 1e-5, atol 1e-5 (the values are O(1)).
 #include <ATen/CPUGeneratorImpl.h>
 #include <gtest/gtest.h>
+
+#include "loom/comm/mpi.h"
 #include <torch/nn.h>
 #include <torch/optim.h>
 
@@ -664,6 +666,74 @@ TEST(TensorParallelState, DivisibilityErrorsNameRankExpectedAndFound) {
     expect_invalid([&] { row(at::zeros({2, 8})); }, "expected an input whose last dimension is " +
                                                         std::to_string(8 / tp) + " (this rank's slice of in_features)");
   }
+}
+
+namespace {
+
+// A world of its own whose failures only break it (LOOM_ON_ERROR=raise), for tests that make the
+// ranks disagree on purpose.
+std::shared_ptr<Communicator> raising_world() {
+  CommunicatorOptions options;
+  options.on_error = OnError::Raise;
+  return loom::mpi::world_communicator(options);
+}
+
+template <typename Call>
+std::string mismatch_of(Call call) {
+  try {
+    call();
+  } catch (const MismatchError& e) {
+    return e.what();
+  } catch (const std::exception& e) {
+    return std::string("wrong exception type: ") + e.what();
+  }
+  return "no error";
+}
+
+}  // namespace
+
+// Bad input that only showed up as a timeout before: caught by a cheap cross-rank check.
+TEST(TensorParallelChecks, LogitsOfDifferentWidthsAreAMismatch) {
+  auto world = raising_world();
+  const int n = world->size();
+  if (n < 2) GTEST_SKIP() << "needs a tensor-parallel group";
+  ParallelState ps(world, n);
+  const int64_t width = 4 + (world->rank() == n - 1 ? 1 : 0);
+  at::Tensor logits = at::randn({3, width});
+  at::Tensor target = at::zeros({3}, at::kLong);
+  const std::string message = mismatch_of([&] { vocab_parallel_cross_entropy(logits, target, ps.tp_group()); });
+  EXPECT_NE(message.find("ranks pass logits of different widths: this rank's last dimension is " +
+                         std::to_string(width) + ", the group's ranges from 4 to 5"),
+            std::string::npos)
+      << message;
+}
+
+TEST(TensorParallelChecks, UnevenSequenceShardsAreAMismatch) {
+  auto world = raising_world();
+  const int n = world->size();
+  if (n < 2) GTEST_SKIP() << "needs a tensor-parallel group";
+  ParallelState ps(world, n);
+  // 8 or 9 rows of 16 floats: above the size check's 256 bytes.
+  at::Tensor shard = at::randn({world->rank() == n - 1 ? 9 : 8, 1, 16});
+  const std::string message = mismatch_of([&] { tp::gather_from_sequence_region(shard, ps.tp_group()); });
+  EXPECT_NE(message.find("collective mismatch: this rank called all_gather"), std::string::npos) << message;
+  EXPECT_NE(message.find(world->rank() == n - 1 ? "numel=128" : "numel=144"), std::string::npos) << message;
+}
+
+TEST(TensorParallelChecks, RanksBuiltWithDifferentConfigurationsAreNamed) {
+  auto world = raising_world();
+  const int n = world->size();
+  if (n < 2) GTEST_SKIP() << "needs two ranks";
+  ParallelConfig config;
+  config.tensor_parallel = 1;
+  config.hidden_size = world->rank() == n - 1 ? 64 : 32;
+  const std::string message = mismatch_of([&] { ParallelState ps(world, config); });
+  const std::string theirs = world->rank() == n - 1 ? "32 on rank 0" : "64 on rank " + std::to_string(n - 1);
+  EXPECT_NE(message.find("ranks were built with different configurations: hidden_size is " +
+                         std::to_string(config.hidden_size) + " on this rank but " + theirs),
+            std::string::npos)
+      << message;
+  EXPECT_FALSE(world->is_broken());  // found before any group was split
 }
 
 TEST(TensorParallelRng, UnseededForkIsAnError) {

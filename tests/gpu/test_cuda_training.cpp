@@ -1,10 +1,17 @@
 // GPU tests of the training paths on CUDA: the gradient reducer over the NCCL communicator
 // (hooks on CUDA parameters, buckets as gradient views, end-of-backward wait on the device
-// stream), gradient accumulation, the GradScaler with float16 autocast, and tensor-parallel
-// layers whose region operations run over NCCL. Run by
-// benchmarks/gpu_check.sh under `mpirun -np 1` (or -np N with one GPU per rank); every test
-// skips where no GPU is visible.
+// stream), gradient accumulation, the GradScaler with float16 autocast (and a state loaded before
+// the first scale), the device loom::init() chooses, and tensor-parallel layers whose region
+// operations run over NCCL. Run by benchmarks/gpu_check.sh at `mpirun -np 1` and `-np 2` on one
+// GPU; every test skips where no GPU is visible. At one rank the reducer is handed the average
+// hook explicitly, so buckets really go through NCCL (the default would leave gradients alone);
+// the tensor-parallel test communicates only at two ranks.
+//
+// `test_cuda_training --exit-without-finalize` initialises, runs one all_reduce on the device
+// communicator and returns from main without loom::finalize(): the NCCL communicator must be
+// torn down before the CUDA runtime, exit status 0 (gpu_check.sh checks it).
 #include <ATen/ATen.h>
+#include <ATen/cuda/Sleep.h>
 #include <c10/cuda/CUDAFunctions.h>
 #include <gtest/gtest.h>
 #include <torch/nn.h>
@@ -17,6 +24,11 @@ namespace {
 std::shared_ptr<loom::Runtime> g_runtime;
 std::shared_ptr<loom::Communicator> g_gpu;
 
+int device_index() {
+  if (auto device = g_runtime->cuda_device()) return *device;
+  return c10::cuda::device_count() == 1 ? 0 : g_runtime->world().local_rank % c10::cuda::device_count();
+}
+
 class CudaTraining : public ::testing::Test {
  protected:
   void SetUp() override {
@@ -25,10 +37,9 @@ class CudaTraining : public ::testing::Test {
       loom::CommunicatorOptions options;
       options.timeout = std::chrono::seconds(60);
       options.on_error = loom::OnError::Raise;
-      const int device = g_runtime->world().local_rank % c10::cuda::device_count();
-      g_gpu = loom::nccl::make_communicator(g_runtime->world_comm(), device, "gpu", options);
+      g_gpu = loom::nccl::make_communicator(g_runtime->world_comm(), device_index(), "gpu", options);
     }
-    device_ = at::Device(at::kCUDA, g_runtime->world().local_rank % c10::cuda::device_count());
+    device_ = at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(device_index()));
   }
   at::Device device_{at::kCPU};
 };
@@ -59,6 +70,7 @@ TEST_F(CudaTraining, DataParallelOverNcclEqualsOneProcessOnTheWholeBatch) {
     loom::ReducerOptions options;
     options.first_bucket_cap_bytes = 4096;
     options.bucket_cap_bytes = 8192;
+    options.comm_hook = loom::comm_hooks::all_reduce_average();  // through NCCL even at one rank
     loom::DistributedDataParallel<Mlp> ddp(local, g_gpu, {options, true});
     torch::optim::SGD ddp_opt(ddp->parameters(), torch::optim::SGDOptions(0.05).momentum(0.9));
     torch::optim::SGD ref_opt(reference->parameters(), torch::optim::SGDOptions(0.05).momentum(0.9));
@@ -81,6 +93,7 @@ TEST_F(CudaTraining, DataParallelOverNcclEqualsOneProcessOnTheWholeBatch) {
       ref_opt.step();
     }
     EXPECT_GE(ddp.reducer().stats().buckets, 2u);
+    EXPECT_GT(ddp.reducer().stats().buckets_reduced, 0u);
     auto a = ddp->parameters();
     auto b = reference->parameters();
     for (size_t i = 0; i < a.size(); ++i)
@@ -136,10 +149,33 @@ TEST_F(CudaTraining, GradScalerWithFloat16AutocastSkipsOnOverflowAndLearns) {
   EXPECT_LT(last, 0.5 * first) << "float16 training with the scaler did not learn";
 }
 
+// A state loaded before the first scale() (the usual resume order) lands on the loss's device, so
+// found-inf is read from the device, not from a non-blocking copy still in flight: an overflow is
+// skipped and backs the scale off, every time, even while the stream is busy.
+TEST_F(CudaTraining, GradScalerStateLoadedBeforeTheFirstScaleLivesOnTheDevice) {
+  for (int trial = 0; trial < 20; ++trial) {
+    loom::GradScaler scaler({.sync_groups = {g_gpu}});
+    scaler.load_state_dict({{"scale", 1024.0}, {"growth_factor", 2.0}, {"backoff_factor", 0.5},
+                            {"growth_interval", 100.0}, {"_growth_tracker", 3.0}});
+    at::Tensor w = at::ones({256}, device_).requires_grad_();
+    torch::optim::SGD opt({w}, 0.1);
+    at::cuda::sleep(50'000'000);  // the stream is busy: a copy issued now lands late
+    scaler.scale((w * 1e30).sum() * 1e30).backward();
+    EXPECT_FALSE(scaler.step(opt)) << "trial " << trial << ": an overflowing step went through";
+    scaler.update();
+    EXPECT_EQ(scaler.get_scale(), 512.0) << "trial " << trial;
+    EXPECT_TRUE(at::all(w.eq(1)).item<bool>()) << "trial " << trial << ": the weights moved";
+  }
+}
+
 TEST_F(CudaTraining, InitBuildsTheDeviceCommunicator) {
-  // LOOM_NCCL=auto (the default) with a GPU visible: loom::init() made one over every rank.
+  // LOOM_NCCL=auto (the default) with a GPU visible: loom::init() made one over every rank, on the
+  // device it chose (0 for a process that sees one GPU), and made that device current.
   auto gpu = g_runtime->device_comm();
   ASSERT_NE(gpu, nullptr);
+  ASSERT_TRUE(g_runtime->cuda_device().has_value());
+  EXPECT_EQ(gpu->device(), at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(*g_runtime->cuda_device())));
+  EXPECT_EQ(c10::cuda::current_device(), *g_runtime->cuda_device());
   EXPECT_STREQ(gpu->backend(), "nccl");
   EXPECT_EQ(gpu->size(), g_runtime->world().size);
   at::Tensor t = at::ones({4}, device_);
@@ -176,6 +212,13 @@ TEST_F(CudaTraining, TensorParallelLayersOverNcclMatchThePlainLayers) {
 }
 
 int main(int argc, char** argv) {
+  if (argc == 2 && std::string(argv[1]) == "--exit-without-finalize") {
+    auto rt = loom::init();
+    if (!rt->device_comm()) return 3;
+    at::Tensor t = at::ones({1024}, at::TensorOptions().device(rt->device_comm()->device()));
+    rt->device_comm()->all_reduce(t)->synchronize();
+    return t.sum().item<float>() == 1024.0f * rt->world().size ? 0 : 4;  // no loom::finalize()
+  }
   ::testing::InitGoogleTest(&argc, argv);
   g_runtime = loom::init();
   const int result = RUN_ALL_TESTS();

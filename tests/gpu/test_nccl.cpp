@@ -1,14 +1,22 @@
 // GPU tests of the NCCL communicator: every collective and dtype against values computed on the
-// CPU, ordering against the caller's stream, c10d stream semantics of Work, split, rejected input
-// and the watchdog's timeout. benchmarks/gpu_check.sh runs them under `mpirun -np 1` on one GPU;
-// expected values are built from every rank's contribution, so they also hold under mpirun -np N
-// with one GPU per rank (send/recv needs two). Every test skips where no GPU is visible.
+// CPU, ordering against the caller's stream, c10d stream semantics of Work, split, rejected input,
+// the watchdog's timeout, and the paths that must not hang (raise-mode abort, a peer that never
+// connects, a symmetric exchange). Every test skips where no GPU is visible.
+//
+// benchmarks/gpu_check.sh runs them twice: at `mpirun -np 1`, and at `-np 2` on the same GPU (each
+// rank its own NCCL_HOSTID, so NCCL takes them for two hosts talking over loopback sockets). At one
+// rank NCCL enqueues nothing for an in-place sum/min/max/product all_reduce or a broadcast, so the
+// tests that must see a kernel run use Avg (which NCCL computes even at one rank); the dtype and op
+// mapping is checked for real at two ranks (and as pure functions by tests/unit/test_nccl_types.cpp).
 #include <ATen/ATen.h>
 #include <ATen/cuda/Sleep.h>
 #include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
+#include <cuda_runtime_api.h>
 #include <gtest/gtest.h>
+
+#include <cstdio>
 
 #include <chrono>
 #include <memory>
@@ -37,8 +45,10 @@ loom::CommunicatorOptions test_options() {
   return options;
 }
 
+// The device loom::init() chose (0 when this process sees one GPU, else its local rank).
 int device_index() {
-  return g_runtime->world().local_rank % c10::cuda::device_count();
+  if (auto device = g_runtime->cuda_device()) return *device;
+  return c10::cuda::device_count() == 1 ? 0 : g_runtime->world().local_rank % c10::cuda::device_count();
 }
 
 std::string label(at::ScalarType dtype, ReduceOp op) {
@@ -159,6 +169,13 @@ class Nccl : public ::testing::Test {
 
 TEST_F(Nccl, DescribesItself) {
   EXPECT_TRUE(loom::nccl::compiled());
+  // The NCCL loaded is not older than the headers (another libnccl.so.2 first on the library path
+  // would be), and the CUDA runtime is the one LibTorch was built with or newer.
+  EXPECT_GE(loom::nccl::loaded_version(), loom::nccl::built_version());
+  int runtime = 0;
+  cudaRuntimeGetVersion(&runtime);
+  std::printf("NCCL loaded %d, built with %d; CUDA runtime %d\n", loom::nccl::loaded_version(),
+              loom::nccl::built_version(), runtime);
   EXPECT_STREQ(comm->backend(), "nccl");
   EXPECT_EQ(comm->device_type(), c10::DeviceType::CUDA);
   EXPECT_EQ(comm->size(), g_runtime->world_comm()->size());
@@ -312,7 +329,7 @@ TEST_F(Nccl, ManyOpsInOrderWithTheCallersStream) {
   at::Tensor t = at::zeros({1 << 22}, on_gpu(at::kFloat));
   for (int i = 0; i < 50; ++i) {
     t.add_(1);
-    comm->all_reduce(t, {ReduceOp::Max})->wait();
+    comm->all_reduce(t, {ReduceOp::Avg})->wait();  // a kernel that reads and writes t, even at one rank
   }
   EXPECT_EQ(t.min().item<float>(), 50.0f);
   EXPECT_EQ(t.max().item<float>(), 50.0f);
@@ -339,8 +356,16 @@ TEST_F(Nccl, QueuedOpsWaitForInputsFromTheCallersStream) {
 // Inputs freed right after the call: the caching allocator must not hand their memory to the
 // caller's stream while the (busy) NCCL stream has yet to read it.
 TEST_F(Nccl, FreedInputsAreNotReusedWhileInUse) {
-  at::Tensor big = at::ones({1 << 28}, on_gpu(at::kFloat));  // 1 GiB keeps the NCCL stream busy a while
-  auto busy = comm->all_reduce(big, {ReduceOp::Max});
+  // Keep the NCCL stream busy: a long kernel on a side stream the NCCL stream waits for (the first
+  // operation is issued while the side stream is current), so everything after it is late.
+  loom::WorkPtr busy;
+  {
+    c10::cuda::CUDAStream side = c10::cuda::getStreamFromPool(false, device.index());
+    c10::cuda::CUDAStreamGuard guard(side);
+    busy_current_stream(0.5);
+    at::Tensor one = at::ones({1}, on_gpu(at::kFloat));
+    busy = comm->all_reduce(one, {ReduceOp::Avg});
+  }
   std::vector<at::Tensor> outs, junk;
   std::vector<loom::WorkPtr> works;
   for (int i = 0; i < 20; ++i) {
@@ -363,7 +388,7 @@ TEST_F(Nccl, FreedInputsAreNotReusedWhileInUse) {
 TEST_F(Nccl, WaitOrdersTheStreamNotTheHost) {
   busy_current_stream(1.0);
   at::Tensor t = at::ones({1024}, on_gpu(at::kFloat));
-  auto work = comm->all_reduce(t, {ReduceOp::Max});
+  auto work = comm->all_reduce(t, {ReduceOp::Avg});
   const auto start = Clock::now();
   work->wait();
   EXPECT_LT(Clock::now() - start, std::chrono::milliseconds(300)) << "wait() blocked the host";
@@ -380,7 +405,7 @@ TEST_F(Nccl, ResultVisibleOnASideStreamAfterWait) {
   c10::cuda::CUDAStreamGuard guard(side);
   busy_current_stream(0.1);
   at::Tensor t = at::full({1 << 20}, 3.0, on_gpu(at::kFloat));
-  comm->all_reduce(t, {ReduceOp::Max})->wait();
+  comm->all_reduce(t, {ReduceOp::Avg})->wait();
   at::Tensor doubled = t * 2;  // on the side stream, ordered after the all_reduce by wait()
   EXPECT_EQ(doubled.min().item<float>(), 6.0f);
   EXPECT_EQ(doubled.max().item<float>(), 6.0f);
@@ -395,7 +420,7 @@ TEST_F(Nccl, WaitWithTimeoutGivesUpButTheOperationGoesOn) {
     ADD_FAILURE() << "wait(20 ms) returned while the caller's stream was busy for a second";
   } catch (const loom::TimeoutError& e) {
     expect_contains(e.what(), "all_reduce");
-    expect_contains(e.what(), "wait timed out");
+    expect_contains(e.what(), "wait(0.020 s) gave up after");
   }
   work->synchronize();
   EXPECT_TRUE(work->is_success());
@@ -513,6 +538,66 @@ TEST_F(Nccl, SplitByColorAndKey) {
   EXPECT_EQ(one.min().item<int>(), parity->size());
 
   EXPECT_EQ(comm->split(-1, 0, "gpu-none"), nullptr);
+}
+
+// A communicator of its own, with a short timeout, for tests that leave it broken.
+std::shared_ptr<loom::Communicator> fresh_communicator(const std::string& name, std::chrono::milliseconds timeout) {
+  auto options = test_options();
+  options.timeout = timeout;
+  return loom::nccl::make_communicator(g_runtime->world_comm(), device_index(), name, options);
+}
+
+// Raise mode: a rank missing from a collective makes the others time out; their communicator is
+// aborted, which releases the stream, so the host sync that follows returns (it hung before).
+TEST_F(Nccl, RaiseModeTimeoutReleasesTheStream) {
+  if (size() < 2) GTEST_SKIP() << "needs a peer that can be missing";
+  auto timed = fresh_communicator("gpu-raise", std::chrono::milliseconds(2000));
+  at::Tensor t = at::ones({1 << 16}, on_gpu(at::kFloat));
+  const auto start = Clock::now();
+  if (rank() == 0) {
+    auto work = timed->all_reduce(t, {ReduceOp::Avg, std::chrono::milliseconds(500)});
+    work->wait();                   // the stream waits, the host does not
+    (void)t.sum().item<float>();    // a host sync: returns once the aborted kernel has ended
+    EXPECT_THROW(work->synchronize(), loom::TimeoutError);
+    EXPECT_TRUE(timed->is_broken());
+    EXPECT_LT(Clock::now() - start, std::chrono::seconds(30));
+  }
+  g_runtime->world_comm()->barrier()->wait();
+}
+
+// A peer that never makes its matching call while NCCL connects lazily (the first send): the
+// deadline is registered before the NCCL call, and the call is polled against it.
+TEST_F(Nccl, APeerThatNeverConnectsTimesOut) {
+  if (size() < 2) GTEST_SKIP() << "needs a peer";
+  auto timed = fresh_communicator("gpu-connect", std::chrono::milliseconds(2000));
+  if (rank() == 0) {
+    at::Tensor t = at::ones({1 << 20}, on_gpu(at::kFloat));
+    const auto start = Clock::now();
+    try {
+      timed->send(t, 1, {0, std::chrono::milliseconds(2000)})->synchronize();
+      ADD_FAILURE() << "a send to a rank that never receives completed";
+    } catch (const loom::TimeoutError& e) {
+      expect_contains(e.what(), "send seq=0");
+    }
+    EXPECT_LT(Clock::now() - start, std::chrono::seconds(5));
+  }
+  g_runtime->world_comm()->barrier()->wait();
+}
+
+// Both ranks send 64 MiB and receive 64 MiB: single send/recv calls would deadlock past NCCL's
+// buffering; one batch cannot.
+TEST_F(Nccl, BatchedExchangeCannotDeadlock) {
+  if (size() < 2) GTEST_SKIP() << "needs a peer";
+  const int partner = rank() ^ 1;
+  if (partner >= size()) return;
+  const int64_t n = 16 << 20;
+  at::Tensor mine = at::full({n}, static_cast<double>(rank() + 1), on_gpu(at::kFloat));
+  at::Tensor theirs = at::zeros({n}, on_gpu(at::kFloat));
+  auto work = comm->batch_isend_irecv({{loom::P2POp::Kind::Send, mine, partner}, {loom::P2POp::Kind::Recv, theirs, partner}},
+                                      {0, std::chrono::seconds(30)});
+  work->synchronize();
+  EXPECT_EQ(theirs.min().item<float>(), static_cast<float>(partner + 1));
+  EXPECT_EQ(theirs.max().item<float>(), static_cast<float>(partner + 1));
 }
 
 // Where no GPU is visible (CI machines) the NCCL path must fail cleanly and together on every rank,

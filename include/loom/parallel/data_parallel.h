@@ -94,7 +94,8 @@ struct ReducerStats {
   uint64_t iterations = 0;                // backward passes seen
   uint64_t synchronized_iterations = 0;   // of which reduced gradients (not under no_sync)
   size_t buckets = 0;
-  size_t last_buckets_issued_during_backward = 0;  // issued from a hook, before backward ended
+  size_t last_buckets_issued_during_backward = 0;  // handed to the communicator from a hook, before backward ended
+  uint64_t buckets_reduced = 0;                     // handed to the communicator (or hook), all iterations
   size_t last_unused_parameters = 0;                // globally unused, last iteration
   uint64_t used_set_agreements = 0;                 // all-reduces of the used-parameter flags
   bool buckets_rebuilt = false;

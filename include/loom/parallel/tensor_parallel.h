@@ -307,6 +307,7 @@ class ParallelState {
   void require_divisible(const std::string& what, int64_t value) const;
 
  private:
+  void agree_on_config(const ParallelConfig& config) const;
   std::shared_ptr<Communicator> world_;
   ParallelGroups groups_;
 };
