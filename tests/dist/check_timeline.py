@@ -7,6 +7,7 @@ import argparse
 import glob
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -28,7 +29,7 @@ def main():
             print(proc.stdout, proc.stderr)
             print("FAIL: the traced run failed")
             return 1
-        if "PASSED" not in proc.stdout or " 1 test." not in proc.stdout:
+        if not re.search(r"PASSED .*\] .*1 test\.", proc.stdout):
             print(proc.stdout)
             print("FAIL: the traced test did not run (was it renamed?)")
             return 1
