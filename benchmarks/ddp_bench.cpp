@@ -7,6 +7,8 @@
 //   allreduce  one loom all_reduce of a flat float32 tensor holding as many bytes as the gradients
 //   plain_kept the plain model with gradients zeroed in place instead of dropped: a diagnostic, as
 //              DDP keeps gradients allocated (views into its buckets), so backward adds into them
+//   ddp_unchecked  DDP over a communicator without the always-on fingerprint check: ddp over it is
+//              the check's cost (target <= 1%)
 // Each timed step starts after a barrier; a step's time is the slowest rank's; medians reported.
 //
 // Answers, printed as a table and written to --json:
@@ -71,7 +73,7 @@ torch::nn::Sequential make_mlp(const Config& c) {
   return net;
 }
 
-enum Variant { kPlain = 0, kDdp = 1, kAllReduce = 2, kPlainKept = 3, kVariants = 4 };
+enum Variant { kPlain = 0, kDdp = 1, kAllReduce = 2, kPlainKept = 3, kDdpUnchecked = 4, kVariants = 5 };
 
 // Everything that holds the communicator lives in here, so it is gone before loom::finalize().
 int benchmark(const Config& c, const std::shared_ptr<loom::Communicator>& comm) {
@@ -83,6 +85,12 @@ int benchmark(const Config& c, const std::shared_ptr<loom::Communicator>& comm) 
   loom::DataParallelOptions ddp_options;
   ddp_options.reducer.bucket_cap_bytes = static_cast<size_t>(c.bucket_cap_mb * (1 << 20));
   loom::DistributedDataParallel<torch::nn::Sequential> ddp(make_mlp(c), comm, ddp_options);
+  loom::CommunicatorOptions no_check;
+  no_check.size_check_bytes = int64_t{1} << 62;
+  no_check.fingerprint_interval = 0;
+  auto unchecked_comm = loom::mpi::world_communicator(no_check);
+  loom::DistributedDataParallel<torch::nn::Sequential> ddp_unchecked(make_mlp(c), unchecked_comm, ddp_options);
+  torch::optim::SGD unchecked_opt(ddp_unchecked->parameters(), torch::optim::SGDOptions(c.lr));
   torch::optim::SGD plain_opt(plain->parameters(), torch::optim::SGDOptions(c.lr));
   torch::optim::SGD ddp_opt(ddp->parameters(), torch::optim::SGDOptions(c.lr));
   torch::optim::SGD kept_opt(plain_kept->parameters(), torch::optim::SGDOptions(c.lr));
@@ -113,6 +121,12 @@ int benchmark(const Config& c, const std::shared_ptr<loom::Communicator>& comm) 
       case kAllReduce:
         comm->all_reduce(flat)->wait();
         break;
+      case kDdpUnchecked: {
+        ddp_unchecked.zero_grad();
+        torch::nn::functional::cross_entropy(ddp_unchecked.forward(x), y).backward();
+        unchecked_opt.step();
+        break;
+      }
       case kPlainKept: {
         kept_opt.zero_grad(/*set_to_none=*/false);
         torch::nn::functional::cross_entropy(plain_kept->forward(x), y).backward();
@@ -152,7 +166,7 @@ int benchmark(const Config& c, const std::shared_ptr<loom::Communicator>& comm) 
   double max_diff = 0;
   {
     auto a = plain->parameters();
-    for (const auto& other : {ddp->parameters(), plain_kept->parameters()}) {
+    for (const auto& other : {ddp->parameters(), plain_kept->parameters(), ddp_unchecked->parameters()}) {
       for (size_t i = 0; i < a.size(); ++i) max_diff = std::max(max_diff, (a[i] - other[i]).abs().max().item<double>());
     }
   }
@@ -175,6 +189,9 @@ int benchmark(const Config& c, const std::shared_ptr<loom::Communicator>& comm) 
     std::printf("  %-44s %9.2f ms\n", "loom DDP step", med[kDdp] * 1e3);
     std::printf("  %-44s %9.2f ms\n", "loom all_reduce of the gradient bytes, 1 call", med[kAllReduce] * 1e3);
     std::printf("  %-44s %9.2f ms\n", "plain step, gradients zeroed in place", med[kPlainKept] * 1e3);
+    std::printf("  %-44s %9.2f ms\n", "loom DDP step, fingerprint check off", med[kDdpUnchecked] * 1e3);
+    std::printf("  fingerprint check cost: ddp / ddp unchecked - 1 = %+.2f%%   target <= 1%%\n",
+                100 * (med[kDdp] / med[kDdpUnchecked] - 1));
     if (world == 1) {
       std::printf("  (b) DDP overhead at world size 1: ddp / plain - 1 = %+.2f%%   target <= 2%%   %s\n",
                   100 * overhead, overhead <= 0.02 ? "met" : "MISSED");
@@ -205,12 +222,14 @@ int benchmark(const Config& c, const std::shared_ptr<loom::Communicator>& comm) 
           {"iters", c.iters}}},
         {"gradient_bytes", grad_numel * 4},
         {"median_s",
-         {{"plain", med[kPlain]}, {"ddp", med[kDdp]}, {"allreduce", med[kAllReduce]}, {"plain_kept", med[kPlainKept]}}},
+         {{"plain", med[kPlain]}, {"ddp", med[kDdp]}, {"allreduce", med[kAllReduce]}, {"plain_kept", med[kPlainKept]}, {"ddp_unchecked", med[kDdpUnchecked]}}},
         {"samples_s",
          {{"plain", samples[kPlain]},
           {"ddp", samples[kDdp]},
           {"allreduce", samples[kAllReduce]},
-          {"plain_kept", samples[kPlainKept]}}},
+          {"plain_kept", samples[kPlainKept]},
+          {"ddp_unchecked", samples[kDdpUnchecked]}}},
+        {"fingerprint_check_cost", med[kDdp] / med[kDdpUnchecked] - 1},
         {"ddp_over_plain", med[kDdp] / med[kPlain]},
         {"ddp_over_plain_plus_allreduce", overlap_ratio},
         {"reducer",

@@ -3,7 +3,7 @@
 # writes JSON next to the tables. Machines are noisy: the programs report medians, and only
 # ratios from one run should be compared.
 #   bash benchmarks/run_all.sh [results-dir]
-# BENCHMARKS selects which run (default: all of "allreduce ddp tp amp placement"); DDP_ROUNDS how many times the
+# BENCHMARKS selects which run (default: all of "allreduce ddp tp amp placement soak"); DDP_ROUNDS how many times the
 # loom/PyTorch DDP pair is repeated, alternating which goes first (default 3).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -20,7 +20,7 @@ busy=$( { head -1 /proc/stat; sleep 1; head -1 /proc/stat; } |
 if ((busy > 20)); then
   echo "WARNING: the CPUs are ${busy}% busy before the benchmarks start (another process): results will be noisy"
 fi
-BENCHMARKS=${BENCHMARKS:-allreduce ddp tp amp placement}
+BENCHMARKS=${BENCHMARKS:-allreduce ddp tp amp placement soak}
 PYTHON=${PYTHON:-python3}
 if [[ " $BENCHMARKS " == *" allreduce "* ]]; then
   # Ranks pinned to cores when there are enough (2 here): floating ranks and progress threads
@@ -78,5 +78,12 @@ if [[ " $BENCHMARKS " == *" placement "* ]]; then
   # simulated clusters up to 1,024 nodes, and the planner's run time. One process, one core.
   echo "== placement: planned vs naive layout (modelled), planner time"
   build/benchmarks/placement_bench --json "$RESULTS/placement.json"
+fi
+if [[ " $BENCHMARKS " == *" soak "* ]]; then
+  # The long load run (the suite runs 1,000 operations): 10,000 mixed asynchronous collectives,
+  # 8 ranks on this machine's cores, every result checked, memory flat after warm-up.
+  echo "== soak: 10,000 collectives, 8 ranks"
+  mpirun -np 8 $LOOM_MPIRUN_FLAGS build/tests/loom_soak --ops 10000 --max-bytes 4194304 --in-flight 24 |
+    tee "$RESULTS/soak.txt"
 fi
 echo "results in $RESULTS"
