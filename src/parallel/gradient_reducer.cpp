@@ -48,6 +48,9 @@ at::Tensor alias_into(const at::Tensor& buffer, int64_t offset, const at::Tensor
 
 }  // namespace
 
+// How many parameters an error message lists by name before "and N more".
+constexpr size_t kNamedInErrors = 8;
+
 struct GradientReducer::Impl : std::enable_shared_from_this<GradientReducer::Impl> {
   struct Slot {
     size_t bucket = 0;
@@ -90,6 +93,11 @@ struct GradientReducer::Impl : std::enable_shared_from_this<GradientReducer::Imp
   mutable std::mutex mutex;
 
   std::string where() const { return group->context("GradientReducer").prefix(); }
+  // "l2.weight [32, 32]" when names were given, else "3 [32, 32]".
+  std::string parameter(size_t i) const {
+    const std::string name = i < options.parameter_names.size() ? options.parameter_names[i] : std::to_string(i);
+    return name + " " + shape_of(params[i]);
+  }
 
   // Alone in the group with the plain average there is nothing to reduce: gradients stay where
   // autograd put them and buckets are not used (no copies, no communication).
@@ -101,8 +109,9 @@ struct GradientReducer::Impl : std::enable_shared_from_this<GradientReducer::Imp
       const at::Tensor& p = params[i];
       if (!p.defined()) throw InvalidArgumentError(where() + ": parameter " + std::to_string(i) + " is undefined");
       if (!p.requires_grad())
-        throw InvalidArgumentError(where() + ": parameter " + std::to_string(i) + " " + shape_of(p) +
-                                   " does not require grad (pass only trainable parameters)");
+        throw InvalidArgumentError(where() + ": parameter " + parameter(i) +
+                                   " does not require grad (pass only trainable parameters; "
+                                   "DistributedDataParallel leaves frozen ones out itself)");
       if (!p.is_leaf())
         throw InvalidArgumentError(where() + ": parameter " + std::to_string(i) + " is not a leaf tensor");
       for (size_t j = 0; j < i; ++j)
@@ -119,63 +128,7 @@ struct GradientReducer::Impl : std::enable_shared_from_this<GradientReducer::Imp
 
   // Every rank must hold the same parameter list: count, then each parameter's dtype and shape.
   void verify_same_model_on_all_ranks() {
-    const int n = group->size();
-    if (n == 1) return;
-    const auto on_group = at::TensorOptions().dtype(at::kLong).device(control_device());
-    at::Tensor count = at::full({1}, static_cast<int64_t>(params.size()), at::kLong).to(control_device());
-    at::Tensor counts = at::empty({n}, on_group);
-    {
-      detail::InternalOperations internal("model check");
-      group->all_gather(counts, count)->wait();
-    }
-    counts = counts.cpu();
-    for (int r = 0; r < n; ++r) {
-      if (counts[r].item<int64_t>() != static_cast<int64_t>(params.size()))
-        throw MismatchError(where() + ": ranks hold different models: this rank has " + std::to_string(params.size()) +
-                            " parameters, rank " + std::to_string(r) + " has " +
-                            std::to_string(counts[r].item<int64_t>()));
-    }
-    // A row per parameter: dtype, rank, the first kShownDims sizes, and a hash of every size (so a
-    // difference past the shown ones is caught too).
-    constexpr int kShownDims = 7;
-    constexpr int kRow = kShownDims + 3;
-    const int64_t P = static_cast<int64_t>(params.size());
-    at::Tensor mine = at::full({P, kRow}, -1, at::kLong);
-    auto m = mine.accessor<int64_t, 2>();
-    for (int64_t i = 0; i < P; ++i) {
-      m[i][0] = static_cast<int64_t>(params[i].scalar_type());
-      m[i][1] = params[i].dim();
-      uint64_t hash = 1469598103934665603ull;
-      for (int64_t d = 0; d < params[i].dim(); ++d) {
-        if (d < kShownDims) m[i][2 + d] = params[i].size(d);
-        hash = (hash ^ static_cast<uint64_t>(params[i].size(d))) * 1099511628211ull;
-      }
-      m[i][kRow - 1] = static_cast<int64_t>(hash);
-    }
-    at::Tensor all = at::empty({n * P, kRow}, on_group);
-    {
-      detail::InternalOperations internal("model check");
-      group->all_gather(all, mine.to(control_device()))->wait();
-    }
-    all = all.cpu();
-    auto describe = [&](const at::Tensor& row) {
-      std::ostringstream s;
-      auto r = row.accessor<int64_t, 1>();
-      s << c10::toString(static_cast<c10::ScalarType>(r[0])) << " [";
-      for (int64_t d = 0; d < std::min<int64_t>(r[1], kShownDims); ++d) s << (d ? ", " : "") << r[2 + d];
-      if (r[1] > kShownDims) s << ", ...";
-      s << "]";
-      return s.str();
-    };
-    for (int64_t i = 0; i < P; ++i) {
-      for (int r = 0; r < n; ++r) {
-        at::Tensor theirs = all[r * P + i];
-        if (!at::equal(theirs, mine[i]))
-          throw MismatchError(where() + ": ranks hold different models: parameter " + std::to_string(i) +
-                              " is " + describe(mine[i]) + " on this rank but " + describe(theirs) + " on rank " +
-                              std::to_string(r));
-      }
-    }
+    detail::check_same_tensors_across_ranks(*group, params, options.parameter_names, "parameter", where());
   }
 
   void broadcast_parameters() {
@@ -310,6 +263,16 @@ struct GradientReducer::Impl : std::enable_shared_from_this<GradientReducer::Imp
       return;
     }
 
+    // A parameter this rank did not use contributes zeros (its slot may hold an older gradient).
+    // Every bucket is issued before the used-set agreement below: ranks that used everything have
+    // issued all of theirs from the hooks already, so this keeps one order of operations on every
+    // rank (buckets, then the agreement) whatever each rank used.
+    for (size_t i : missing) {
+      slots[i].view.zero_();
+      --buckets[slots[i].bucket].pending;
+    }
+    issue_in_order(/*during_backward=*/false);
+
     std::string error;
     std::vector<uint8_t> globally_used(params.size(), 1);
     if (options.find_unused_parameters) {
@@ -331,18 +294,12 @@ struct GradientReducer::Impl : std::enable_shared_from_this<GradientReducer::Imp
     } else if (!missing.empty()) {
       std::ostringstream s;
       s << where() << ": parameters";
-      for (size_t k = 0; k < missing.size() && k < 8; ++k) s << " " << missing[k] << " " << shape_of(params[missing[k]]);
-      if (missing.size() > 8) s << " and " << missing.size() - 8 << " more";
+      for (size_t k = 0; k < missing.size() && k < kNamedInErrors; ++k) s << (k ? ", " : " ") << parameter(missing[k]);
+      if (missing.size() > kNamedInErrors) s << " and " << missing.size() - kNamedInErrors << " more";
       s << " received no gradient in this backward pass; build the reducer with find_unused_parameters = true "
            "when the model does not use every parameter in every iteration";
       error = s.str();
     }
-    // A parameter this rank did not use contributes zeros (its slot may hold an older gradient).
-    for (size_t i : missing) {
-      slots[i].view.zero_();
-      --buckets[slots[i].bucket].pending;
-    }
-    issue_in_order(/*during_backward=*/false);
     for (size_t b = 0; b < buckets.size(); ++b) {
       Bucket& bucket = buckets[b];
       if (!bucket.reduction.work) continue;
@@ -432,6 +389,9 @@ GradientReducer::GradientReducer(std::vector<at::Tensor> parameters, std::shared
     throw InvalidArgumentError(impl_->where() + ": divisor must be positive, found " + std::to_string(impl_->divisor));
   impl_->default_hook = !impl_->options.comm_hook;
   impl_->hook = impl_->default_hook ? comm_hooks::all_reduce_average() : impl_->options.comm_hook;
+  if (!impl_->options.parameter_names.empty() && impl_->options.parameter_names.size() != impl_->params.size())
+    throw InvalidArgumentError(impl_->where() + ": " + std::to_string(impl_->options.parameter_names.size()) +
+                               " parameter names for " + std::to_string(impl_->params.size()) + " parameters");
   impl_->check_parameters();
   impl_->verify_same_model_on_all_ranks();
   if (impl_->options.broadcast_parameters) impl_->broadcast_parameters();

@@ -1,5 +1,11 @@
-// What the module wrapper needs beyond the reducer: buffer broadcast and a parameter check.
+// What the module wrapper needs beyond the reducer: the module's parameters with their names and
+// trainability, frozen parameters broadcast at construction, the check that nothing changed since,
+// buffer broadcast, and the cross-rank shape check the reducer shares.
+#include <ATen/core/grad_mode.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/full.h>
+
+#include <sstream>
 
 #include "loom/error.h"
 #include "loom/parallel/data_parallel.h"
@@ -8,6 +14,7 @@ namespace loom::detail {
 
 void broadcast_tensors(Communicator& group, const std::vector<at::Tensor>& tensors, const char* purpose) {
   if (group.size() == 1 || tensors.empty()) return;
+  at::NoGradGuard no_grad;
   InternalOperations internal(purpose);
   std::vector<WorkPtr> works;
   std::vector<std::pair<at::Tensor, at::Tensor>> copies;  // (staging, destination)
@@ -25,21 +32,126 @@ void broadcast_tensors(Communicator& group, const std::vector<at::Tensor>& tenso
   for (auto& [staging, destination] : copies) destination.copy_(staging);
 }
 
-void check_same_parameters(const GradientReducer& reducer, const std::vector<at::Tensor>& current) {
-  const auto& known = reducer.parameters();
-  const ErrorContext where = reducer.group().context("DistributedDataParallel forward");
-  if (current.size() != known.size())
-    throw InvalidArgumentError(where.prefix() + ": the module has " +
-                               std::to_string(current.size()) + " parameters but the reducer was built with " +
-                               std::to_string(known.size()) +
-                               " (parameters added or removed after construction are not reduced: build the "
-                               "DistributedDataParallel wrapper after the model is complete)");
-  for (size_t i = 0; i < known.size(); ++i) {
-    if (!current[i].is_same(known[i]))
-      throw InvalidArgumentError(where.prefix() + ": parameter " +
-                                 std::to_string(i) +
-                                 " was replaced after construction (expected the tensor the reducer hooks)");
+void check_same_tensors_across_ranks(Communicator& group, const std::vector<at::Tensor>& tensors,
+                                     const std::vector<std::string>& names, const char* kind, const std::string& where) {
+  const int n = group.size();
+  if (n == 1) return;
+  const auto on_group = at::TensorOptions().dtype(at::kLong).device(group.device());
+  const int64_t count_here = static_cast<int64_t>(tensors.size());
+  at::Tensor count = at::full({1}, count_here, at::kLong).to(group.device());
+  at::Tensor counts = at::empty({n}, on_group);
+  {
+    InternalOperations internal("model check");
+    group.all_gather(counts, count)->wait();
+  }
+  counts = counts.cpu();
+  for (int r = 0; r < n; ++r)
+    if (counts.data_ptr<int64_t>()[r] != count_here)
+      throw MismatchError(where + ": ranks hold different models: this rank has " + std::to_string(count_here) + " " +
+                          kind + "s, rank " + std::to_string(r) + " has " + std::to_string(counts.data_ptr<int64_t>()[r]));
+  if (count_here == 0) return;
+  // A row per tensor: dtype, rank, the first kShownDims sizes, and a hash of every size (so a
+  // difference past the shown ones is caught too).
+  constexpr int kShownDims = 7;
+  constexpr int kRow = kShownDims + 3;
+  at::Tensor mine = at::full({count_here, kRow}, -1, at::kLong);
+  auto m = mine.accessor<int64_t, 2>();
+  for (int64_t i = 0; i < count_here; ++i) {
+    const at::Tensor& t = tensors[i];
+    m[i][0] = static_cast<int64_t>(t.scalar_type());
+    m[i][1] = t.dim();
+    uint64_t hash = 1469598103934665603ull;
+    for (int64_t d = 0; d < t.dim(); ++d) {
+      if (d < kShownDims) m[i][2 + d] = t.size(d);
+      hash = (hash ^ static_cast<uint64_t>(t.size(d))) * 1099511628211ull;
+    }
+    m[i][kRow - 1] = static_cast<int64_t>(hash);
+  }
+  at::Tensor all = at::empty({n * count_here, kRow}, on_group);
+  {
+    InternalOperations internal("model check");
+    group.all_gather(all, mine.to(group.device()))->wait();
+  }
+  all = all.cpu();
+  auto describe = [&](const int64_t* r) {
+    std::ostringstream s;
+    s << c10::toString(static_cast<c10::ScalarType>(r[0])) << " [";
+    for (int64_t d = 0; d < std::min<int64_t>(r[1], kShownDims); ++d) s << (d ? ", " : "") << r[2 + d];
+    if (r[1] > kShownDims) s << ", ...";
+    s << "]";
+    return s.str();
+  };
+  const int64_t* own = mine.data_ptr<int64_t>();
+  const int64_t* theirs = all.data_ptr<int64_t>();
+  for (int64_t i = 0; i < count_here; ++i)
+    for (int r = 0; r < n; ++r) {
+      const int64_t* row = theirs + (r * count_here + i) * kRow;
+      if (!std::equal(row, row + kRow, own + i * kRow))
+        throw MismatchError(where + ": ranks hold different models: " + kind + " " +
+                            (i < static_cast<int64_t>(names.size()) ? names[i] : std::to_string(i)) + " is " +
+                            describe(own + i * kRow) + " on this rank but " + describe(row) + " on rank " +
+                            std::to_string(r));
+    }
+}
+
+std::vector<at::Tensor> ModuleParameters::trainable_tensors() const {
+  std::vector<at::Tensor> out;
+  for (size_t i = 0; i < all.size(); ++i)
+    if (trainable[i]) out.push_back(all[i]);
+  return out;
+}
+
+std::vector<std::string> ModuleParameters::trainable_names() const {
+  std::vector<std::string> out;
+  for (size_t i = 0; i < all.size(); ++i)
+    if (trainable[i]) out.push_back(names[i]);
+  return out;
+}
+
+ModuleParameters module_parameters(const torch::nn::Module& module) {
+  ModuleParameters p;
+  for (const auto& item : module.named_parameters(/*recurse=*/true)) {
+    p.all.push_back(item.value());
+    p.names.push_back(item.key());
+    p.trainable.push_back(item.value().requires_grad());
+  }
+  return p;
+}
+
+void prepare_frozen_parameters(Communicator& group, const ModuleParameters& parameters) {
+  std::vector<at::Tensor> frozen;
+  std::vector<std::string> names;
+  for (size_t i = 0; i < parameters.all.size(); ++i)
+    if (!parameters.trainable[i]) {
+      frozen.push_back(parameters.all[i]);
+      names.push_back(parameters.names[i]);
+    }
+  check_same_tensors_across_ranks(group, frozen, names, "frozen parameter",
+                                  group.context("DistributedDataParallel").prefix());
+  broadcast_tensors(group, frozen, "frozen parameter broadcast");
+}
+
+void check_module_unchanged(const Communicator& group, const ModuleParameters& at_construction,
+                            const torch::nn::Module& module) {
+  const ModuleParameters now = module_parameters(module);
+  const ErrorContext where = group.context("DistributedDataParallel forward");
+  const std::string rebuild = " (build the DistributedDataParallel wrapper again after changing the model)";
+  if (now.all.size() != at_construction.all.size())
+    throw InvalidArgumentError(where("the module has " + std::to_string(now.all.size()) +
+                                     " parameters but had " + std::to_string(at_construction.all.size()) +
+                                     " when it was wrapped: parameters added or removed since are not reduced" +
+                                     rebuild));
+  for (size_t i = 0; i < now.all.size(); ++i) {
+    const std::string& name = at_construction.names[i];
+    if (!now.all[i].is_same(at_construction.all[i]))
+      throw InvalidArgumentError(where("parameter " + name + " was replaced after construction" + rebuild));
+    if (now.trainable[i] != at_construction.trainable[i])
+      throw InvalidArgumentError(where("parameter " + name + " was " + (now.trainable[i] ? "unfrozen" : "frozen") +
+                                       " after construction (requires_grad is now " +
+                                       (now.trainable[i] ? "true" : "false") + ")" + rebuild));
   }
 }
+
+bool grad_enabled() { return at::GradMode::is_enabled(); }
 
 }  // namespace loom::detail

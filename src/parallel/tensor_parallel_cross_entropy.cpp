@@ -102,7 +102,9 @@ struct VocabParallelCrossEntropy : torch::autograd::Function<VocabParallelCrossE
     at::Tensor g = grads[0].to(softmax.scalar_type());
     at::Tensor weight = reduction == LossReduction::None ? g.reshape({-1}) : g.expand({softmax.size(0)});
     weight = weight.masked_fill(valid.logical_not(), 0);
-    if (reduction == LossReduction::Mean) weight = weight / count;
+    // Every target ignored: the loss is 0/0 = NaN (as in PyTorch), but each row's weight is already
+    // 0, and so is PyTorch's gradient; dividing by max(count, 1) keeps it 0 instead of 0/0.
+    if (reduction == LossReduction::Mean) weight = weight / count.clamp_min(1);
 
     at::Tensor grad = softmax.clone();
     if (smoothing > 0) grad.sub_(smoothing / classes);

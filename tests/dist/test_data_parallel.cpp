@@ -355,10 +355,47 @@ TEST(DataParallel, ParameterAddedAfterConstructionIsAnError) {
     ddp.forward(torch::zeros({2, 12}));
     FAIL() << "expected InvalidArgumentError";
   } catch (const InvalidArgumentError& e) {
-    EXPECT_NE(std::string(e.what()).find("the module has 7 parameters but the reducer was built with 6"),
+    EXPECT_NE(std::string(e.what()).find("the module has 7 parameters but had 6 when it was wrapped"),
               std::string::npos)
         << e.what();
   }
+}
+
+// As PyTorch requires: freezing or unfreezing a parameter after wrapping is an error naming it.
+TEST(DataParallel, FreezingOrUnfreezingAfterConstructionIsAnError) {
+  auto comm = test::world();
+  for (bool freeze : {true, false}) {
+    Mlp model;
+    if (!freeze) model->l2->bias.set_requires_grad(false);
+    DistributedDataParallel<Mlp> ddp(model, comm);
+    model->l2->bias.set_requires_grad(!freeze);
+    try {
+      ddp.forward(torch::zeros({2, 12}));
+      ADD_FAILURE() << "expected InvalidArgumentError";
+    } catch (const InvalidArgumentError& e) {
+      EXPECT_NE(std::string(e.what()).find(std::string("parameter l2.bias was ") + (freeze ? "frozen" : "unfrozen") +
+                                           " after construction"),
+                std::string::npos)
+          << e.what();
+    }
+  }
+}
+
+// A parameter that gets no gradient without find_unused_parameters: the error names it (as
+// PyTorch's DDP does), where it once gave indices.
+TEST(DataParallel, MissingGradientsAreNamed) {
+  auto comm = test::world();
+  Mlp model;
+  DistributedDataParallel<Mlp> ddp(model, comm);
+  std::string message;
+  try {
+    // Backward through l1 and l2 only: l3 gets no gradient on any rank.
+    model->l2(torch::relu(model->l1(torch::randn({2, 12})))).sum().backward();
+  } catch (const InvalidArgumentError& e) {
+    message = e.what();
+  }
+  EXPECT_NE(message.find("parameters l3.weight [4, 32], l3.bias [4] received no gradient"), std::string::npos)
+      << message;
 }
 
 TEST(DataParallel, StepWhileBucketsArePendingIsAnError) {

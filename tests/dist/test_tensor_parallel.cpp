@@ -286,6 +286,35 @@ TEST(TensorParallelLoss, VocabParallelCrossEntropyEqualsCrossEntropy) {
   }
 }
 
+// Every target ignored with reduction=mean: the loss is NaN in PyTorch too, but the gradient is all
+// zeros there; it must not put NaN into the weights here.
+TEST(TensorParallelLoss, AllTargetsIgnoredGiveTheZeroGradientOfPyTorch) {
+  const int64_t vocab = 16, rows = 5;
+  namespace F = torch::nn::functional;
+  for (int tp : degrees()) {
+    const auto& ps = state(tp);
+    const int64_t n = vocab / tp, start = ps.tp_rank() * n;
+    for (double smoothing : {0.0, 0.2}) {
+      SCOPED_TRACE("tp=" + std::to_string(tp) + " smoothing=" + std::to_string(smoothing));
+      at::Tensor full = randn_seeded({rows, vocab}, 21);
+      at::Tensor target = at::full({rows}, -100, at::kLong);
+      at::Tensor local = full.narrow(-1, start, n).clone().requires_grad_();
+      at::Tensor ref_in = full.clone().requires_grad_();
+      VocabParallelCrossEntropyOptions options;
+      options.label_smoothing = smoothing;
+      at::Tensor loss = vocab_parallel_cross_entropy(local, target, ps.tp_group(), options);
+      at::Tensor ref = F::cross_entropy(ref_in, target, F::CrossEntropyFuncOptions().label_smoothing(smoothing));
+      EXPECT_TRUE(std::isnan(ref.item<double>()));
+      EXPECT_TRUE(std::isnan(loss.item<double>()));
+      loss.backward();
+      ref.backward();
+      EXPECT_TRUE(at::equal(local.grad(), ref_in.grad().narrow(-1, start, n)))
+          << local.grad() << "\nPyTorch: " << ref_in.grad();
+      EXPECT_TRUE(at::all(local.grad().eq(0)).item<bool>());
+    }
+  }
+}
+
 TEST(TensorParallelLoss, OutOfRangeTargetIsAnError) {
   auto group = state(1).tp_group();
   try {

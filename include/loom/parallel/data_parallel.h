@@ -88,6 +88,8 @@ struct ReducerOptions {
   bool broadcast_parameters = true;
   // Empty: comm_hooks::all_reduce_average().
   CommHook comm_hook;
+  // The parameters' names (as named_parameters() gives them), for error messages; empty: indices.
+  std::vector<std::string> parameter_names;
 };
 
 struct ReducerStats {
@@ -153,7 +155,9 @@ class GradientReducer {
 // Options of the module wrapper: the reducer's, plus buffer handling.
 struct DataParallelOptions {
   ReducerOptions reducer;
-  // Before each forward, broadcast the module's buffers (e.g. batch-norm statistics) from rank 0.
+  // As PyTorch's DDP: broadcast the module's buffers (e.g. batch-norm statistics) from rank 0 before
+  // a forward that follows a synchronised one: with gradient accumulation, before the first
+  // micro-batch of a step.
   bool broadcast_buffers = true;
 };
 
@@ -161,9 +165,29 @@ namespace detail {
 // Broadcasts tensors from rank 0 of the group in place (parameters, buffers): internal operations
 // named by `purpose`.
 void broadcast_tensors(Communicator& group, const std::vector<at::Tensor>& tensors, const char* purpose);
-// Throws loom::InvalidArgumentError when the module's parameters are no longer those the reducer
-// was built with (a parameter added or replaced after construction).
-void check_same_parameters(const GradientReducer& reducer, const std::vector<at::Tensor>& current);
+// Every rank must hold the same tensors (count, dtype and shape of each): loom::MismatchError on
+// every rank naming the first difference (by name when given) and the rank that differs.
+void check_same_tensors_across_ranks(Communicator& group, const std::vector<at::Tensor>& tensors,
+                                     const std::vector<std::string>& names, const char* kind, const std::string& where);
+
+// A module's parameters as the wrapper saw them at construction.
+struct ModuleParameters {
+  std::vector<at::Tensor> all;
+  std::vector<std::string> names;
+  std::vector<bool> trainable;  // requires_grad at construction
+  std::vector<at::Tensor> trainable_tensors() const;
+  std::vector<std::string> trainable_names() const;
+};
+ModuleParameters module_parameters(const torch::nn::Module& module);
+// At construction: every rank holds the same parameters; the frozen ones (which the reducer does
+// not see) are broadcast from rank 0, as PyTorch's DDP does.
+void prepare_frozen_parameters(Communicator& group, const ModuleParameters& parameters);
+// Before each forward: loom::InvalidArgumentError naming the parameter when one was added, replaced,
+// frozen or unfrozen since construction (the wrapper must then be rebuilt, as in PyTorch).
+void check_module_unchanged(const Communicator& group, const ModuleParameters& at_construction,
+                            const torch::nn::Module& module);
+// Whether grad mode is on (so the header needs no autograd include).
+bool grad_enabled();
 }  // namespace detail
 
 // A module holder (e.g. a TORCH_MODULE like Net, or std::shared_ptr<MyModule>) made data
@@ -175,15 +199,22 @@ class DistributedDataParallel {
       : module_(std::move(module)),
         options_(std::move(options)),
         group_(group),
-        reducer_(std::make_unique<GradientReducer>(module_->parameters(), std::move(group), options_.reducer)) {
+        parameters_(detail::module_parameters(*module_)) {
+    if (!group_) throw InvalidArgumentError("DistributedDataParallel: expected a communicator, found none");
+    detail::prepare_frozen_parameters(*group_, parameters_);
+    ReducerOptions reducer_options = options_.reducer;
+    reducer_options.parameter_names = parameters_.trainable_names();
+    reducer_ = std::make_unique<GradientReducer>(parameters_.trainable_tensors(), std::move(group), reducer_options);
     if (options_.broadcast_buffers) detail::broadcast_tensors(*group_, module_->buffers(), "buffer broadcast");
   }
 
   template <typename... Args>
   decltype(auto) forward(Args&&... args) {
-    detail::check_same_parameters(*reducer_, module_->parameters());
-    if (options_.broadcast_buffers && reducer_->sync_enabled())
+    detail::check_module_unchanged(*group_, parameters_, *module_);
+    if (options_.broadcast_buffers && buffers_need_sync_)
       detail::broadcast_tensors(*group_, module_->buffers(), "buffer broadcast");
+    // The next forward broadcasts when this one will be followed by a synchronised backward.
+    buffers_need_sync_ = detail::grad_enabled() && reducer_->sync_enabled();
     return module_->forward(std::forward<Args>(args)...);
   }
 
@@ -197,7 +228,9 @@ class DistributedDataParallel {
   ModuleHolder module_;
   DataParallelOptions options_;
   std::shared_ptr<Communicator> group_;
+  detail::ModuleParameters parameters_;
   std::unique_ptr<GradientReducer> reducer_;
+  bool buffers_need_sync_ = true;  // as PyTorch's DDP, which starts with require_forward_param_sync set
 };
 
 }  // namespace loom
