@@ -5,7 +5,8 @@
 # inside those subdirectories are not visible here.
 #
 # Targets:
-#   loom_topology        static library (-fPIC): model, parsers, detection, planner, rendering
+#   loom_topology        object library (-fPIC): model, parsers, detection, planner, rendering; its
+#                        objects are also part of libtorchloom (loom::init plans with them)
 #   loom_launcher        static library: loomrun's argument parsing, mpirun argv, process control
 #   loomrun              the launcher
 #   loom_topology_tests  single-process GoogleTest (parsers, planner, launcher arguments)
@@ -22,7 +23,7 @@ set(LOOM_TOPOLOGY_DIR ${CMAKE_CURRENT_LIST_DIR}/..)
 # GCC 12 reports -Wrestrict false positives inside std::string concatenation (GCC bug 105651).
 set(LOOM_TOPOLOGY_WARNINGS -Wall -Wextra -Wno-unused-parameter $<$<CXX_COMPILER_ID:GNU>:-Wno-restrict>)
 
-add_library(loom_topology STATIC
+add_library(loom_topology OBJECT
   ${LOOM_TOPOLOGY_DIR}/src/topology/model.cpp
   ${LOOM_TOPOLOGY_DIR}/src/topology/cpu_list.cpp
   ${LOOM_TOPOLOGY_DIR}/src/topology/link_costs.cpp
@@ -50,6 +51,10 @@ target_include_directories(loom_topology
   PRIVATE ${LOOM_TOPOLOGY_DIR}/src)
 target_link_libraries(loom_topology PRIVATE PkgConfig::LOOM_HWLOC nlohmann_json::nlohmann_json ${CMAKE_DL_LIBS})
 target_compile_options(loom_topology PRIVATE ${LOOM_TOPOLOGY_WARNINGS})
+if(TARGET torchloom)
+  target_sources(torchloom PRIVATE $<TARGET_OBJECTS:loom_topology>)
+  target_link_libraries(torchloom PRIVATE PkgConfig::LOOM_HWLOC ${CMAKE_DL_LIBS})
+endif()
 
 add_library(loom_launcher STATIC
   ${LOOM_TOPOLOGY_DIR}/src/launcher/launcher_args.cpp

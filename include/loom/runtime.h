@@ -16,6 +16,10 @@
 //     }
 //   }
 //
+// Placement: init() describes the machine(s) and plans which GPU and CPUs each rank uses and how
+// ranks group for tensor and data parallelism (docs/topology.md); it makes the planned device
+// current and binds the rank to its CPUs where that is allowed.
+//
 // Launch with mpirun, loomrun or srun; a process started without a launcher is a world of size 1.
 // A torchrun-style environment that claims more processes than MPI sees is a loom::ConfigError
 // (torchloom's ranks must be MPI processes).
@@ -31,6 +35,7 @@
 
 #include "loom/comm/communicator.h"
 #include "loom/config.h"
+#include "loom/topology/placement.h"
 #include "loom/world.h"
 
 namespace loom {
@@ -51,6 +56,12 @@ class Runtime {
   // This process's CUDA device (LOOM_DEVICE; else 0 when it sees one GPU, else its local rank),
   // made current by init(); nullopt without a device communicator.
   std::optional<int> cuda_device() const { return cuda_device_; }
+  // The machine(s) as init() found them (NVML + hwloc on each node, or LOOM_TOPOLOGY), and the
+  // placement planned on them for LOOM_TP (nullptr when no GPU was described): the device and CPUs
+  // of every rank, and the TP groups and DP rings that ParallelState builds at that degree.
+  //   if (rt->plan()) std::cout << loom::topo::explain(*rt->plan(), 64 << 20);
+  const topo::Topology& topology() const { return topology_; }
+  const topo::Plan* plan() const { return plan_ ? &*plan_ : nullptr; }
 
  private:
   friend std::shared_ptr<Runtime> init(const InitOptions& options);
@@ -61,7 +72,13 @@ class Runtime {
   std::shared_ptr<Communicator> world_comm_;
   std::shared_ptr<Communicator> device_comm_;
   std::optional<int> cuda_device_;
+  topo::Topology topology_;
+  std::optional<topo::Plan> plan_;
 };
+
+// The placement plan loom::init() made (nullptr before init or without one): ParallelState takes
+// its groups from it when built at the plan's TP degree.
+const topo::Plan* placement_plan();
 
 // Idempotent: later calls return the same runtime. Throws loom::ConfigError (on every rank) for a
 // malformed or inconsistent launch environment or configuration.

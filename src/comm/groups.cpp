@@ -6,7 +6,8 @@
 
 namespace loom {
 
-ParallelGroups make_parallel_groups(Communicator& world, int tp_degree, const std::vector<int>& order) {
+ParallelGroups make_parallel_groups(Communicator& world, int tp_degree, const std::vector<int>& order,
+                                    const std::vector<std::vector<int>>& dp_rings) {
   const int size = world.size();
   const std::string where = ErrorContext("make_parallel_groups").prefix();
   if (tp_degree < 1 || size % tp_degree != 0)
@@ -33,8 +34,21 @@ ParallelGroups make_parallel_groups(Communicator& world, int tp_degree, const st
   const int offset = position % tp_degree;  // position inside it
   groups.tp_rank = offset;
   groups.dp_rank = block;
+  // The DP group's rank order: the ring's, when a plan gives one for this group.
+  int dp_key = block;
+  if (!dp_rings.empty()) {
+    if (static_cast<int>(dp_rings.size()) != tp_degree)
+      throw InvalidArgumentError(where + ": " + std::to_string(dp_rings.size()) + " DP rings for " +
+                                 std::to_string(tp_degree) + " DP groups");
+    const auto& ring = dp_rings[offset];
+    auto at = std::find(ring.begin(), ring.end(), world.rank());
+    if (at == ring.end() || static_cast<int>(ring.size()) != groups.dp_degree)
+      throw InvalidArgumentError(where + ": DP ring " + std::to_string(offset) + " does not hold this rank once among " +
+                                 std::to_string(groups.dp_degree) + " ranks");
+    dp_key = static_cast<int>(at - ring.begin());
+  }
   groups.tensor_parallel = world.split(block, offset, "tp" + std::to_string(block));
-  groups.data_parallel = world.split(offset, block, "dp" + std::to_string(offset));
+  groups.data_parallel = world.split(offset, dp_key, "dp" + std::to_string(offset));
   return groups;
 }
 

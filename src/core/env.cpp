@@ -54,7 +54,15 @@ const std::vector<Variable>& all_variables() {
        "CUDA device index of this process (0 to 1023). Unset: 0 when the process sees one GPU (CUDA_VISIBLE_DEVICES "
        "per rank, Slurm --gpus-per-task=1), else the local rank."},
       {"LOOM_TOPOLOGY", "",
-       "A JSON topology file describing the machine(s), used by the placement planner instead of detection."},
+       "A topology file (JSON, nvidia-smi topo -m text or NCCL XML; docs/topology.md) describing the machine(s): "
+       "loom::init() plans placement with it where NVML sees no GPU (on a machine without GPUs the ranks stand in "
+       "for the described GPUs), and prints the plan."},
+      {"LOOM_TP", "1",
+       "Tensor-parallel degree the placement plan groups ranks for (1 to 4096; loomrun --tp sets it). "
+       "ParallelState at this degree builds the planned groups."},
+      {"LOOM_RANKS_PER_NODE", "",
+       "Ranks on each node of the placement plan (1 to 4096; loomrun sets it). Unset: the ranks MPI finds on each "
+       "node, or, with a topology file that describes more nodes than the job runs on, each node's GPUs in turn."},
   };
   return table;
 }

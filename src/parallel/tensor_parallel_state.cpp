@@ -3,6 +3,7 @@
 #include <ATen/ops/tensor.h>
 
 #include "loom/error.h"
+#include "loom/runtime.h"
 #include "loom/parallel/tensor_parallel.h"
 #include "parallel/tensor_parallel_util.h"
 
@@ -41,8 +42,17 @@ ParallelState::ParallelState(std::shared_ptr<Communicator> world, const Parallel
   if (config.hidden_size && config.num_heads && config.hidden_size % config.num_heads != 0)
     throw InvalidArgumentError(where + ": hidden size must be divisible by the number of attention heads " +
                                std::to_string(config.num_heads) + "; found " + std::to_string(config.hidden_size));
+  std::vector<std::vector<int>> dp_rings = config.dp_rings;
+  const topo::Plan* plan = placement_plan();
+  bool is_job_world = true;  // the plan numbers the job's ranks
+  for (int r = 0; r < world_->size(); ++r) is_job_world = is_job_world && world_->members()[r] == r;
+  if (dp_rings.empty() && config.order.empty() && plan && plan->request.tp_degree == t &&
+      plan->request.world_size == world_->size() && is_job_world) {
+    for (const auto& ring : plan->layout.dp_groups) dp_rings.push_back(ring.ranks);
+    from_plan_ = true;
+  }
   agree_on_config(config);
-  groups_ = make_parallel_groups(*world_, t, config.order);
+  groups_ = make_parallel_groups(*world_, t, config.order, dp_rings);
 }
 
 // Ranks built with different configurations would split into groups that do not match (and wait

@@ -13,6 +13,7 @@
 #include "loom/log.h"
 #include "loom/trace.h"
 #include "runtime/agreement.h"
+#include "runtime/placement.h"
 
 namespace loom {
 namespace {
@@ -54,16 +55,27 @@ void reconcile(World& world, const mpi::Layout& layout) {
 }
 
 // Decides this rank's CUDA device and whether it can drive one. Returns the problem ("" if none).
-std::string choose_device(const Config& config, const World& world, int& device) {
+std::string choose_device(const Config& config, const World& world, const topo::Plan* plan, int& device,
+                          std::string& why) {
   if (!nccl::compiled()) return "torchloom was built without NCCL";
   const int visible = nccl::device_count();
   if (visible == 0) return "no CUDA device is visible";
-  // A process that sees one GPU (CUDA_VISIBLE_DEVICES per rank, Slurm --gpus-per-task=1) uses it,
-  // whatever its local rank.
-  device = config.device ? *config.device : visible == 1 ? 0 : world.local_rank;
+  // LOOM_DEVICE first; then the placement plan (when it describes the devices this process sees);
+  // a process that sees one GPU (CUDA_VISIBLE_DEVICES per rank, Slurm --gpus-per-task=1) uses it;
+  // else its local rank.
+  if (config.device) {
+    device = *config.device;
+    why = "LOOM_DEVICE";
+  } else if (plan && visible > 1) {
+    device = plan->layout.ranks[world.rank].device;
+    why = "the placement plan";
+  } else {
+    device = visible == 1 ? 0 : world.local_rank;
+    why = visible == 1 ? "the one GPU this process sees" : "the local rank";
+  }
   if (device >= visible)
-    return "device " + std::to_string(device) + (config.device ? " (LOOM_DEVICE)" : " (the local rank)") +
-           " is not among the " + std::to_string(visible) + " visible";
+    return "device " + std::to_string(device) + " (" + why + ") is not among the " + std::to_string(visible) +
+           " visible";
   return "";
 }
 
@@ -74,7 +86,8 @@ void build_device_communicator(Runtime& rt, World& world, const Config& config, 
     return;
   }
   int device = -1;
-  const std::string problem = choose_device(config, world, device);
+  std::string why;
+  const std::string problem = choose_device(config, world, rt.plan(), device, why);
   // Making the communicator is collective: every rank learns first whether every rank can.
   auto& comm = *rt.world_comm();
   at::Tensor fits = at::full({1}, problem.empty() ? 1 : 0, at::kInt);
@@ -92,8 +105,7 @@ void build_device_communicator(Runtime& rt, World& world, const Config& config, 
   nccl::use_device(device);
   cuda_device = device;
   device_comm = nccl::make_communicator(rt.world_comm(), device, "world-gpu", options.comm);
-  LOOM_LOG(info, "device communicator world-gpu on cuda:" << device
-                                                           << (config.device ? " (LOOM_DEVICE)" : ""));
+  LOOM_LOG(info, "device communicator world-gpu on cuda:" << device << " (" << why << ")");
 }
 
 }  // namespace
@@ -145,6 +157,11 @@ void exit_without_finalize() {
 
 }  // namespace
 
+const topo::Plan* placement_plan() {
+  std::lock_guard<std::mutex> lock(g_mutex);
+  return g_runtime ? g_runtime->plan() : nullptr;
+}
+
 std::shared_ptr<Runtime> init(const InitOptions& options) {
   std::lock_guard<std::mutex> lock(g_mutex);
   if (g_runtime) return std::shared_ptr<Runtime>(g_runtime, [](Runtime*) {});
@@ -177,6 +194,16 @@ std::shared_ptr<Runtime> init(const InitOptions& options) {
     timeline_problem = e.what();
   }
   detail::agree_all_ok(*runtime->world_comm_, timeline_problem, "opening the timeline (LOOM_TIMELINE)");
+
+  detail::Placement placement = detail::plan_placement(*runtime->world_comm_, runtime->world_, runtime->config_);
+  runtime->topology_ = std::move(placement.topology);
+  runtime->plan_ = std::move(placement.plan);
+  if (runtime->plan_) {
+    LOOM_LOG(info, "placement (" << placement.source << "): "
+                                 << detail::bind_to_planned_cpus(runtime->plan_->layout.ranks[runtime->world_.rank]));
+  } else {
+    LOOM_LOG(info, "no placement plan: " << placement.skipped);
+  }
 
   build_device_communicator(*runtime, runtime->world_, runtime->config_, options, runtime->device_comm_,
                             runtime->cuda_device_);

@@ -30,6 +30,9 @@ struct ParallelGroups {
 
 // Collective over `world`. Throws loom::InvalidArgumentError (on every rank, before any
 // communication) when tp_degree does not divide the world size or order is not a permutation.
-ParallelGroups make_parallel_groups(Communicator& world, int tp_degree, const std::vector<int>& order = {});
+// dp_rings (optional, a placement plan's): for each DP group, its world ranks in ring order, which
+// becomes the group's rank order (so a ring all-reduce follows the planned links).
+ParallelGroups make_parallel_groups(Communicator& world, int tp_degree, const std::vector<int>& order = {},
+                                    const std::vector<std::vector<int>>& dp_rings = {});
 
 }  // namespace loom
