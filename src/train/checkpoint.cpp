@@ -423,14 +423,13 @@ CheckpointInfo Checkpointer::Impl::write_and_publish(ShardWrite write, Manifest 
       manifest.shards.push_back(
           {shard_file_name(r, size), r, j["bytes"].get<uint64_t>(), *parse_hex(j["xxh3"].get<std::string>())});
   }
-  // Rank 0's outcome, as the whole message: every rank raises the same error.
+  // Rank 0's outcome; every rank raises it under its own prefix.
   std::string outcome;
   if (rank == 0) {
-    const std::string path = join_path(options.directory, final_name);
     if (errors.empty()) {
       outcome = publish(std::move(manifest), tmp, final_name, nonce);
     } else {
-      outcome = where + ": checkpoint " + path + " not published (the previous one is intact):" + join_lines(errors);
+      outcome = "not published (the previous one is intact):" + join_lines(errors);
       remove_tree(tmp);
     }
   }
@@ -438,7 +437,7 @@ CheckpointInfo Checkpointer::Impl::write_and_publish(ShardWrite write, Manifest 
   const auto end = trace::now();
   trace::span("checkpoint " + final_name + " publish", "checkpoint", write_end, end, "checkpoint");
   phase("done");
-  if (!outcome.empty()) throw CheckpointError(outcome);
+  if (!outcome.empty()) throw CheckpointError(where + ": checkpoint " + info.path + " " + outcome);
   info.bytes = total;
   info.seconds = seconds_between(started, end);
   if (info.seconds >= options.log_after_seconds)
@@ -460,15 +459,14 @@ std::string Checkpointer::Impl::publish(Manifest manifest, const std::string& tm
     install(tmp, final_path, final_name, nonce);
   } catch (const std::exception& e) {
     remove_tree(tmp);
-    return where + ": checkpoint " + final_path + " not published (the previous one is intact):\n  " + e.what();
+    return std::string("not published (the previous one is intact):\n  ") + e.what();
   }
   try {
     phase("latest");
     write_file_atomic(join_path(directory, kLatest), final_name + "\n", where);
   } catch (const std::exception& e) {
     // Complete, but `latest` still names the previous checkpoint, which a resume would pick.
-    return where + ": checkpoint " + final_path + " was written but the latest pointer could not be updated:\n  " +
-           e.what();
+    return std::string("was written, but the latest pointer still names the previous one:\n  ") + e.what();
   }
   phase("rotate");
   try {
