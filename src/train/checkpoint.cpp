@@ -766,7 +766,7 @@ CheckpointInfo Checkpointer::load(const std::string& path) {
             continue;
           }
         }
-        at::Tensor out = at::empty(need.local_shape, at::TensorOptions().dtype(need.record->dtype));
+        at::Tensor out = host_empty(need.local_shape, need.record->dtype);
         for (const Piece* p : list) {
           const auto& [t, origin] = data.at({p->shard, need.name});
           narrow_to(out, p->inter, need.box.start).copy_(narrow_to(t, p->inter, origin));
