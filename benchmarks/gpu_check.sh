@@ -15,6 +15,9 @@
 #               device; GradScaler + float16 autocast: an overflow skips the step and halves the
 #               scale, and training still learns; Column/RowParallelLinear and the
 #               vocabulary-parallel cross-entropy over an NCCL group equal the plain layers.
+#   test_cuda_checkpoint  CUDA parameters, Adam state and GradScaler through an asynchronous
+#               checkpoint (pinned staging; weights changed right after save() must not reach it),
+#               the CUDA generator restored, the same checkpoint loaded on the CPU.
 #   test_*      any other GPU test binary built into build/tests/gpu/, each under mpirun -np 1.
 #
 # Usage: bash benchmarks/gpu_check.sh [--no-setup] [--no-build]
