@@ -6,11 +6,13 @@
 // the directory: the checkpoint find_latest() names must load without error, be at least as new
 // as the last save the previous writer saw published, and hold exactly the state of its step
 // (every value is a function of the step). Then it saves step after step (asynchronously, keeping
-// 3, changing the weights while the writer thread works) until the parent kills it after a random
-// delay. Where each kill landed is read from shared memory (the checkpointer's phase hook), and
-// the run fails unless the kills spread over the steps of a save (write, fsync, manifest,
-// rename, latest pointer, rotation). A last writer verifies, saves once more, and checks that no
-// temporary or half-deleted directory is left.
+// 3, changing the weights while the writer thread works) until the parent kills it. Every other
+// kill comes a random delay after the writer started saving; the others aim at one step of a save
+// in turn (the parent waits until the writer enters it, from the checkpointer's phase hook in
+// shared memory, then kills within 200 us), so that every step is hit whatever the disk's speed:
+// the shard being written, its fsync, the manifest, the rename, the latest pointer, rotation. The
+// run fails unless the kills landed in each of them. A last writer verifies, saves once more, and
+// checks that no temporary or half-deleted directory is left.
 //
 //   loom_checkpoint_crash --dir /tmp/crash --kills 60 --seed 1
 #include <ATen/ATen.h>
@@ -29,6 +31,7 @@
 #include <random>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "loom/error.h"
 #include "loom/train/checkpoint.h"
@@ -42,17 +45,19 @@ constexpr int kPhaseCount = sizeof(kPhases) / sizeof(kPhases[0]);
 
 struct Shared {
   std::atomic<int> phase;
-  std::atomic<int> ready;              // the writer has verified the directory and is saving
-  std::atomic<int64_t> published;      // the last step whose save() + wait() returned
-  std::atomic<int64_t> saves;          // completed saves, all writers together
-  std::atomic<int64_t> verified_step;  // what the last verification loaded
+  std::atomic<int64_t> entered[kPhaseCount];  // how often each phase was entered
+  std::atomic<int> ready;                     // the writer has verified the directory and is saving
+  std::atomic<int64_t> published;             // the last step whose save() + wait() returned
+  std::atomic<int64_t> saves;                 // completed saves, all writers together
+  std::atomic<int64_t> verified_step;         // what the last verification loaded
   char error[2048];
 };
 
 struct ModelImpl : torch::nn::Module {
   ModelImpl() {
-    a = register_module("a", torch::nn::Linear(384, 384));
-    b = register_module("b", torch::nn::Linear(384, 256));
+    // ~4 MB: long enough in the page cache (a few ms) for kills to land inside the shard's write.
+    a = register_module("a", torch::nn::Linear(1024, 768));
+    b = register_module("b", torch::nn::Linear(768, 512));
   }
   torch::nn::Linear a{nullptr}, b{nullptr};
 };
@@ -115,8 +120,12 @@ int64_t verify(const std::string& dir, Shared& shared, Model& model, at::Tensor&
 [[noreturn]] void writer(const std::string& dir, Shared& shared, bool last) {
   at::set_num_threads(1);
   loom::detail::ckpt::test_hooks().on_phase = [&shared](const char* phase) {
-    for (int i = 0; i < kPhaseCount; ++i)
-      if (std::strcmp(phase, kPhases[i]) == 0) shared.phase = i;
+    for (int i = 0; i < kPhaseCount; ++i) {
+      if (std::strcmp(phase, kPhases[i]) == 0) {
+        shared.phase = i;
+        ++shared.entered[i];
+      }
+    }
   };
   Model model;
   at::Tensor extra = at::zeros({1000});
@@ -160,7 +169,7 @@ int main(int argc, char** argv) {
   std::string dir = "/tmp/loom_checkpoint_crash";
   int kills = 60;
   unsigned seed = 1;
-  int max_delay_us = 40000;
+  int max_delay_us = 100000;
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string key = argv[i];
     if (key == "--dir")
@@ -186,7 +195,9 @@ int main(int argc, char** argv) {
   std::map<int, int> landed;
   const auto start = std::chrono::steady_clock::now();
 
-  auto run = [&](bool last, bool kill) -> bool {
+  // The phases a targeted kill aims at, in turn.
+  const std::vector<int> targets = {2, 3, 5, 6, 7, 8, 1};  // write fsync manifest rename latest rotate snapshot
+  auto run = [&](bool last, bool kill, int target) -> bool {
     shared->ready = 0;
     shared->phase = 0;
     const pid_t pid = ::fork();
@@ -201,7 +212,20 @@ int main(int argc, char** argv) {
         }
         std::this_thread::sleep_for(std::chrono::microseconds(100));
       }
-      std::this_thread::sleep_for(std::chrono::microseconds(rng() % max_delay_us));
+      if (target > 0) {
+        const int64_t before = shared->entered[target];
+        const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+        while (shared->entered[target] == before) {
+          if (std::chrono::steady_clock::now() > give_up || ::waitpid(pid, &status, WNOHANG) == pid) {
+            std::fprintf(stderr, "FAIL: the writer never entered phase %s: %s\n", kPhases[target], shared->error);
+            ::kill(pid, SIGKILL);
+            return false;
+          }
+        }
+        std::this_thread::sleep_for(std::chrono::microseconds(rng() % 200));
+      } else {
+        std::this_thread::sleep_for(std::chrono::microseconds(rng() % max_delay_us));
+      }
       const int phase = shared->phase;
       ::kill(pid, SIGKILL);
       ::waitpid(pid, &status, 0);
@@ -222,8 +246,8 @@ int main(int argc, char** argv) {
   };
 
   for (int k = 0; k < kills; ++k)
-    if (!run(false, true)) return 1;
-  if (!run(true, false)) return 1;
+    if (!run(false, true, k % 2 ? targets[(k / 2) % targets.size()] : 0)) return 1;
+  if (!run(true, false, 0)) return 1;
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
 
   std::printf("%d writers killed, %lld saves published, newest step %lld verified, %.1f s\n", kills,
@@ -232,12 +256,12 @@ int main(int argc, char** argv) {
   std::printf("where the kills landed (the last phase a save had reached):");
   for (const auto& [phase, count] : landed) std::printf(" %s=%d", kPhases[phase], count);
   std::printf("\n");
-  // The kills must have hit the save itself, at several of its steps, not only the gaps between.
-  int in_save = 0;
-  for (const auto& [phase, count] : landed)
-    if (phase >= 2 && phase <= 8) ++in_save;
-  if (in_save < 4) {
-    std::printf("FAIL: the kills landed in only %d of the save's phases; expected at least 4\n", in_save);
+  // The kills must have hit every step of the save, not only the gaps between saves.
+  std::string missed;
+  for (int phase : {2, 3, 5, 6, 7, 8})
+    if (!landed.count(phase)) missed += std::string(" ") + kPhases[phase];
+  if (!missed.empty()) {
+    std::printf("FAIL: no kill landed in:%s\n", missed.c_str());
     return 1;
   }
   std::printf("OK\n");
