@@ -247,6 +247,16 @@ int main(int argc, char** argv) {
 
   for (int k = 0; k < kills; ++k)
     if (!run(false, true, k % 2 ? targets[(k / 2) % targets.size()] : 0)) return 1;
+  // A busy machine can make short phases slip past the aim: aim again at those not hit yet.
+  const std::vector<int> required = {2, 3, 5, 6, 7, 8};
+  for (int extra = 0; extra < 60; ++extra) {
+    int missing = -1;
+    for (int phase : required)
+      if (!landed.count(phase)) missing = phase;
+    if (missing < 0) break;
+    if (!run(false, true, missing)) return 1;
+    ++kills;
+  }
   if (!run(true, false, 0)) return 1;
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
 
@@ -258,7 +268,7 @@ int main(int argc, char** argv) {
   std::printf("\n");
   // The kills must have hit every step of the save, not only the gaps between saves.
   std::string missed;
-  for (int phase : {2, 3, 5, 6, 7, 8})
+  for (int phase : required)
     if (!landed.count(phase)) missed += std::string(" ") + kPhases[phase];
   if (!missed.empty()) {
     std::printf("FAIL: no kill landed in:%s\n", missed.c_str());
