@@ -101,6 +101,10 @@ std::string random_nonce() {
   return to_hex(value).substr(8);
 }
 
+// Messages can carry bytes from a damaged file or the system: never let them make dump() throw
+// on one rank while the others wait in the exchange.
+std::string dump_text(const json& j) { return j.dump(-1, ' ', false, json::error_handler_t::replace); }
+
 at::Tensor narrow_to(at::Tensor t, const Box& box, const std::vector<int64_t>& origin) {
   for (size_t d = 0; d < box.start.size(); ++d)
     t = t.narrow(static_cast<int64_t>(d), box.start[d] - origin[d], box.size[d]);
@@ -291,7 +295,7 @@ void Checkpointer::save(const TrainingProgress& progress, const std::map<std::st
   std::vector<json> all;
   {
     detail::InternalOperations guard("checkpoint plan");
-    for (const auto& text : s.exchange(mine.dump())) all.push_back(json::parse(text));
+    for (const auto& text : s.exchange(dump_text(mine))) all.push_back(json::parse(text));
   }
   const std::string tmp =
       join_path(s.options.directory, "." + final_name + ".tmp-" + all[0]["nonce"].get<std::string>());
@@ -412,7 +416,7 @@ CheckpointInfo Checkpointer::Impl::write_and_publish(ShardWrite write, Manifest 
   // No rank publishes alone: rank 0 learns every rank's outcome (and checksum) first.
   phase("agree");
   json mine = {{"error", error}, {"bytes", written.bytes}, {"xxh3", to_hex(written.xxh3)}};
-  std::vector<std::string> all = exchange(mine.dump());
+  std::vector<std::string> all = exchange(dump_text(mine));
   std::vector<std::string> errors;
   uint64_t total = 0;
   for (int r = 0; r < size; ++r) {
@@ -799,7 +803,7 @@ CheckpointInfo Checkpointer::load(const std::string& path) {
   std::vector<std::string> verdicts;
   {
     detail::InternalOperations guard("checkpoint load");
-    verdicts = s.exchange(json({{"problems", problems}, {"bytes", bytes_read}}).dump());
+    verdicts = s.exchange(dump_text(json({{"problems", problems}, {"bytes", bytes_read}})));
   }
   std::vector<std::string> all_problems;
   uint64_t total = 0;
