@@ -16,6 +16,9 @@
 # NCCL treats them as two hosts talking over loopback sockets (NCCL refuses two ranks on one device
 # of one host). At one rank NCCL skips in-place sum/min/max/product and broadcast entirely; the
 # two-rank run is what checks the dtype/op mapping and real communication.
+#   test_cuda_checkpoint  CUDA parameters, Adam state and GradScaler through an asynchronous
+#               checkpoint (pinned staging; weights changed right after save() must not reach it),
+#               the CUDA generator restored, the same checkpoint loaded on the CPU.
 #
 # Usage: bash benchmarks/gpu_check.sh [--no-setup] [--no-build]
 #   --no-setup  skip scripts/setup.sh (a machine without network access, dependencies present)
@@ -62,7 +65,7 @@ if ((build)); then
       -DPython3_EXECUTABLE="$(command -v "$PYTHON")" >"$BUILD_DIR.configure.log" 2>&1 ||
       { tail -n 30 "$BUILD_DIR.configure.log"; echo "[gpu_check] FAIL: configure" >&2; exit 1; }
   fi
-  cmake --build "$BUILD_DIR" -j "$(nproc)" --target test_nccl test_cuda_training ||
+  cmake --build "$BUILD_DIR" -j "$(nproc)" --target test_nccl test_cuda_training test_cuda_checkpoint ||
     { echo "[gpu_check] FAIL: build" >&2; exit 1; }
 fi
 if [[ ! -x "$BUILD_DIR/tests/gpu/test_nccl" || ! -x "$BUILD_DIR/tests/gpu/test_cuda_training" ]]; then
@@ -125,6 +128,7 @@ for np in 1 2; do
   run "test_cuda_training.np$np" "$np" "$BUILD_DIR/tests/gpu/test_cuda_training"
   run "exit_without_finalize.np$np" "$np" "$BUILD_DIR/tests/gpu/test_cuda_training" --exit-without-finalize
 done
+run "test_cuda_checkpoint.np1" 1 "$BUILD_DIR/tests/gpu/test_cuda_checkpoint"
 
 echo
 echo "GPU check summary ($(nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1), $((SECONDS - start)) s)"

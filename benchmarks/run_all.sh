@@ -3,7 +3,7 @@
 # writes JSON next to the tables. Machines are noisy: the programs report medians, and only
 # ratios from one run should be compared.
 #   bash benchmarks/run_all.sh [results-dir]
-# BENCHMARKS selects which run (default: all of "allreduce ddp tp amp placement soak"); DDP_ROUNDS how many times the
+# BENCHMARKS selects which run (default: all of "allreduce ddp tp amp placement soak checkpoint"); DDP_ROUNDS how many times the
 # loom/PyTorch DDP pair is repeated, alternating which goes first (default 3).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -20,7 +20,7 @@ busy=$( { head -1 /proc/stat; sleep 1; head -1 /proc/stat; } |
 if ((busy > 20)); then
   echo "WARNING: the CPUs are ${busy}% busy before the benchmarks start (another process): results will be noisy"
 fi
-BENCHMARKS=${BENCHMARKS:-allreduce ddp tp amp placement soak}
+BENCHMARKS=${BENCHMARKS:-allreduce ddp tp amp placement soak checkpoint}
 PYTHON=${PYTHON:-python3}
 if [[ " $BENCHMARKS " == *" allreduce "* ]]; then
   # Ranks pinned to cores when there are enough (2 here): floating ranks and progress threads
@@ -85,5 +85,12 @@ if [[ " $BENCHMARKS " == *" soak "* ]]; then
   echo "== soak: 10,000 collectives, 8 ranks"
   mpirun -np 8 $LOOM_MPIRUN_FLAGS build/tests/loom_soak --ops 10000 --max-bytes 4194304 --in-flight 24 |
     tee "$RESULTS/soak.txt"
+fi
+if [[ " $BENCHMARKS " == *" checkpoint "* ]]; then
+  # On the disk of the results directory: durable save against write+fdatasync of the same bytes,
+  # cold load against read() and torch::load, the async stall against a memory copy.
+  echo "== checkpoint save/load, ~300 MB of model + Adam state, 1 process"
+  build/benchmarks/checkpoint_bench --dir "$RESULTS/checkpoint-scratch" --rounds "${CHECKPOINT_ROUNDS:-7}" \
+    --json "$RESULTS/checkpoint.json"
 fi
 echo "results in $RESULTS"

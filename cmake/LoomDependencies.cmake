@@ -7,6 +7,9 @@ find_package(MPI REQUIRED COMPONENTS CXX)
 find_package(spdlog REQUIRED)
 find_package(nlohmann_json REQUIRED)
 find_package(CLI11 REQUIRED)
+# xxHash (Debian libxxhash-dev) checksums checkpoint shards; it ships no CMake config.
+find_path(LOOM_XXHASH_INCLUDE_DIR xxhash.h REQUIRED)
+find_library(LOOM_XXHASH_LIBRARY NAMES xxhash REQUIRED)
 
 # LibTorch's CMake config looks for the CUDA toolkit itself when LibTorch is a CUDA build.
 if(NOT CMAKE_CUDA_COMPILER AND EXISTS /usr/local/cuda/bin/nvcc)

@@ -8,11 +8,19 @@
 // the number of ranks, only on how it is split.
 //
 // Rank 0 prints the loss averaged over ranks, global samples/s and an estimate of the time left;
-// at the end it prints the first against the final loss and held-out accuracy. The exit status
-// is non-zero when the final loss is not below half the first one (the run did not learn).
+// at the end it prints the first against the final loss and held-out accuracy, and the final loss
+// with full precision (so that two runs can be compared). The exit status is non-zero when the
+// final loss is not below half the first one (the run did not learn).
+//
+// Checkpoints (loom::Checkpointer): --checkpoint-dir DIR saves every --save-every steps and at the
+// end, in the background; --resume continues from the newest complete checkpoint in DIR (or starts
+// fresh when there is none). A resumed run continues exactly as the uninterrupted one would have:
+// weights, optimizer state, loss scale and RNG come back bit for bit, and the data of a step
+// depends on the step alone.
 //
 //   source scripts/mpi_env.sh
 //   mpirun -np 2 $LOOM_MPIRUN_FLAGS build/examples/train_ddp --steps 300 --accumulate 2
+//   mpirun -np 2 $LOOM_MPIRUN_FLAGS build/examples/train_ddp --checkpoint-dir ckpt --save-every 50 --resume
 #include <ATen/CPUGeneratorImpl.h>
 #include <torch/torch.h>
 
@@ -25,6 +33,7 @@
 
 #include "loom/loom.h"
 #include "loom/train/accumulation.h"
+#include "loom/train/checkpoint.h"
 
 namespace {
 
@@ -42,6 +51,11 @@ struct Options {
   double lr = 1e-3;
   std::string optimizer = "adam";
   uint64_t seed = 1234;
+  bool scaler = false;
+  std::string checkpoint_dir;
+  int64_t save_every = 0;
+  bool resume = false;
+  int loss_digits = 4;
 };
 
 struct StudentImpl : torch::nn::Module {
@@ -117,6 +131,9 @@ int train(const Options& o) {
   // Each micro-batch but the last only accumulates locally; the last one's backward all-reduces
   // the sum, so a step costs one reduction whatever --accumulate is.
   loom::GradientAccumulator accumulate(ddp.reducer(), static_cast<size_t>(o.accumulate));
+  // Dynamic loss scaling (float32 here, so it never finds an overflow; it shows the scaler resumes).
+  std::unique_ptr<loom::GradScaler> scaler;
+  if (o.scaler) scaler = std::make_unique<loom::GradScaler>();
 
   if (rank == 0)
     std::printf("train_ddp: %d ranks, %lld steps, global batch %lld (%lld per rank, %lld micro-batches), %s lr %g\n",
@@ -124,10 +141,31 @@ int train(const Options& o) {
                 (long long)o.accumulate, o.optimizer.c_str(), o.lr);
 
   double first_loss = 0, final_loss = 0, window_loss = 0;
+  int64_t first_step = 1;
+  std::unique_ptr<loom::Checkpointer> checkpointer;
+  if (!o.checkpoint_dir.empty()) {
+    loom::CheckpointOptions options;
+    options.directory = o.checkpoint_dir;
+    checkpointer = std::make_unique<loom::Checkpointer>(comm, options);
+    checkpointer->model(ddp).optimizer(*opt).accumulator(accumulate);
+    if (scaler) checkpointer->scaler(*scaler);
+    if (o.resume) {
+      if (auto info = checkpointer->load_latest()) {
+        first_step = info->progress.step + 1;
+        auto first = info->user.find("first_loss");
+        if (first != info->user.end()) first_loss = std::stod(first->second);
+        if (rank == 0)
+          std::printf("resumed from %s at step %lld\n", info->path.c_str(), (long long)info->progress.step);
+      } else if (rank == 0) {
+        std::printf("no checkpoint in %s: starting fresh\n", o.checkpoint_dir.c_str());
+      }
+    }
+  }
+
   int64_t window_steps = 0;
   const auto start = Clock::now();
   auto window_start = start;
-  for (int64_t step = 1; step <= o.steps; ++step) {
+  for (int64_t step = first_step; step <= o.steps; ++step) {
     Batch batch = shard(o, teacher, /*stream=*/0, step, rank, world);
     auto xs = batch.x.chunk(o.accumulate);
     auto ys = batch.y.chunk(o.accumulate);
@@ -137,10 +175,18 @@ int train(const Options& o) {
       auto micro = accumulate.next();
       // Divided by the micro-batch count so the summed gradient is that of the whole batch's mean loss.
       torch::Tensor loss = torch::nn::functional::cross_entropy(ddp.forward(xs[m]), ys[m]) / double(o.accumulate);
-      loss.backward();
+      if (scaler)
+        scaler->scale(loss).backward();
+      else
+        loss.backward();
       step_loss += loss.item<double>();
     }
-    opt->step();
+    if (scaler) {
+      scaler->step(*opt);
+      scaler->update();
+    } else {
+      opt->step();
+    }
     window_loss += step_loss;
     ++window_steps;
 
@@ -154,16 +200,26 @@ int train(const Options& o) {
       final_loss = loss;
       if (rank == 0) {
         const double samples_per_s = window_steps * o.batch_per_rank * world / window_s;
-        const double eta_s = elapsed_s / step * (o.steps - step);
-        std::printf("step %5lld/%lld  loss %.4f  %9.0f samples/s  elapsed %s  eta %s\n", (long long)step,
-                    (long long)o.steps, loss, samples_per_s, duration(elapsed_s).c_str(), duration(eta_s).c_str());
+        const double done = double(step - first_step + 1);
+        const double eta_s = elapsed_s / done * (o.steps - step);
+        std::printf("step %5lld/%lld  loss %.*f  %9.0f samples/s  elapsed %s  eta %s\n", (long long)step,
+                    (long long)o.steps, o.loss_digits, loss, samples_per_s, duration(elapsed_s).c_str(),
+                    duration(eta_s).c_str());
         std::fflush(stdout);
       }
       window_loss = 0;
       window_steps = 0;
       window_start = Clock::now();
     }
+    // In the background: the next steps run while the shards are written.
+    if (checkpointer && ((o.save_every > 0 && step % o.save_every == 0) || step == o.steps)) {
+      char first[32];
+      std::snprintf(first, sizeof(first), "%.17g", first_loss);
+      checkpointer->save({.step = step, .epoch = 0, .sample = step * o.batch_per_rank * world},
+                         {{"first_loss", first}});
+    }
   }
+  if (checkpointer) checkpointer->wait();
   const double train_s = std::chrono::duration<double>(Clock::now() - start).count();
 
   // Held-out accuracy from a stream no training step used; each rank scores its shard.
@@ -181,9 +237,11 @@ int train(const Options& o) {
     std::printf("first loss %.4f, final loss %.4f (%.1f%% of first), held-out accuracy %.1f%%, %s for %lld steps\n",
                 first_loss, final_loss, 100 * final_loss / first_loss, 100 * correct, duration(train_s).c_str(),
                 (long long)o.steps);
+    std::printf("final loss %.17g\n", final_loss);
     std::printf("%s\n", learned ? "OK: the loss fell below half its start"
                                 : "FAILED: the loss did not fall below half its start");
   }
+  checkpointer.reset();
   comm.reset();
   rt.reset();
   return learned ? 0 : 1;
@@ -204,7 +262,18 @@ int main(int argc, char** argv) {
   app.add_option("--log-every", o.log_every, "print every this many steps")->check(CLI::PositiveNumber);
   app.add_option("--hidden", o.hidden, "width of the two hidden layers")->check(CLI::PositiveNumber);
   app.add_option("--seed", o.seed, "seed of the teacher, the data and the initial weights");
+  app.add_flag("--scaler", o.scaler, "scale the loss with loom::GradScaler");
+  app.add_option("--checkpoint-dir", o.checkpoint_dir,
+                 "save checkpoints here (every --save-every steps and at the end)");
+  app.add_option("--save-every", o.save_every, "steps between checkpoints (0: only at the end)")
+      ->check(CLI::NonNegativeNumber);
+  app.add_flag("--resume", o.resume, "continue from the newest complete checkpoint in --checkpoint-dir, if any");
+  app.add_option("--loss-digits", o.loss_digits, "decimals of the logged loss")->check(CLI::Range(1, 17));
   CLI11_PARSE(app, argc, argv);
+  if (o.resume && o.checkpoint_dir.empty()) {
+    std::fprintf(stderr, "train_ddp: --resume needs --checkpoint-dir\n");
+    return 2;
+  }
   if (o.batch_per_rank % o.accumulate != 0) {
     std::fprintf(stderr, "train_ddp: --batch-per-rank %lld must be a multiple of --accumulate %lld\n",
                  (long long)o.batch_per_rank, (long long)o.accumulate);

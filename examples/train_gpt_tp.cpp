@@ -5,11 +5,19 @@
 // group). The text is built in: sentences generated from a small grammar, so there is structure
 // to learn and nothing to download; --text FILE trains on a file instead. Every step draws one
 // global batch of windows from (seed, step), the same on every rank; each DP replica takes its
-// columns of it. Rank 0 prints the loss (averaged over replicas), then a greedy sample.
-// The exit status is non-zero when the final loss is not below half the first one.
+// columns of it. Rank 0 prints the loss (averaged over replicas), then a greedy sample, and the
+// final loss with full precision. The exit status is non-zero when the final loss is not below
+// half the first one. --accumulate splits each replica's batch into micro-batches (one DP
+// all-reduce per step); --scaler scales the loss with loom::GradScaler.
+//
+// Checkpoints (loom::Checkpointer): --checkpoint-dir DIR saves every --save-every steps and at the
+// end (TP slices, replicated tensors once, in the background); --resume continues from the newest
+// complete checkpoint in DIR, or starts fresh without one. Weights, AdamW state, loss scale and
+// the dropout RNG streams come back bit for bit, so a resumed run continues exactly.
 //
 //   source scripts/mpi_env.sh
 //   mpirun -np 4 $LOOM_MPIRUN_FLAGS build/examples/train_gpt_tp --tp 2 --steps 300
+//   mpirun -np 4 $LOOM_MPIRUN_FLAGS build/examples/train_gpt_tp --checkpoint-dir ckpt --save-every 50 --resume
 #include <ATen/CPUGeneratorImpl.h>
 #include <torch/torch.h>
 
@@ -23,6 +31,8 @@
 
 #include "loom/loom.h"
 #include "loom/parallel/tensor_parallel.h"
+#include "loom/train/accumulation.h"
+#include "loom/train/checkpoint.h"
 
 namespace {
 
@@ -40,6 +50,12 @@ struct Options {
   int64_t sample_chars = 120;
   uint64_t seed = 1234;
   std::string text_path;
+  int64_t accumulate = 1;
+  bool scaler = false;
+  std::string checkpoint_dir;
+  int64_t save_every = 0;
+  bool resume = false;
+  int loss_digits = 4;
 };
 
 // Sentences from a tiny grammar: "the quick cat sees a red ball. " and so on.
@@ -125,13 +141,21 @@ int train(Options o) {
   config.num_heads = o.heads;
   config.vocab_size = vocab;
   loom::ParallelState ps(world, config);
-  if (o.batch % ps.dp_degree() != 0)
-    throw loom::InvalidArgumentError("train_gpt_tp: --batch " + std::to_string(o.batch) +
-                                     " must be divisible by the data-parallel degree " + std::to_string(ps.dp_degree()));
+  if (o.batch % (ps.dp_degree() * o.accumulate) != 0)
+    throw loom::InvalidArgumentError(
+        "train_gpt_tp: --batch " + std::to_string(o.batch) + " must be divisible by the data-parallel degree " +
+        std::to_string(ps.dp_degree()) + " x --accumulate " + std::to_string(o.accumulate));
   ps.seed(o.seed);  // the same initial weights on every rank; per-TP-rank dropout streams
   Gpt model(o, vocab, ps.tp_group());
   loom::GradientReducer reducer(model->parameters(), ps.dp_group());
   torch::optim::AdamW opt(model->parameters(), torch::optim::AdamWOptions(o.lr).weight_decay(0.01));
+  loom::GradientAccumulator accumulate(reducer, static_cast<size_t>(o.accumulate));
+  std::unique_ptr<loom::GradScaler> scaler;
+  if (o.scaler) {
+    loom::GradScalerOptions scaler_options;
+    scaler_options.sync_groups = {ps.tp_group()};  // gradients are split over the TP group
+    scaler = std::make_unique<loom::GradScaler>(scaler_options);
+  }
 
   const int64_t per_replica = o.batch / ps.dp_degree();
   if (world->rank() == 0)
@@ -140,20 +164,55 @@ int train(Options o) {
                 world->size(), ps.tp_degree(), ps.dp_degree(), text.size(), chars.size(), (long long)vocab,
                 (long long)o.layers, (long long)o.hidden, (long long)o.heads, (long long)o.batch, (long long)o.seq);
 
-  const auto start = std::chrono::steady_clock::now();
   double first = 0, last = 0, window = 0;
+  int64_t first_step = 1;
+  std::unique_ptr<loom::Checkpointer> checkpointer;
+  if (!o.checkpoint_dir.empty()) {
+    loom::CheckpointOptions options;
+    options.directory = o.checkpoint_dir;
+    checkpointer = std::make_unique<loom::Checkpointer>(world, options);
+    checkpointer->model(model).optimizer(opt).rng(loom::rng_tracker()).accumulator(accumulate);
+    if (scaler) checkpointer->scaler(*scaler);
+    if (o.resume) {
+      if (auto info = checkpointer->load_latest()) {
+        first_step = info->progress.step + 1;
+        auto saved_first = info->user.find("first_loss");
+        if (saved_first != info->user.end()) first = std::stod(saved_first->second);
+        if (world->rank() == 0)
+          std::printf("resumed from %s at step %lld\n", info->path.c_str(), (long long)info->progress.step);
+      } else if (world->rank() == 0) {
+        std::printf("no checkpoint in %s: starting fresh\n", o.checkpoint_dir.c_str());
+      }
+    }
+  }
+
+  const auto start = std::chrono::steady_clock::now();
   int64_t window_steps = 0;
-  for (int64_t step = 1; step <= o.steps; ++step) {
+  for (int64_t step = first_step; step <= o.steps; ++step) {
     auto gen = at::make_generator<at::CPUGeneratorImpl>(o.seed * 7919 + step);
     torch::Tensor starts = torch::randint(corpus.size(0) - o.seq - 1, {o.batch}, gen);
     torch::Tensor offsets = torch::arange(o.seq + 1).unsqueeze(1) + starts.unsqueeze(0);  // [s+1, batch]
     torch::Tensor windows = corpus.index({offsets}).narrow(1, ps.dp_rank() * per_replica, per_replica);
     reducer.zero_grad();
-    torch::Tensor loss = loom::vocab_parallel_cross_entropy(model(windows.narrow(0, 0, o.seq)),
-                                                            windows.narrow(0, 1, o.seq), ps.tp_group());
-    loss.backward();
-    opt.step();
-    window += loss.item<double>();
+    double step_loss = 0;
+    for (const auto& micro : windows.chunk(o.accumulate, 1)) {
+      auto scope = accumulate.next();  // only the last micro-batch's backward all-reduces
+      torch::Tensor loss = loom::vocab_parallel_cross_entropy(model(micro.narrow(0, 0, o.seq)),
+                                                              micro.narrow(0, 1, o.seq), ps.tp_group()) /
+                           double(o.accumulate);
+      if (scaler)
+        scaler->scale(loss).backward();
+      else
+        loss.backward();
+      step_loss += loss.item<double>();
+    }
+    if (scaler) {
+      scaler->step(opt);
+      scaler->update();
+    } else {
+      opt.step();
+    }
+    window += step_loss;
     ++window_steps;
     if (step == 1 || step % o.log_every == 0 || step == o.steps) {
       torch::Tensor mean = torch::full({1}, window / window_steps, torch::kFloat64);
@@ -162,14 +221,20 @@ int train(Options o) {
       last = mean.item<double>();
       const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
       if (world->rank() == 0) {
-        std::printf("step %5lld/%lld  loss %.4f  %.1f steps/s\n", (long long)step, (long long)o.steps, last,
-                    step / elapsed);
+        std::printf("step %5lld/%lld  loss %.*f  %.1f steps/s\n", (long long)step, (long long)o.steps, o.loss_digits,
+                    last, (step - first_step + 1) / elapsed);
         std::fflush(stdout);
       }
       window = 0;
       window_steps = 0;
     }
+    if (checkpointer && ((o.save_every > 0 && step % o.save_every == 0) || step == o.steps)) {
+      char first_text[32];
+      std::snprintf(first_text, sizeof(first_text), "%.17g", first);
+      checkpointer->save({.step = step, .epoch = 0, .sample = step * o.batch}, {{"first_loss", first_text}});
+    }
   }
+  if (checkpointer) checkpointer->wait();
 
   // Greedy continuation of the text's first characters. Every rank takes part: the last position's
   // logits are gathered over the TP group (a few hundred floats, unlike the whole batch's).
@@ -189,6 +254,7 @@ int train(Options o) {
   const bool learned = last < 0.5 * first;
   if (world->rank() == 0) {
     std::printf("sample: \"%s\"\n", sample.c_str());
+    std::printf("final loss %.17g\n", last);
     std::printf("first loss %.4f, final loss %.4f (%.1f%% of first): %s\n", first, last, 100 * last / first,
                 learned ? "OK, the loss fell below half its start" : "FAILED, the loss did not halve");
   }
@@ -214,7 +280,20 @@ int main(int argc, char** argv) {
   app.add_option("--log-every", o.log_every, "print every this many steps")->check(CLI::PositiveNumber);
   app.add_option("--text", o.text_path, "train on this text file instead of the built-in grammar");
   app.add_option("--seed", o.seed, "seed of the text, the batches, the weights and dropout");
+  app.add_option("--accumulate", o.accumulate, "micro-batches per step (gradient accumulation)")
+      ->check(CLI::PositiveNumber);
+  app.add_flag("--scaler", o.scaler, "scale the loss with loom::GradScaler");
+  app.add_option("--checkpoint-dir", o.checkpoint_dir,
+                 "save checkpoints here (every --save-every steps and at the end)");
+  app.add_option("--save-every", o.save_every, "steps between checkpoints (0: only at the end)")
+      ->check(CLI::NonNegativeNumber);
+  app.add_flag("--resume", o.resume, "continue from the newest complete checkpoint in --checkpoint-dir, if any");
+  app.add_option("--loss-digits", o.loss_digits, "decimals of the logged loss")->check(CLI::Range(1, 17));
   CLI11_PARSE(app, argc, argv);
+  if (o.resume && o.checkpoint_dir.empty()) {
+    std::fprintf(stderr, "train_gpt_tp: --resume needs --checkpoint-dir\n");
+    return 2;
+  }
 
   torch::set_num_threads(1);  // ranks share the cores
   int status = 1;

@@ -12,5 +12,6 @@
 #include "loom/parallel/data_parallel.h"
 #include "loom/parallel/tensor_parallel.h"
 #include "loom/train/accumulation.h"
+#include "loom/train/checkpoint.h"
 #include "loom/runtime.h"
 #include "loom/world.h"

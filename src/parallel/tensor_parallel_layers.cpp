@@ -211,4 +211,22 @@ void VocabParallelEmbeddingImpl::pretty_print(std::ostream& stream) const {
          << ", ids=[" << vocab_start << ", " << vocab_end << "), sequence_parallel=" << options.sequence_parallel << ")";
 }
 
+// ---- Shard metadata (checkpoints) ----------------------------------------------------------------
+
+std::map<std::string, tp::ShardInfo> ColumnParallelLinearImpl::shard_info() const {
+  const int rank = detail::tp_rank(group), size = detail::tp_size(group);
+  std::map<std::string, tp::ShardInfo> info{{"weight", {0, {out_features, in_features}, out_start, rank, size}}};
+  if (bias.defined()) info["bias"] = {0, {out_features}, out_start, rank, size};
+  return info;
+}
+
+std::map<std::string, tp::ShardInfo> RowParallelLinearImpl::shard_info() const {
+  // The bias is added after the reduction, so every rank holds all of it: replicated, not listed.
+  return {{"weight", {1, {out_features, in_features}, in_start, detail::tp_rank(group), detail::tp_size(group)}}};
+}
+
+std::map<std::string, tp::ShardInfo> VocabParallelEmbeddingImpl::shard_info() const {
+  return {{"weight", {0, {num_embeddings, embedding_dim}, vocab_start, detail::tp_rank(group), detail::tp_size(group)}}};
+}
+
 }  // namespace loom

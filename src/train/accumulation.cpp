@@ -10,6 +10,13 @@ GradientAccumulator::GradientAccumulator(GradientReducer& reducer, size_t micro_
     throw InvalidArgumentError(reducer.group().context("GradientAccumulator")("micro_batches must be at least 1, found 0"));
 }
 
+void GradientAccumulator::set_position(size_t position) {
+  if (position >= micro_batches_)
+    throw InvalidArgumentError(reducer_.group().context("GradientAccumulator")(
+        "position must be below micro_batches " + std::to_string(micro_batches_) + "; found " + std::to_string(position)));
+  position_ = position;
+}
+
 GradientAccumulator::MicroBatch GradientAccumulator::next() {
   const bool last = position_ + 1 == micro_batches_;
   position_ = last ? 0 : position_ + 1;

@@ -89,6 +89,34 @@ void reset_comm_stats();
 }  // namespace tp
 
 // ---------------------------------------------------------------------------------------------
+// Shard metadata: how each parameter of a tensor-parallel module relates to the full ("master")
+// tensor of the plain layer, so that checkpoints can store slices with their global shape and
+// load them at another TP degree.
+namespace tp {
+
+struct ShardInfo {
+  int dim = -1;                       // the dimension split across the TP group; -1: replicated
+  std::vector<int64_t> global_shape;  // the full tensor's shape
+  int64_t offset = 0;                 // where this rank's slice starts along `dim`
+  int tp_rank = 0;                    // this rank's place in the TP group, and the group's size
+  int tp_size = 1;
+};
+
+// Implemented by modules that hold tensor-parallel slices (the layers below; a user's own TP
+// module can implement it too). Describes the module's own parameters (not its children's), by
+// their registered names; a parameter not listed is replicated across the TP group. The slice a
+// rank holds is the global tensor narrowed to [offset, offset + local size) along dim.
+//
+//   for (auto& [name, info] : fc1->shard_info())   // {"weight": {dim 0, [2048, 512], offset 1024}, "bias": ...}
+class ShardedModule {
+ public:
+  virtual ~ShardedModule() = default;
+  virtual std::map<std::string, ShardInfo> shard_info() const = 0;
+};
+
+}  // namespace tp
+
+// ---------------------------------------------------------------------------------------------
 // Layers.
 
 struct ColumnParallelLinearOptions {
@@ -104,7 +132,7 @@ struct ColumnParallelLinearOptions {
 };
 
 // y = x A^T + b with A split by rows (output features): rank r holds A[r*o/t : (r+1)*o/t, :].
-class ColumnParallelLinearImpl : public torch::nn::Module {
+class ColumnParallelLinearImpl : public torch::nn::Module, public tp::ShardedModule {
  public:
   ColumnParallelLinearImpl(int64_t in_features, int64_t out_features, TensorParallelGroup group,
                            ColumnParallelLinearOptions options = {});
@@ -112,6 +140,7 @@ class ColumnParallelLinearImpl : public torch::nn::Module {
   // Copies this rank's slice of full (master) weights into the parameters.
   void load_master(const at::Tensor& weight, const at::Tensor& bias = {});
   void pretty_print(std::ostream& stream) const override;
+  std::map<std::string, tp::ShardInfo> shard_info() const override;
 
   at::Tensor weight;  // [out/t, in]
   at::Tensor bias;    // [out/t], undefined without bias
@@ -133,13 +162,14 @@ struct RowParallelLinearOptions {
 
 // y = x A^T + b with A split by columns (input features): rank r holds A[:, r*i/t : (r+1)*i/t].
 // The partial products are all-reduced, then the (replicated) bias is added once.
-class RowParallelLinearImpl : public torch::nn::Module {
+class RowParallelLinearImpl : public torch::nn::Module, public tp::ShardedModule {
  public:
   RowParallelLinearImpl(int64_t in_features, int64_t out_features, TensorParallelGroup group,
                         RowParallelLinearOptions options = {});
   at::Tensor forward(const at::Tensor& input);
   void load_master(const at::Tensor& weight, const at::Tensor& bias = {});
   void pretty_print(std::ostream& stream) const override;
+  std::map<std::string, tp::ShardInfo> shard_info() const override;
 
   at::Tensor weight;  // [out, in/t]
   at::Tensor bias;    // [out], replicated
@@ -161,13 +191,14 @@ struct VocabParallelEmbeddingOptions {
 // outside this rank's range look up row 0 and are zeroed, then the partial embeddings are
 // all-reduced (reduce-scattered along dim 0 under sequence parallelism). Ids outside
 // [0, num_embeddings) are an InvalidArgumentError on every rank.
-class VocabParallelEmbeddingImpl : public torch::nn::Module {
+class VocabParallelEmbeddingImpl : public torch::nn::Module, public tp::ShardedModule {
  public:
   VocabParallelEmbeddingImpl(int64_t num_embeddings, int64_t embedding_dim, TensorParallelGroup group,
                              VocabParallelEmbeddingOptions options = {});
   at::Tensor forward(const at::Tensor& ids);
   void load_master(const at::Tensor& weight);
   void pretty_print(std::ostream& stream) const override;
+  std::map<std::string, tp::ShardInfo> shard_info() const override;
 
   at::Tensor weight;  // [num_embeddings/t, embedding_dim]
   int64_t num_embeddings, embedding_dim, vocab_start, vocab_end;

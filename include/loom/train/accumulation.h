@@ -43,6 +43,9 @@ class GradientAccumulator {
   size_t micro_batches() const { return micro_batches_; }
   // Micro-batches begun in the current accumulation window.
   size_t position() const { return position_; }
+  // Restores a position (a resumed checkpoint): the next micro-batch is number `position` of the
+  // window. loom::InvalidArgumentError unless position < micro_batches().
+  void set_position(size_t position);
 
  private:
   GradientReducer& reducer_;

@@ -1,0 +1,160 @@
+// Checkpoints of a training job: sharded, atomic, verified, reshardable, written in the background.
+//
+// A checkpoint is a directory `step_000120/` of safetensors shard files (one per rank, readable
+// by Python's `safetensors`) and a JSON manifest: the world layout, every logical tensor's global
+// shape, dtype and which shard holds which slice, an XXH3-64 checksum per shard, and the
+// non-tensor state (docs/checkpoint-format.md). What is saved: the model's parameters and buffers
+// (tensor-parallel ones as slices, replicated ones once, the writes spread over the ranks), the
+// optimizer's state and parameter groups (SGD, Adam, AdamW), the GradScaler's state, the RNG
+// states (CPU, CUDA, RngTracker streams), step/epoch/sample, the GradientAccumulator's position,
+// extra tensors and user key-values.
+//
+//   auto rt = loom::init();
+//   loom::Checkpointer ckpt(rt->world_comm(), {.directory = "ckpt", .keep_last = 3});
+//   ckpt.model(ddp).optimizer(opt).scaler(scaler).rng(loom::rng_tracker()).accumulator(accumulate);
+//   int64_t start = 0;
+//   if (auto resumed = ckpt.load_latest()) start = resumed->progress.step;   // nullopt: start fresh
+//   for (int64_t step = start + 1; step <= steps; ++step) {
+//     ...train...
+//     if (step % 100 == 0) ckpt.save({.step = step});   // copies the state, writes in the background
+//   }
+//   ckpt.wait();                                        // throws the save's error on every rank
+//
+// Guarantees:
+// - Atomic: shards go to a hidden temporary directory and are fsync'ed; only when every rank has
+//   written its shard (agreed: no rank publishes alone) does rank 0 write the manifest (temporary
+//   file, fsync, rename), rename the directory into place, fsync the parent and replace the
+//   `latest` pointer (write, fsync, rename). A crash at any moment leaves the previous checkpoint
+//   intact; a directory without a manifest is not a checkpoint. keep_last rotation deletes old
+//   checkpoints only after the new one is published, never the newest.
+// - Asynchronous: save() copies the state to host memory (pinned for CUDA tensors; the buffer is
+//   kept for the next save) and returns; a background thread writes and publishes, agreeing over
+//   the checkpointer's own communicator, so the training loop's collectives are never interleaved
+//   with it. A second save() waits for the first; wait() returns or throws its error on every
+//   rank.
+// - Verified, and no code run: load() parses the manifest, checks every shard's size, header
+//   (bounded and validated before anything is allocated from it) and checksum, and agrees on the
+//   result across ranks before it touches the model. Failures are loom::CheckpointError naming the
+//   file and tensor; names or shapes that differ from the model are listed as a diff.
+// - Reshardable: a checkpoint written at one TP x DP layout loads at another (slices are cut and
+//   joined along the split dimension); tensor-parallel modules describe their slices through
+//   loom::tp::ShardedModule.
+//
+// Ranks share the checkpoint directory (a shared file system across nodes). The constructor is a
+// collective over the communicator (it splits a private one off it).
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <torch/nn/module.h>
+#include <torch/nn/pimpl.h>
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "loom/comm/communicator.h"
+#include "loom/parallel/data_parallel.h"
+
+namespace torch::optim {
+class Optimizer;
+}
+
+namespace loom {
+
+class GradScaler;
+class RngTracker;
+class GradientAccumulator;
+
+struct CheckpointOptions {
+  // Holds step_<N>/ directories and the `latest` pointer; created when missing.
+  std::string directory;
+  // Complete checkpoints kept after each save (0: keep all). The newest is never deleted.
+  int keep_last = 3;
+  // Write in a background thread; false: save() returns once the checkpoint is published.
+  bool async = true;
+  // Keep the host copy of the state between asynchronous saves, so that the training stall is a
+  // memory copy, not an allocation (costs host memory of the size of this rank's share).
+  bool reuse_staging_buffer = true;
+  // Timeout of the agreements between ranks (the slowest rank's write is inside one of them);
+  // default: the communicator's (LOOM_TIMEOUT).
+  Timeout timeout = kDefaultTimeout;
+  // Saves and loads that take longer than this log their throughput (LOOM_LOG_LEVEL=info).
+  double log_after_seconds = 3.0;
+};
+
+// Where training stands; saved with the checkpoint and returned by load.
+struct TrainingProgress {
+  int64_t step = 0;
+  int64_t epoch = 0;
+  int64_t sample = 0;  // position in the epoch's sample order (samples consumed)
+};
+
+struct CheckpointInfo {
+  std::string path;  // the checkpoint directory
+  TrainingProgress progress;
+  std::map<std::string, std::string> user;
+  uint64_t bytes = 0;        // shard bytes written or read, all ranks together
+  double seconds = 0;        // save: from save() to publication; load: the whole load
+  double stall_seconds = 0;  // save: how long save() held the training loop
+};
+
+class Checkpointer {
+ public:
+  // `world`: a host (CPU, MPI) communicator over every rank of the job, e.g. rt->world_comm();
+  // nullptr for a single process without MPI. Collective over `world`.
+  Checkpointer(std::shared_ptr<Communicator> world, CheckpointOptions options);
+  // Waits for a pending save; its error is logged, not thrown (call wait() to see it).
+  ~Checkpointer();
+  Checkpointer(const Checkpointer&) = delete;
+  Checkpointer& operator=(const Checkpointer&) = delete;
+
+  // What is saved and loaded (each optional; the objects must outlive the checkpointer). Every rank
+  // registers the same kinds of state.
+  Checkpointer& model(torch::nn::Module& module);
+  template <typename Contained>
+  Checkpointer& model(torch::nn::ModuleHolder<Contained>& module) {
+    return model(static_cast<torch::nn::Module&>(*module));
+  }
+  template <typename ModuleHolder>
+  Checkpointer& model(DistributedDataParallel<ModuleHolder>& ddp) {
+    return model(static_cast<torch::nn::Module&>(*ddp.module()));
+  }
+  // SGD, Adam or AdamW (other optimizers are a CheckpointError at save).
+  Checkpointer& optimizer(torch::optim::Optimizer& optimizer);
+  Checkpointer& scaler(GradScaler& scaler);
+  // The tracker's streams; the default CPU generator (and the CUDA ones, where present) are always
+  // saved and restored.
+  Checkpointer& rng(RngTracker& tracker);
+  Checkpointer& accumulator(GradientAccumulator& accumulator);
+  // A tensor saved once (replicated; e.g. an EMA of the weights) and restored in place.
+  Checkpointer& tensor(const std::string& name, at::Tensor tensor);
+
+  // Saves the registered state as step_<progress.step>/ (replacing one of the same step). With
+  // async, returns after the host copy; throws a previous asynchronous save's error first.
+  void save(const TrainingProgress& progress, const std::map<std::string, std::string>& user = {});
+  // Waits for the pending save (if any) and returns what it published; throws its
+  // loom::CheckpointError (on every rank). Without a pending save, returns the last one's info.
+  CheckpointInfo wait();
+  bool pending() const;
+
+  // Loads the newest complete checkpoint of the directory (the one `latest` names, else the
+  // highest step with a manifest); nullopt when there is none. Waits for a pending save first.
+  std::optional<CheckpointInfo> load_latest();
+  // Loads the checkpoint in `path` (a step_<N> directory).
+  CheckpointInfo load(const std::string& path);
+
+  // The newest complete checkpoint under `directory`, as a path; nullopt when there is none.
+  // Reads the directory only (no communication, no verification).
+  static std::optional<std::string> find_latest(const std::string& directory);
+
+  struct Impl;
+
+ private:
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace loom

@@ -1,0 +1,23 @@
+// Test seams of the checkpointer (library-internal; tests include src/).
+#pragma once
+
+#include <functional>
+
+namespace loom::detail::ckpt {
+
+struct TestHooks {
+  // Called on the thread that runs each step of a save: "snapshot", "write", "fsync", "agree",
+  // "manifest", "rename", "latest", "rotate", "done". The crash test records where SIGKILL lands.
+  std::function<void(const char* phase)> on_phase;
+  // When >= 0, this rank's shard write fails (as a full disk would) for the next saves.
+  int fail_write_rank = -1;
+};
+
+TestHooks& test_hooks();
+
+inline void phase(const char* name) {
+  auto& hooks = test_hooks();
+  if (hooks.on_phase) hooks.on_phase(name);
+}
+
+}  // namespace loom::detail::ckpt

@@ -1,0 +1,229 @@
+#include "train/checkpoint_io.h"
+
+#include <ATen/ops/empty.h>
+#include <ATen/ops/from_blob.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
+
+#include <fcntl.h>
+#include <sys/mman.h>
+
+#include <algorithm>
+#include <cstring>
+#include <set>
+
+#include "loom/error.h"
+#include "train/checkpoint_checksum.h"
+#include "train/checkpoint_hooks.h"
+
+namespace loom::detail::ckpt {
+
+namespace {
+
+// Chunks small enough to stay in cache between hashing and writing (or reading and hashing).
+constexpr size_t kChunk = 8u << 20;
+
+uint64_t align_up(uint64_t value, uint64_t alignment) {
+  return (value + alignment - 1) / alignment * alignment;
+}
+
+size_t nbytes(const at::Tensor& t) {
+  return static_cast<size_t>(t.numel()) * t.element_size();
+}
+
+}  // namespace
+
+at::Tensor host_empty(at::IntArrayRef shape, at::ScalarType dtype, bool pinned) {
+  at::Tensor t = at::empty(shape, at::TensorOptions().dtype(dtype).pinned_memory(pinned));
+  const uint64_t bytes = nbytes(t);
+  constexpr uintptr_t kHuge = 2u << 20;
+  if (!pinned && bytes >= 2 * kHuge) {
+    // The 2 MiB-aligned middle of the (not yet touched) allocation; a hint, so failures are ignored.
+    const uintptr_t begin = (reinterpret_cast<uintptr_t>(t.data_ptr()) + kHuge - 1) & ~(kHuge - 1);
+    const uintptr_t end = (reinterpret_cast<uintptr_t>(t.data_ptr()) + bytes) & ~(kHuge - 1);
+    if (end > begin) ::madvise(reinterpret_cast<void*>(begin), end - begin, MADV_HUGEPAGE);
+  }
+  return t;
+}
+
+ShardWritten write_shard(const ShardWrite& w, const std::string& where) {
+  Checksum checksum;
+  File file = File::create(w.path, where);
+  phase("write");
+  checksum.update(w.header.data(), w.header.size());
+  file.write_all(w.header.data(), w.header.size(), where);
+  uint64_t bytes = w.header.size();
+  if (w.inject_failure)
+    throw CheckpointError(where + ": cannot write " + w.path + ": " + system_error_text(ENOSPC) + " [injected]");
+  for (const Region& r : w.regions) {
+    const char* p = static_cast<const char*>(r.data);
+    for (size_t done = 0; done < r.bytes;) {
+      const size_t n = std::min(kChunk, r.bytes - done);
+      checksum.update(p + done, n);
+      file.write_all(p + done, n, where);
+      done += n;
+    }
+    bytes += r.bytes;
+  }
+  phase("fsync");
+  file.sync(where);
+  file.close(where);
+  return {bytes, checksum.digest()};
+}
+
+std::vector<Region> Staging::stage(const std::vector<at::Tensor>& tensors) {
+  uint64_t total = 0;
+  bool any_cuda = false;
+  for (const auto& t : tensors) {
+    total += align_up(nbytes(t), 64);  // aligned, so each copy can be viewed in its own dtype
+    any_cuda = any_cuda || t.is_cuda();
+  }
+  const bool pinned_ok = !any_cuda || (buffer_.defined() && buffer_.is_pinned());
+  if (!buffer_.defined() || static_cast<uint64_t>(buffer_.numel()) < total || !pinned_ok)
+    buffer_ = host_empty({static_cast<int64_t>(std::max<uint64_t>(total, 1))}, at::kByte, any_cuda);
+  std::vector<Region> regions;
+  std::set<c10::DeviceIndex> devices;
+  uint8_t* base = buffer_.data_ptr<uint8_t>();
+  uint64_t offset = 0;
+  for (const auto& t : tensors) {
+    const size_t bytes = nbytes(t);
+    uint8_t* dst = base + offset;
+    if (bytes > 0) {
+      if (t.is_cpu() && t.is_contiguous()) {
+        std::memcpy(dst, t.data_ptr(), bytes);
+      } else {
+        at::Tensor view = at::from_blob(dst, t.sizes(), at::TensorOptions().dtype(t.scalar_type()));
+        view.copy_(t, /*non_blocking=*/t.is_cuda());
+        if (t.is_cuda()) devices.insert(t.device().index());
+      }
+    }
+    regions.push_back({dst, bytes});
+    offset += align_up(bytes, 64);
+  }
+  // Device-to-host copies were queued on the current streams; the snapshot is taken once they land.
+  for (auto index : devices) c10::impl::getDeviceGuardImpl(at::kCUDA)->synchronizeDevice(index);
+  return regions;
+}
+
+std::vector<Region> regions_in_place(const std::vector<at::Tensor>& tensors, std::vector<at::Tensor>& keep_alive) {
+  std::vector<Region> regions;
+  for (const auto& t : tensors) {
+    at::Tensor host = t.is_cpu() ? t.contiguous() : t.to(at::kCPU).contiguous();
+    regions.push_back({host.data_ptr(), nbytes(host)});
+    keep_alive.push_back(std::move(host));
+  }
+  return regions;
+}
+
+void check_header_against_manifest(const ShardHeader& header, const Manifest& manifest, int index,
+                                   const std::string& where) {
+  for (const auto& [name, record] : manifest.tensors) {
+    for (const auto& slice : record.slices) {
+      if (slice.shard != index) continue;
+      const TensorEntry* entry = header.find(name);
+      if (entry == nullptr)
+        throw CheckpointError(where + ": tensor " + name + " is missing (the manifest places a slice of it here)");
+      const auto expected = record.slice_shape(slice);
+      if (entry->dtype != record.dtype || entry->shape != expected)
+        throw CheckpointError(where + ": tensor " + name + " is " + std::string(c10::toString(entry->dtype)) + " " +
+                              shape_to_string(entry->shape) + "; the manifest says " +
+                              std::string(c10::toString(record.dtype)) + " " + shape_to_string(expected));
+    }
+  }
+}
+
+namespace {
+
+std::string shard_where(const std::string& where, const std::string& path) {
+  return where + ": shard " + path;
+}
+
+void check_size(const File& file, const ShardRecord& record, const std::string& where) {
+  const uint64_t size = file.size(where);
+  if (size != record.bytes)
+    throw CheckpointError(where + " has " + std::to_string(size) + " bytes; the manifest says " +
+                          std::to_string(record.bytes) +
+                          (size < record.bytes ? " (truncated)" : " (mismatched shard)"));
+}
+
+}  // namespace
+
+std::map<std::string, at::Tensor> read_verified_shard(const std::string& directory, const Manifest& manifest, int index,
+                                                      const std::set<std::string>& wanted, const std::string& where) {
+  const ShardRecord& record = manifest.shards.at(index);
+  const std::string path = join_path(directory, record.file);
+  const std::string at_shard = shard_where(where, path);
+  File file = File::open_read(path, where);
+  check_size(file, record, at_shard);
+  // The whole file is read in order: let the kernel read ahead of the checksum and the copies.
+  ::posix_fadvise(file.fd(), 0, 0, POSIX_FADV_SEQUENTIAL);
+  ::posix_fadvise(file.fd(), 0, 0, POSIX_FADV_WILLNEED);
+  Checksum checksum;
+  const ShardHeader header = read_header(file, record.bytes, at_shard, &checksum);
+  check_header_against_manifest(header, manifest, index, at_shard);
+  std::map<std::string, at::Tensor> out;
+  std::vector<char> scratch;
+  for (const auto& entry : header.tensors) {
+    const uint64_t start = header.data_start + entry.begin;
+    if (wanted.count(entry.name)) {
+      // Sized by a validated header entry, within a file whose size matched the manifest.
+      at::Tensor t = host_empty(entry.shape, entry.dtype);
+      char* dst = static_cast<char*>(t.data_ptr());
+      for (uint64_t done = 0; done < entry.bytes();) {
+        const size_t n = static_cast<size_t>(std::min<uint64_t>(kChunk, entry.bytes() - done));
+        file.read_exact(start + done, dst + done, n, at_shard);
+        checksum.update(dst + done, n);
+        done += n;
+      }
+      out.emplace(entry.name, std::move(t));
+    } else {
+      scratch.resize(static_cast<size_t>(std::min<uint64_t>(kChunk, std::max<uint64_t>(entry.bytes(), 1))));
+      for (uint64_t done = 0; done < entry.bytes();) {
+        const size_t n = static_cast<size_t>(std::min<uint64_t>(kChunk, entry.bytes() - done));
+        file.read_exact(start + done, scratch.data(), n, at_shard);
+        checksum.update(scratch.data(), n);
+        done += n;
+      }
+    }
+  }
+  const uint64_t digest = checksum.digest();
+  if (digest != record.xxh3)
+    throw CheckpointError(at_shard + ": checksum mismatch: xxh3_64 of the file is " + to_hex(digest) +
+                          ", the manifest says " + to_hex(record.xxh3) + " (corrupt or replaced)");
+  return out;
+}
+
+OpenShard open_shard(const std::string& directory, const Manifest& manifest, int index, const std::string& where) {
+  const ShardRecord& record = manifest.shards.at(index);
+  const std::string path = join_path(directory, record.file);
+  const std::string at_shard = shard_where(where, path);
+  OpenShard shard{File::open_read(path, where), {}};
+  check_size(shard.file, record, at_shard);
+  shard.header = read_header(shard.file, record.bytes, at_shard, nullptr);
+  check_header_against_manifest(shard.header, manifest, index, at_shard);
+  return shard;
+}
+
+at::Tensor read_rows(const OpenShard& shard, const std::string& name, int64_t row_begin, int64_t rows,
+                     const std::string& where) {
+  const TensorEntry* entry = shard.header.find(name);
+  const std::string at_shard = shard_where(where, shard.file.path());
+  if (entry == nullptr) throw CheckpointError(at_shard + ": tensor " + name + " is missing");
+  std::vector<int64_t> shape = entry->shape;
+  uint64_t offset = shard.header.data_start + entry->begin;
+  uint64_t bytes = entry->bytes();
+  if (rows >= 0 && !shape.empty()) {
+    const uint64_t row_bytes = shape[0] == 0 ? 0 : entry->bytes() / static_cast<uint64_t>(shape[0]);
+    if (row_begin < 0 || row_begin + rows > shape[0])
+      throw CheckpointError(at_shard + ": rows [" + std::to_string(row_begin) + ", " +
+                            std::to_string(row_begin + rows) + ") of " + name + " are outside its " +
+                            std::to_string(shape[0]) + " rows");
+    offset += static_cast<uint64_t>(row_begin) * row_bytes;
+    bytes = static_cast<uint64_t>(rows) * row_bytes;
+    shape[0] = rows;
+  }
+  at::Tensor t = host_empty(shape, entry->dtype);
+  shard.file.read_exact(offset, t.data_ptr(), static_cast<size_t>(bytes), at_shard);
+  return t;
+}
+
+}  // namespace loom::detail::ckpt

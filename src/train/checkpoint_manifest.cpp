@@ -1,0 +1,265 @@
+#include "train/checkpoint_manifest.h"
+
+#include <cstdio>
+#include <set>
+
+#include "loom/error.h"
+#include "train/checkpoint_checksum.h"
+#include "train/safetensors.h"
+
+namespace loom::detail::ckpt {
+
+namespace {
+
+using json = nlohmann::json;
+
+[[noreturn]] void reject(const std::string& where, const std::string& what) {
+  throw CheckpointError(where + ": " + what);
+}
+
+// Like the shard header's: a valid manifest nests at most 6 levels (optimizer parameter groups),
+// so a deeper one is refused before it is parsed.
+bool nesting_within(std::string_view text, int max_depth) {
+  int depth = 0;
+  bool in_string = false, escaped = false;
+  for (char c : text) {
+    if (in_string) {
+      if (escaped)
+        escaped = false;
+      else if (c == '\\')
+        escaped = true;
+      else if (c == '"')
+        in_string = false;
+    } else if (c == '"') {
+      in_string = true;
+    } else if (c == '{' || c == '[') {
+      if (++depth > max_depth) return false;
+    } else if (c == '}' || c == ']') {
+      --depth;
+    }
+  }
+  return true;
+}
+
+const json& member(const json& object, const char* key, const std::string& where, const std::string& context) {
+  auto it = object.find(key);
+  if (it == object.end()) reject(where, context + "has no \"" + key + "\"");
+  return *it;
+}
+
+int64_t integer(const json& object, const char* key, int64_t min, int64_t max, const std::string& where,
+                const std::string& context) {
+  const json& v = member(object, key, where, context);
+  if (!v.is_number_integer()) reject(where, context + "\"" + key + "\" is not an integer");
+  const int64_t value =
+      v.is_number_unsigned() && v.get<uint64_t>() > uint64_t(INT64_MAX) ? INT64_MAX : v.get<int64_t>();
+  if (value < min || value > max)
+    reject(where, context + "\"" + key + "\" is " + std::to_string(value) + "; expected " + std::to_string(min) + ".." +
+                      std::to_string(max));
+  return value;
+}
+
+bool safe_file_name(const std::string& name) {
+  if (name.empty() || name.size() > 255 || name == "." || name == "..") return false;
+  for (char c : name)
+    if (c == '/' || c == '\0') return false;
+  return true;
+}
+
+}  // namespace
+
+std::string shape_to_string(const std::vector<int64_t>& shape) {
+  std::string s = "[";
+  for (size_t i = 0; i < shape.size(); ++i) s += (i ? ", " : "") + std::to_string(shape[i]);
+  return s + "]";
+}
+
+std::string shard_file_name(int rank, int world_size) {
+  char name[64];
+  std::snprintf(name, sizeof(name), "shard-%05d-of-%05d.safetensors", rank, world_size);
+  return name;
+}
+
+std::vector<int64_t> TensorRecord::slice_shape(const SliceRecord& slice) const {
+  std::vector<int64_t> s = shape;
+  if (split_dim >= 0) s[split_dim] = slice.length;
+  return s;
+}
+
+std::string manifest_to_json(const Manifest& m) {
+  nlohmann::ordered_json doc;
+  doc["format"] = kFormatName;
+  doc["format_version"] = m.version;
+  doc["step"] = m.step;
+  doc["world"] = {{"size", m.world.size},
+                  {"tensor_parallel", m.world.tensor_parallel},
+                  {"data_parallel", m.world.data_parallel},
+                  {"tp_ranks", m.world.tp_ranks}};
+  doc["progress"] = m.progress;
+  auto& shards = doc["shards"] = nlohmann::ordered_json::array();
+  for (const auto& s : m.shards)
+    shards.push_back({{"file", s.file}, {"rank", s.rank}, {"bytes", s.bytes}, {"xxh3_64", to_hex(s.xxh3)}});
+  auto& tensors = doc["tensors"] = nlohmann::ordered_json::object();
+  for (const auto& [name, t] : m.tensors) {
+    nlohmann::ordered_json record;
+    record["dtype"] = *safetensors_dtype(t.dtype);
+    record["shape"] = t.shape;
+    record["split_dim"] = t.split_dim >= 0 ? nlohmann::ordered_json(t.split_dim) : nlohmann::ordered_json(nullptr);
+    auto& slices = record["slices"] = nlohmann::ordered_json::array();
+    for (const auto& s : t.slices) {
+      if (t.split_dim >= 0)
+        slices.push_back({{"shard", s.shard}, {"offset", s.offset}, {"length", s.length}});
+      else
+        slices.push_back({{"shard", s.shard}});
+    }
+    tensors[name] = std::move(record);
+  }
+  doc["optimizer"] = m.optimizer;
+  doc["scaler"] = m.scaler;
+  doc["user"] = m.user;
+  return doc.dump(1) + "\n";
+}
+
+Manifest parse_manifest(std::string_view text, const std::string& where) {
+  if (!nesting_within(text, 8)) reject(where, "nests deeper than a manifest can");
+  const json doc = json::parse(text.begin(), text.end(), nullptr, /*allow_exceptions=*/false);
+  if (doc.is_discarded() || !doc.is_object()) reject(where, "is not a JSON object");
+  const json& format = member(doc, "format", where, "");
+  if (!format.is_string() || format.get<std::string>() != kFormatName)
+    reject(where, "\"format\" is " + format.dump() + "; expected \"" + kFormatName + "\"");
+  Manifest m;
+  m.version = static_cast<int>(integer(doc, "format_version", 0, INT32_MAX, where, ""));
+  if (m.version != kFormatVersion)
+    reject(where, "unsupported format version " + std::to_string(m.version) + " (this build reads version " +
+                      std::to_string(kFormatVersion) + ")");
+  m.step = integer(doc, "step", 0, INT64_MAX, where, "");
+
+  const json& world = member(doc, "world", where, "");
+  if (!world.is_object()) reject(where, "\"world\" is not an object");
+  m.world.size = static_cast<int>(integer(world, "size", 1, 1 << 24, where, "world: "));
+  m.world.tensor_parallel = static_cast<int>(integer(world, "tensor_parallel", 1, 1 << 24, where, "world: "));
+  m.world.data_parallel = static_cast<int>(integer(world, "data_parallel", 1, 1 << 24, where, "world: "));
+  if (int64_t(m.world.tensor_parallel) * m.world.data_parallel != m.world.size)
+    reject(where, "world: tensor_parallel " + std::to_string(m.world.tensor_parallel) + " x data_parallel " +
+                      std::to_string(m.world.data_parallel) + " != size " + std::to_string(m.world.size));
+  const json& tp_ranks = member(world, "tp_ranks", where, "world: ");
+  if (!tp_ranks.is_array() || tp_ranks.size() != static_cast<size_t>(m.world.size))
+    reject(where, "world: \"tp_ranks\" is not an array of " + std::to_string(m.world.size) + " ranks");
+  for (const auto& r : tp_ranks) {
+    if (!r.is_number_integer() || r.get<int64_t>() < 0 || r.get<int64_t>() >= m.world.tensor_parallel)
+      reject(where,
+             "world: \"tp_ranks\" holds " + r.dump() + "; expected 0.." + std::to_string(m.world.tensor_parallel - 1));
+    m.world.tp_ranks.push_back(r.get<int>());
+  }
+
+  const json& progress = member(doc, "progress", where, "");
+  if (!progress.is_object()) reject(where, "\"progress\" is not an object");
+  m.progress = progress;
+
+  const json& shards = member(doc, "shards", where, "");
+  if (!shards.is_array() || shards.empty() || shards.size() > (1u << 24))
+    reject(where, "\"shards\" is not a non-empty array");
+  std::set<std::string> files;
+  for (size_t i = 0; i < shards.size(); ++i) {
+    const std::string context = "shard " + std::to_string(i) + ": ";
+    const json& s = shards[i];
+    if (!s.is_object()) reject(where, context + "is not an object");
+    ShardRecord r;
+    const json& file = member(s, "file", where, context);
+    if (!file.is_string() || !safe_file_name(file.get<std::string>()))
+      reject(where, context + "\"file\" is " + file.dump() + "; expected a file name inside the checkpoint directory");
+    r.file = file.get<std::string>();
+    if (!files.insert(r.file).second) reject(where, context + "file " + r.file + " is listed twice");
+    r.rank = static_cast<int>(integer(s, "rank", 0, m.world.size - 1, where, context));
+    r.bytes = static_cast<uint64_t>(integer(s, "bytes", 8, INT64_MAX, where, context));
+    const json& hash = member(s, "xxh3_64", where, context);
+    const auto value = hash.is_string() ? parse_hex(hash.get<std::string>()) : std::nullopt;
+    if (!value) reject(where, context + "\"xxh3_64\" is " + hash.dump() + "; expected 16 hex digits");
+    r.xxh3 = *value;
+    m.shards.push_back(std::move(r));
+  }
+
+  const json& tensors = member(doc, "tensors", where, "");
+  if (!tensors.is_object()) reject(where, "\"tensors\" is not an object");
+  for (auto it = tensors.begin(); it != tensors.end(); ++it) {
+    const std::string context = "tensor \"" + it.key() + "\": ";
+    const json& t = it.value();
+    if (it.key().empty()) reject(where, "a tensor has an empty name");
+    if (!t.is_object()) reject(where, context + "is not an object");
+    TensorRecord r;
+    const json& dtype = member(t, "dtype", where, context);
+    const auto parsed = dtype.is_string() ? parse_safetensors_dtype(dtype.get<std::string>()) : std::nullopt;
+    if (!parsed) reject(where, context + "unsupported dtype " + dtype.dump());
+    r.dtype = *parsed;
+    const json& shape = member(t, "shape", where, context);
+    if (!shape.is_array() || shape.size() > kMaxDims)
+      reject(where, context + "\"shape\" is not an array of dimensions");
+    for (const auto& d : shape) {
+      if (!d.is_number_unsigned() || d.get<uint64_t>() > (uint64_t(1) << 62))
+        reject(where, context + "\"shape\" holds " + d.dump() + "; expected non-negative integers");
+      r.shape.push_back(d.get<int64_t>());
+    }
+    if (!tensor_bytes(r.dtype, r.shape, UINT64_MAX))
+      reject(where, context + "shape " + shape_to_string(r.shape) + " overflows");
+    const json& split = member(t, "split_dim", where, context);
+    if (split.is_null()) {
+      r.split_dim = -1;
+    } else if (split.is_number_integer() && split.get<int64_t>() >= 0 &&
+               split.get<int64_t>() < static_cast<int64_t>(r.shape.size())) {
+      r.split_dim = split.get<int>();
+    } else {
+      reject(where, context + "\"split_dim\" is " + split.dump() + "; expected null or 0.." +
+                        std::to_string(static_cast<int64_t>(r.shape.size()) - 1));
+    }
+    const json& slices = member(t, "slices", where, context);
+    if (!slices.is_array() || slices.empty()) reject(where, context + "\"slices\" is not a non-empty array");
+    const int64_t extent = r.split_dim >= 0 ? r.shape[r.split_dim] : 0;
+    for (const auto& s : slices) {
+      if (!s.is_object()) reject(where, context + "a slice is not an object");
+      SliceRecord slice;
+      slice.shard = static_cast<int>(
+          integer(s, "shard", 0, static_cast<int64_t>(m.shards.size()) - 1, where, context + "slice: "));
+      if (r.split_dim >= 0) {
+        slice.offset = integer(s, "offset", 0, extent, where, context + "slice: ");
+        slice.length = integer(s, "length", 0, extent, where, context + "slice: ");
+      }
+      r.slices.push_back(slice);
+    }
+    // Exact coverage: a replicated tensor is one slice; a split one is tiled in order with no gap
+    // or overlap, and empty slices only for an empty dimension.
+    if (r.split_dim < 0) {
+      if (r.slices.size() != 1)
+        reject(where, context + "has " + std::to_string(r.slices.size()) + " slices but no split_dim; expected one");
+    } else {
+      int64_t expected = 0;
+      for (const auto& s : r.slices) {
+        if (s.offset != expected)
+          reject(where, context + "slices along dim " + std::to_string(r.split_dim) +
+                            " do not cover it exactly: a slice starts at " + std::to_string(s.offset) + " where " +
+                            std::to_string(expected) + " was expected (" + (s.offset < expected ? "overlap" : "gap") +
+                            "); the dimension has " + std::to_string(extent));
+        if (s.length == 0 && extent != 0)
+          reject(where, context + "has an empty slice at offset " + std::to_string(s.offset));
+        expected = s.offset + s.length;
+      }
+      if (expected != extent)
+        reject(where, context + "slices along dim " + std::to_string(r.split_dim) + " cover [0, " +
+                          std::to_string(expected) + ") of a dimension of " + std::to_string(extent));
+    }
+    m.tensors.emplace(it.key(), std::move(r));
+  }
+
+  m.optimizer = member(doc, "optimizer", where, "");
+  if (!m.optimizer.is_null() && !m.optimizer.is_object()) reject(where, "\"optimizer\" is neither null nor an object");
+  m.scaler = member(doc, "scaler", where, "");
+  if (!m.scaler.is_null() && !m.scaler.is_object()) reject(where, "\"scaler\" is neither null nor an object");
+  const json& user = member(doc, "user", where, "");
+  if (!user.is_object()) reject(where, "\"user\" is not an object");
+  for (auto it = user.begin(); it != user.end(); ++it) {
+    if (!it.value().is_string()) reject(where, "user value of \"" + it.key() + "\" is not a string");
+    m.user[it.key()] = it.value().get<std::string>();
+  }
+  return m;
+}
+
+}  // namespace loom::detail::ckpt

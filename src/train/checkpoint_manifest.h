@@ -1,0 +1,75 @@
+// The manifest of a checkpoint (manifest.json): what a loader needs before it opens any shard —
+// format version, the world layout the checkpoint was written at, every shard file with its size
+// and XXH3-64 checksum, every logical tensor with its global shape, dtype and which shard holds
+// which slice, and the non-tensor state (optimizer hyper-parameters and parameter groups, grad
+// scaler, progress, user key-values). The format is documented in docs/checkpoint-format.md.
+//
+// parse_manifest validates everything it returns: a manifest that parses describes shards whose
+// slices tile every tensor exactly, so the loader never has to check coverage again.
+#pragma once
+
+#include <c10/core/ScalarType.h>
+
+#include <cstdint>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace loom::detail::ckpt {
+
+inline constexpr int kFormatVersion = 1;
+inline constexpr const char* kFormatName = "torchloom.checkpoint";
+inline constexpr const char* kManifestName = "manifest.json";
+inline constexpr uint64_t kMaxManifestBytes = 256ull << 20;
+
+struct ShardRecord {
+  std::string file;  // relative to the checkpoint directory
+  int rank = 0;      // the rank that wrote it
+  uint64_t bytes = 0;
+  uint64_t xxh3 = 0;
+};
+
+struct SliceRecord {
+  int shard = 0;       // index into Manifest::shards
+  int64_t offset = 0;  // along split_dim (0 when not split)
+  int64_t length = 0;  // along split_dim (the whole tensor's size there, or 0 for a 0-dim tensor)
+};
+
+struct TensorRecord {
+  at::ScalarType dtype = at::kFloat;
+  std::vector<int64_t> shape;       // global
+  int split_dim = -1;               // -1: one slice holds the whole tensor
+  std::vector<SliceRecord> slices;  // sorted by offset, tiling [0, shape[split_dim])
+  // The slice's shape: the global shape with `length` along split_dim.
+  std::vector<int64_t> slice_shape(const SliceRecord& slice) const;
+};
+
+struct WorldLayout {
+  int size = 1;
+  int tensor_parallel = 1;
+  int data_parallel = 1;
+  std::vector<int> tp_ranks;  // each rank's tensor-parallel rank at save time
+};
+
+struct Manifest {
+  int version = kFormatVersion;
+  int64_t step = 0;
+  WorldLayout world;
+  std::vector<ShardRecord> shards;
+  std::map<std::string, TensorRecord> tensors;
+  nlohmann::json progress = nlohmann::json::object();  // step, epoch, sample, accumulation
+  nlohmann::json optimizer;                            // null when none was saved
+  nlohmann::json scaler;                               // null when none was saved
+  std::map<std::string, std::string> user;
+};
+
+std::string manifest_to_json(const Manifest& manifest);
+// `where` names the manifest file in errors (loom::CheckpointError).
+Manifest parse_manifest(std::string_view json, const std::string& where);
+
+std::string shard_file_name(int rank, int world_size);
+std::string shape_to_string(const std::vector<int64_t>& shape);
+
+}  // namespace loom::detail::ckpt

@@ -1,0 +1,428 @@
+// Checkpoints across ranks (CTest runs this at 1, 2 and 4 ranks): bitwise round trips of every
+// saved piece of a TP x DP job (model slices, AdamW state, grad scaler, RNG generator and tracker
+// streams, accumulation position, progress, user values), replicated tensors written once and the
+// writes spread over the ranks, asynchronous saves that capture the state at save(), a write error
+// on one rank raised by wait() on every rank, and loads at other TP x DP layouts (TP 2 -> 1,
+// 1 -> 4, 4 -> 2, any DP) checked against one process's master weights, optimizer state and output.
+#include <ATen/ATen.h>
+#include <ATen/CPUGeneratorImpl.h>
+#include <gtest/gtest.h>
+#include <torch/nn.h>
+#include <torch/optim.h>
+
+#include <filesystem>
+#include <map>
+#include <memory>
+#include <set>
+
+#include "loom/amp/grad_scaler.h"
+#include "loom/error.h"
+#include "loom/parallel/data_parallel.h"
+#include "loom/parallel/tensor_parallel.h"
+#include "loom/runtime.h"
+#include "loom/train/accumulation.h"
+#include "loom/train/checkpoint.h"
+#include "rank_report.h"
+#include "test_util.h"
+#include "train/checkpoint_files.h"
+#include "train/checkpoint_hooks.h"
+#include "train/checkpoint_manifest.h"
+#include "train/safetensors.h"
+
+using namespace loom;
+namespace fs = std::filesystem;
+namespace ckpt = loom::detail::ckpt;
+
+namespace {
+
+std::map<int, std::unique_ptr<ParallelState>>& states() {
+  static std::map<int, std::unique_ptr<ParallelState>> cache;
+  return cache;
+}
+
+// Built once per degree, in the same order on every rank (a collective).
+const ParallelState& state(int tp) {
+  auto& cache = states();
+  if (!cache.count(tp)) cache[tp] = std::make_unique<ParallelState>(test::world(), tp);
+  return *cache.at(tp);
+}
+
+// A directory every rank agrees on (rank 0's pid names it), empty at the start.
+std::string shared_dir(const std::string& name) {
+  auto world = test::world();
+  at::Tensor id = at::full({1}, world->rank() == 0 ? static_cast<int64_t>(::getpid()) : 0, at::kLong);
+  world->all_reduce(id, {ReduceOp::Max})->wait();
+  const std::string dir = ::testing::TempDir() + "loom_ckpt_" + name + "_np" + std::to_string(world->size()) + "_" +
+                          std::to_string(id.item<int64_t>());
+  if (world->rank() == 0) {
+    fs::remove_all(dir);
+    fs::create_directories(dir);
+  }
+  world->barrier()->wait();
+  return dir;
+}
+
+void cleanup(const std::string& dir) {
+  test::world()->barrier()->wait();
+  if (test::world()->rank() == 0) fs::remove_all(dir);
+}
+
+constexpr int64_t kVocab = 16, kHidden = 16, kHeads = 4, kFfn = 32, kSeq = 6;
+
+struct TinyGptImpl : torch::nn::Module {
+  TinyGptImpl(TensorParallelGroup group, RngTracker* rng) : group(group) {
+    tok = register_module("tok", VocabParallelEmbedding(kVocab, kHidden, group));
+    ParallelTransformerBlockOptions b;
+    b.hidden_size = kHidden;
+    b.num_heads = kHeads;
+    b.ffn_hidden_size = kFfn;
+    b.attention_dropout = 0.1;
+    b.hidden_dropout = 0.1;
+    b.rng = rng;
+    block = register_module("block", ParallelTransformerBlock(b, group));
+    lnf = register_module("lnf", torch::nn::LayerNorm(torch::nn::LayerNormOptions({kHidden})));
+    ColumnParallelLinearOptions head_options;
+    head_options.bias = false;
+    head = register_module("head", ColumnParallelLinear(kHidden, kVocab, group, head_options));
+  }
+  at::Tensor forward(const at::Tensor& ids) { return head(lnf(block(tok(ids)))); }
+  // The whole logits on every rank of the TP group.
+  at::Tensor full_logits(const at::Tensor& ids) { return tp::gather_from_region(forward(ids), group); }
+  TensorParallelGroup group;
+  VocabParallelEmbedding tok{nullptr};
+  ParallelTransformerBlock block{nullptr};
+  torch::nn::LayerNorm lnf{nullptr};
+  ColumnParallelLinear head{nullptr};
+};
+TORCH_MODULE(TinyGpt);
+
+at::Tensor tokens(int64_t batch, int step) {
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(1000 + step);
+  return at::randint(kVocab, {kSeq + 1, batch}, gen);
+}
+
+// Shard metadata of every parameter, by full name.
+std::map<std::string, tp::ShardInfo> shard_infos(TinyGpt& model) {
+  std::map<std::string, tp::ShardInfo> out;
+  for (const auto& item : model->named_modules())
+    if (auto* sharded = dynamic_cast<tp::ShardedModule*>(item.value().get()))
+      for (const auto& [name, info] : sharded->shard_info())
+        out[item.key().empty() ? name : item.key() + "." + name] = info;
+  return out;
+}
+
+// A TP x DP training job: model, reducer, accumulation, AdamW, grad scaler, RNG tracker.
+struct Job {
+  const ParallelState& ps;
+  RngTracker tracker;
+  TinyGpt model{nullptr};
+  std::unique_ptr<GradientReducer> reducer;
+  std::unique_ptr<GradientAccumulator> accumulate;
+  std::unique_ptr<torch::optim::AdamW> opt;
+  std::unique_ptr<GradScaler> scaler;
+  at::Tensor counter = at::zeros({3}, at::kLong);
+
+  Job(const ParallelState& ps, uint64_t seed, double init_scale = 1024.0) : ps(ps) {
+    ps.seed(seed, tracker);
+    model = TinyGpt(ps.tp_group(), &tracker);
+    reducer = std::make_unique<GradientReducer>(model->parameters(), ps.dp_group());
+    accumulate = std::make_unique<GradientAccumulator>(*reducer, 2);
+    opt = std::make_unique<torch::optim::AdamW>(model->parameters(), torch::optim::AdamWOptions(0.01));
+    GradScalerOptions so;
+    so.init_scale = init_scale;
+    so.growth_interval = 2;
+    so.sync_groups = {ps.tp_group()};
+    scaler = std::make_unique<GradScaler>(so);
+  }
+
+  void train(int steps, int first_step = 0) {
+    const int64_t per_replica = 4;
+    for (int s = first_step; s < first_step + steps; ++s) {
+      at::Tensor batch = tokens(per_replica * ps.dp_degree(), s).narrow(1, ps.dp_rank() * per_replica, per_replica);
+      reducer->zero_grad();
+      for (const auto& micro : batch.chunk(2, 1)) {
+        auto scope = accumulate->next();
+        at::Tensor loss =
+            vocab_parallel_cross_entropy(model(micro.narrow(0, 0, kSeq)), micro.narrow(0, 1, kSeq), ps.tp_group()) /
+            2.0;
+        scaler->scale(loss).backward();
+      }
+      scaler->step(*opt);
+      scaler->update();
+      counter += 1;
+    }
+  }
+
+  void attach(Checkpointer& c) {
+    c.model(model).optimizer(*opt).scaler(*scaler).rng(tracker).accumulator(*accumulate).tensor("counter", counter);
+  }
+};
+
+// Every piece of local state, for bitwise comparison.
+std::map<std::string, at::Tensor> snapshot(Job& job) {
+  std::map<std::string, at::Tensor> s;
+  for (const auto& p : job.model->named_parameters()) {
+    s["p/" + p.key()] = p.value().detach().clone();
+    auto it = job.opt->state().find(p.value().unsafeGetTensorImpl());
+    if (it == job.opt->state().end()) continue;
+    auto& st = static_cast<torch::optim::AdamWParamState&>(*it->second);
+    s["o/" + p.key() + "/exp_avg"] = st.exp_avg().clone();
+    s["o/" + p.key() + "/exp_avg_sq"] = st.exp_avg_sq().clone();
+    s["o/" + p.key() + "/step"] = at::tensor({st.step()});
+  }
+  for (const auto& [k, v] : job.scaler->state_dict()) s["scaler/" + k] = at::tensor({v});
+  s["rng/cpu"] = at::detail::getDefaultCPUGenerator().get_state();
+  for (const auto& [k, v] : job.tracker.get_states()) s["rng/" + k] = v;
+  s["accumulate"] = at::tensor({static_cast<int64_t>(job.accumulate->position())});
+  s["counter"] = job.counter.clone();
+  return s;
+}
+
+void expect_same(const std::map<std::string, at::Tensor>& a, const std::map<std::string, at::Tensor>& b) {
+  ASSERT_EQ(a.size(), b.size());
+  for (const auto& [k, v] : a) {
+    ASSERT_TRUE(b.count(k)) << k;
+    EXPECT_TRUE(v.sizes() == b.at(k).sizes() && v.dtype() == b.at(k).dtype() && at::equal(v, b.at(k))) << k;
+  }
+}
+
+int default_tp() {
+  return test::world()->size() % 2 == 0 ? 2 : 1;
+}
+
+TEST(CheckpointDist, RoundTripIsBitwiseAndReplicatedTensorsAreWrittenOnce) {
+  auto world = test::world();
+  const std::string dir = shared_dir("roundtrip");
+  const auto& ps = state(default_tp());
+  Job a(ps, 11);
+  a.train(3);
+  { auto half = a.accumulate->next(); }  // saved inside an accumulation window: position 1
+  Checkpointer ca(world, {.directory = dir});
+  a.attach(ca);
+  const auto before = snapshot(a);
+  ca.save({.step = 3, .epoch = 2, .sample = 96}, {{"run", "roundtrip"}});
+  const auto info = ca.wait();
+  EXPECT_EQ(info.path, dir + "/step_000003");
+
+  Job b(ps, 99, 64.0);  // other weights, scale, streams; optimizer state of its own
+  b.train(1, 50);
+  Checkpointer cb(world, {.directory = dir});
+  b.attach(cb);
+  auto loaded = cb.load_latest();
+  ASSERT_TRUE(loaded);
+  EXPECT_EQ(loaded->progress.step, 3);
+  EXPECT_EQ(loaded->progress.epoch, 2);
+  EXPECT_EQ(loaded->progress.sample, 96);
+  EXPECT_EQ(loaded->user.at("run"), "roundtrip");
+  expect_same(before, snapshot(b));
+
+  // The manifest's layout, and each distinct slice stored exactly once across the shard files.
+  const auto m =
+      ckpt::parse_manifest(ckpt::read_small_file(dir + "/step_000003/manifest.json", 1 << 24, "test"), "manifest");
+  EXPECT_EQ(m.world.size, world->size());
+  EXPECT_EQ(m.world.tensor_parallel, ps.tp_degree());
+  EXPECT_EQ(m.world.data_parallel, ps.dp_degree());
+  ASSERT_EQ(m.shards.size(), static_cast<size_t>(world->size()));
+  std::map<std::string, int> stored;
+  std::set<int> writers_of_model_state;
+  for (size_t i = 0; i < m.shards.size(); ++i) {
+    const std::string path = dir + "/step_000003/" + m.shards[i].file;
+    auto file = ckpt::File::open_read(path, "test");
+    auto header = ckpt::read_header(file, file.size("test"), path, nullptr);
+    for (const auto& t : header.tensors) {
+      ++stored[t.name];
+      if (t.name.rfind("model/", 0) == 0 || t.name.rfind("optim/", 0) == 0)
+        writers_of_model_state.insert(static_cast<int>(i));
+    }
+  }
+  for (const auto& [name, record] : m.tensors) {
+    EXPECT_EQ(stored[name], static_cast<int>(record.slices.size())) << name;
+    const bool split = name.find("tok.weight") != std::string::npos || name.find("head.weight") != std::string::npos ||
+                       name.find("qkv.") != std::string::npos || name.find("fc1.") != std::string::npos ||
+                       (name.find("proj.weight") != std::string::npos) ||
+                       (name.find("fc2.weight") != std::string::npos);
+    if (name.rfind("model/", 0) == 0)
+      EXPECT_EQ(record.slices.size(), static_cast<size_t>(split ? ps.tp_degree() : 1)) << name;
+  }
+  EXPECT_EQ(m.tensors.at("model/block.proj.weight").split_dim, 1);
+  EXPECT_EQ(m.tensors.at("model/block.proj.bias").split_dim, -1);
+  EXPECT_EQ(m.tensors.at("model/block.ln1_weight").slices.size(), 1u);
+  EXPECT_EQ(writers_of_model_state.size(), static_cast<size_t>(std::min(world->size(), 4)))
+      << "the writes are spread over every rank";
+  cleanup(dir);
+}
+
+TEST(CheckpointDist, AsyncSaveCapturesTheStateAtSaveAndASecondSaveWaits) {
+  auto world = test::world();
+  const std::string dir = shared_dir("async");
+  torch::manual_seed(3);
+  DistributedDataParallel<torch::nn::Linear> ddp(torch::nn::Linear(32, 64), world);
+  torch::optim::SGD opt(ddp->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+  Checkpointer c(world, {.directory = dir, .keep_last = 0});
+  c.model(ddp).optimizer(opt);
+  auto step = [&] {
+    ddp.zero_grad();
+    ddp.forward(at::randn({8, 32})).pow(2).sum().backward();
+    opt.step();
+  };
+  step();
+  const at::Tensor w1 = ddp->weight.detach().clone();
+  c.save({.step = 1});
+  EXPECT_TRUE(c.pending());
+  step();  // training goes on while the shards are written
+  const at::Tensor w2 = ddp->weight.detach().clone();
+  c.save({.step = 2});  // waits for step 1's publication first
+  step();
+  c.wait();
+  EXPECT_FALSE(c.pending());
+  c.load(dir + "/step_000001");
+  EXPECT_TRUE(at::equal(ddp->weight, w1));
+  c.load(dir + "/step_000002");
+  EXPECT_TRUE(at::equal(ddp->weight, w2));
+  EXPECT_EQ(*Checkpointer::find_latest(dir), dir + "/step_000002");
+  cleanup(dir);
+}
+
+TEST(CheckpointDist, AWriteErrorOnOneRankIsRaisedByWaitOnEveryRankAndThePreviousCheckpointStays) {
+  auto world = test::world();
+  const std::string dir = shared_dir("write_error");
+  torch::manual_seed(4);
+  torch::nn::Linear model(8, 8);
+  Checkpointer c(world, {.directory = dir});
+  c.model(*model);
+  c.save({.step = 1});
+  c.wait();
+  const int culprit = world->size() - 1;
+  ckpt::test_hooks().fail_write_rank = culprit;
+  c.save({.step = 2});
+  std::string message;
+  try {
+    c.wait();
+  } catch (const CheckpointError& e) {
+    message = e.what();
+  }
+  ckpt::test_hooks().fail_write_rank = -1;
+  for (const std::string& part : std::vector<std::string>{
+           "[rank " + std::to_string(world->rank()) + "] Checkpointer: checkpoint " + dir +
+               "/step_000002 not published (the previous one is intact)",
+           "[rank " + std::to_string(culprit) + "] Checkpointer: cannot write " + dir + "/.step_000002.tmp-",
+           "/" + ckpt::shard_file_name(culprit, world->size()), "No space left on device"})
+    EXPECT_NE(message.find(part), std::string::npos) << "missing '" << part << "' in: " << message;
+  world->barrier()->wait();
+  EXPECT_EQ(*Checkpointer::find_latest(dir), dir + "/step_000001");
+  for (const auto& entry : fs::directory_iterator(dir))
+    EXPECT_TRUE(entry.path().filename() == "latest" || entry.path().filename() == "step_000001") << entry.path();
+  world->barrier()->wait();  // everyone has looked before rank 0 starts the next save
+  c.save({.step = 3});       // the checkpointer is still usable
+  c.wait();
+  EXPECT_EQ(*Checkpointer::find_latest(dir), dir + "/step_000003");
+  cleanup(dir);
+}
+
+// ---- Resharding ---------------------------------------------------------------------------------------
+
+// Gradients as an elementwise function of the parameter: every TP slice then follows the same
+// AdamW trajectory as its part of the one-process model, bit for bit.
+void elementwise_steps(torch::optim::Optimizer& opt, torch::nn::Module& model, int steps) {
+  for (int s = 0; s < steps; ++s) {
+    for (auto& p : model.parameters()) p.mutable_grad() = at::sin(p.detach() * (3.0 + s));
+    opt.step();
+  }
+}
+
+struct Layout {
+  int tp;
+  bool alone;  // a world of one (TP 1 x DP 1): this rank loads by itself
+};
+
+void check_reshard(const Layout& save_at, const std::vector<Layout>& load_at) {
+  auto world = test::world();
+  const std::string dir = shared_dir("reshard_tp" + std::to_string(save_at.tp));
+  // The reference: the one-process model (master weights), on every rank.
+  torch::manual_seed(5);
+  TinyGpt master(nullptr, nullptr);
+  torch::optim::AdamW master_opt(master->parameters(), torch::optim::AdamWOptions(0.01));
+  elementwise_steps(master_opt, *master, 2);
+  master->eval();
+  at::Tensor ids = tokens(3, 7).narrow(0, 0, kSeq);
+  const at::Tensor expected = master(ids).detach();
+  std::map<std::string, at::Tensor> master_params;
+  for (const auto& p : master->named_parameters()) master_params[p.key()] = p.value();
+
+  {
+    const auto& ps = state(save_at.tp);
+    torch::manual_seed(5);
+    TinyGpt model(ps.tp_group(), nullptr);
+    torch::optim::AdamW opt(model->parameters(), torch::optim::AdamWOptions(0.01));
+    elementwise_steps(opt, *model, 2);
+    Checkpointer c(world, {.directory = dir, .async = false});
+    c.model(model).optimizer(opt);
+    c.save({.step = 2});
+  }
+  for (const auto& layout : load_at) {
+    SCOPED_TRACE("saved at TP " + std::to_string(save_at.tp) + ", loaded at TP " + std::to_string(layout.tp) +
+                 (layout.alone ? " alone" : ""));
+    std::shared_ptr<Communicator> comm = world;
+    if (layout.alone) comm = world->split(world->rank(), 0, "alone");
+    ParallelState ps(comm, layout.tp);
+    torch::manual_seed(77);  // other weights, and optimizer state of its own
+    TinyGpt model(ps.tp_group(), nullptr);
+    torch::optim::AdamW opt(model->parameters(), torch::optim::AdamWOptions(0.5));
+    elementwise_steps(opt, *model, 1);
+    Checkpointer c(comm, {.directory = dir});
+    c.model(model).optimizer(opt);
+    c.load_latest();
+    EXPECT_EQ(opt.param_groups()[0].options().get_lr(), 0.01);
+    const auto infos = shard_infos(model);
+    for (const auto& p : model->named_parameters()) {
+      at::Tensor want = master_params.at(p.key());
+      auto it = infos.find(p.key());
+      if (it != infos.end() && it->second.dim >= 0)
+        want = want.narrow(it->second.dim, it->second.offset, p.value().size(it->second.dim));
+      EXPECT_TRUE(at::equal(p.value(), want)) << p.key();
+      auto& st = static_cast<torch::optim::AdamWParamState&>(*opt.state().at(p.value().unsafeGetTensorImpl()));
+      auto& ms = static_cast<torch::optim::AdamWParamState&>(
+          *master_opt.state().at(master_params.at(p.key()).unsafeGetTensorImpl()));
+      at::Tensor want_avg = ms.exp_avg(), want_sq = ms.exp_avg_sq();
+      if (it != infos.end() && it->second.dim >= 0) {
+        want_avg = want_avg.narrow(it->second.dim, it->second.offset, p.value().size(it->second.dim));
+        want_sq = want_sq.narrow(it->second.dim, it->second.offset, p.value().size(it->second.dim));
+      }
+      EXPECT_TRUE(at::equal(st.exp_avg(), want_avg)) << p.key();
+      EXPECT_TRUE(at::equal(st.exp_avg_sq(), want_sq)) << p.key();
+      EXPECT_EQ(st.step(), 2) << p.key();
+    }
+    model->eval();
+    at::Tensor out = model->full_logits(ids);
+    EXPECT_TRUE(at::allclose(out, expected, 1e-5, 1e-6))
+        << "largest difference " << (out - expected).abs().max().item<double>();
+  }
+  cleanup(dir);
+}
+
+TEST(CheckpointDist, LoadsAtOtherTensorAndDataParallelLayouts) {
+  const int n = test::world()->size();
+  if (n == 1) {
+    check_reshard({1, false}, {{1, true}});
+  } else if (n == 2) {
+    check_reshard({2, false}, {{1, false}, {1, true}});  // TP 2 -> 1 (DP 1 -> 2, and alone)
+    check_reshard({1, false}, {{2, false}});             // TP 1 -> 2
+  } else if (n == 4) {
+    check_reshard({2, false}, {{1, false}, {4, false}, {1, true}});  // TP2xDP2 -> TP1xDP4, TP4xDP1, TP1xDP1
+    check_reshard({1, false}, {{4, false}});                         // TP 1 -> 4
+    check_reshard({4, false}, {{2, false}});                         // TP 4 -> 2
+  }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  testing::InitGoogleTest(&argc, argv);
+  auto rt = loom::init();
+  loom::test::report_failures_only_unless_rank0(rt->world().rank);
+  int status = RUN_ALL_TESTS();
+  states().clear();
+  rt.reset();
+  loom::finalize();
+  return status;
+}
