@@ -271,6 +271,13 @@ WorkPtr Communicator::enqueue_checked(detail::Op& op) {
                                                                 std::to_string(op.info.timeout.count()) + " ms"));
   // Validation comes before numbering: a rejected call must not shift this rank's sequence.
   detail::validate(op, device_);
+  // The communicator's threads and work keep only the data: a tensor with autograd history is held
+  // as a detached alias (same storage). Otherwise the last reference to a graph -- and through an
+  // autograd function's saved group, to a communicator -- could be dropped on that communicator's
+  // own progress thread, whose destructor would then join itself (seen: std::terminate at exit).
+  for (auto* tensors : {&op.inputs, &op.outputs})
+    for (auto& t : *tensors)
+      if (t.defined() && t.requires_grad()) t = t.detach();
   if (is_broken())
     throw CommError(context(to_string(op.info.type))("communicator is broken by an earlier error: " +
                                                      broken_reason()));
