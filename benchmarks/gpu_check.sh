@@ -16,6 +16,7 @@
 # NCCL treats them as two hosts talking over loopback sockets (NCCL refuses two ranks on one device
 # of one host). At one rank NCCL skips in-place sum/min/max/product and broadcast entirely; the
 # two-rank run is what checks the dtype/op mapping and real communication.
+#   train_gpt   the flagship example for 80 steps on the GPU (fp16 autocast + GradScaler, NCCL)
 #   test_cuda_checkpoint  CUDA parameters, Adam state and GradScaler through an asynchronous
 #               checkpoint (pinned staging; weights changed right after save() must not reach it),
 #               the CUDA generator restored, the same checkpoint loaded on the CPU.
@@ -59,13 +60,13 @@ if ((build)); then
   phase "build ($BUILD_DIR: the library and the GPU tests only)"
   PYTHON=${PYTHON:-python3}
   if [[ ! -f "$BUILD_DIR/build.ninja" ]]; then
-    cmake -S . -B "$BUILD_DIR" -G Ninja -DCMAKE_BUILD_TYPE=Release -DLOOM_BUILD_EXAMPLES=OFF \
+    cmake -S . -B "$BUILD_DIR" -G Ninja -DCMAKE_BUILD_TYPE=Release -DLOOM_BUILD_EXAMPLES=ON \
       -DLOOM_BUILD_BENCHMARKS=OFF -DLOOM_WITH_NCCL=ON \
       -DCMAKE_PREFIX_PATH="$("$PYTHON" -c 'import torch; print(torch.utils.cmake_prefix_path)')" \
       -DPython3_EXECUTABLE="$(command -v "$PYTHON")" >"$BUILD_DIR.configure.log" 2>&1 ||
       { tail -n 30 "$BUILD_DIR.configure.log"; echo "[gpu_check] FAIL: configure" >&2; exit 1; }
   fi
-  cmake --build "$BUILD_DIR" -j "$(nproc)" --target test_nccl test_cuda_training test_cuda_checkpoint ||
+  cmake --build "$BUILD_DIR" -j "$(nproc)" --target test_nccl test_cuda_training test_cuda_checkpoint train_gpt ||
     { echo "[gpu_check] FAIL: build" >&2; exit 1; }
 fi
 if [[ ! -x "$BUILD_DIR/tests/gpu/test_nccl" || ! -x "$BUILD_DIR/tests/gpu/test_cuda_training" ]]; then
@@ -129,6 +130,8 @@ for np in 1 2; do
   run "exit_without_finalize.np$np" "$np" "$BUILD_DIR/tests/gpu/test_cuda_training" --exit-without-finalize
 done
 run "test_cuda_checkpoint.np1" 1 "$BUILD_DIR/tests/gpu/test_cuda_checkpoint"
+# The flagship on the device: NCCL groups, sharded initialisation on the GPU, fp16 + GradScaler.
+run "train_gpt.np1" 1 "$BUILD_DIR/examples/train_gpt" --tp 1 --steps 80 --log-every 20 --progress lines
 
 echo
 echo "GPU check summary ($(nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1), $((SECONDS - start)) s)"

@@ -55,8 +55,13 @@ int benchmark(Config c, const std::shared_ptr<loom::Communicator>& world) {
   torch::manual_seed(c.seed);
   torch::nn::Linear fc1(c.hidden, c.ffn), fc2(c.ffn, c.hidden);
   torch::manual_seed(c.seed);
-  loom::ColumnParallelLinear pfc1(c.hidden, c.ffn, group);
-  loom::RowParallelLinear pfc2(c.ffn, c.hidden, group);
+  // Master-weight initialisation: the plain layers' weights, split, so the outputs can be compared.
+  loom::ColumnParallelLinearOptions column;
+  column.initialization.mode = loom::ParallelInit::Mode::Master;
+  loom::RowParallelLinearOptions row;
+  row.initialization.mode = loom::ParallelInit::Mode::Master;
+  loom::ColumnParallelLinear pfc1(c.hidden, c.ffn, group, column);
+  loom::RowParallelLinear pfc2(c.ffn, c.hidden, group, row);
 
   auto gen = at::make_generator<at::CPUGeneratorImpl>(c.seed + 1);
   const at::Tensor x = torch::randn({c.tokens, c.hidden}, gen);

@@ -32,6 +32,7 @@
 #include <string>
 
 #include "loom/loom.h"
+#include "loom/topology/placement.h"
 #include "loom/train/accumulation.h"
 #include "loom/train/checkpoint.h"
 
@@ -139,6 +140,8 @@ int train(const Options& o) {
     std::printf("train_ddp: %d ranks, %lld steps, global batch %lld (%lld per rank, %lld micro-batches), %s lr %g\n",
                 world, (long long)o.steps, (long long)(o.batch_per_rank * world), (long long)o.batch_per_rank,
                 (long long)o.accumulate, o.optimizer.c_str(), o.lr);
+  // The placement plan this job runs under (with GPUs, or a topology file: LOOM_TOPOLOGY).
+  if (rank == 0 && rt->plan()) std::printf("%s", loom::topo::explain(*rt->plan(), 64 << 20).c_str());
 
   double first_loss = 0, final_loss = 0, window_loss = 0;
   int64_t first_step = 1;

@@ -1,168 +1,366 @@
-// A small GPT-style character model trained with tensor parallelism x data parallelism.
+// The flagship: a GPT-style byte-level language model trained with tensor x data parallelism,
+// with everything torchloom does switched on.
 //
-// The world is split into TP groups of --tp ranks (heads, MLP and vocabulary split across them)
-// and DP replicas across the groups (gradients averaged by loom::GradientReducer over the DP
-// group). The text is built in: sentences generated from a small grammar, so there is structure
-// to learn and nothing to download; --text FILE trains on a file instead. Every step draws one
-// global batch of windows from (seed, step), the same on every rank; each DP replica takes its
-// columns of it. Rank 0 prints the loss (averaged over replicas), then a greedy sample, and the
-// final loss with full precision. The exit status is non-zero when the final loss is not below
-// half the first one. --accumulate splits each replica's batch into micro-batches (one DP
-// all-reduce per step); --scaler scales the loss with loom::GradScaler.
+//   bash scripts/run_demo.sh                   # set-up, build, and this program on 4 ranks (TP 2 x DP 2)
+//   build/loomrun -np 4 --tp 2 -- build/examples/train_gpt --steps 600 --checkpoint-dir ckpt --save-every 100
+//   build/loomrun -np 4 --tp 2 -- build/examples/train_gpt --checkpoint-dir ckpt --resume   # continues exactly
 //
-// Checkpoints (loom::Checkpointer): --checkpoint-dir DIR saves every --save-every steps and at the
-// end (TP slices, replicated tensors once, in the background); --resume continues from the newest
-// complete checkpoint in DIR, or starts fresh without one. Weights, AdamW state, loss scale and
-// the dropout RNG streams come back bit for bit, so a resumed run continues exactly.
+// Model: token embedding split over the vocabulary (VocabParallelEmbedding), learned positions, N
+// ParallelTransformerBlocks (heads and MLP split over the TP group; optionally sequence-parallel
+// and recomputed in backward), a final layernorm and a vocabulary-parallel head and loss. The
+// data-parallel replicas average gradients with loom::GradientReducer (buckets overlapping
+// backward) over the DP group, with gradient accumulation. The weights are created shard by shard
+// on the device (ParallelInit's default), from the model-parallel RNG stream.
 //
-//   source scripts/mpi_env.sh
-//   mpirun -np 4 $LOOM_MPIRUN_FLAGS build/examples/train_gpt_tp --tp 2 --steps 300
-//   mpirun -np 4 $LOOM_MPIRUN_FLAGS build/examples/train_gpt_tp --checkpoint-dir ckpt --save-every 50 --resume
+// Data: real text with no download. By default this project's own documentation (docs/*.md, always
+// present where the project was built); --data FILE|DIR trains on a file or on every text file of a
+// directory (sorted, up to --data-bytes). Bytes are the tokens (vocabulary 256); the last
+// --held-out share of the text is never trained on, and its loss is reported.
+//
+// Precision: bf16 autocast on the CPU; on a GPU fp16 autocast with loom::GradScaler (which skips
+// steps whose gradients overflow). Checkpoints (loom::Checkpointer): every --save-every steps and
+// at the end, written in the background; --resume continues from the newest complete one, and the
+// losses continue bit for bit as if the run had not stopped. The timeline (--timeline PREFIX, or
+// LOOM_TIMELINE) shows buckets, TP all-reduces and checkpoint writes per rank, in Perfetto.
+//
+// Output: a live progress line (step, loss, tokens/s, ETA), redrawn in place on a terminal, or one
+// line per --log-every steps in a log (--progress); the held-out loss every --eval-every steps; at the end, where
+// the time went (compute, exposed communication, checkpoint stall, data), a sample of generated
+// text, and "final loss". The exit status is non-zero when the training loss did not fall below 60%
+// of its start.
 #include <ATen/CPUGeneratorImpl.h>
+#include <malloc.h>
 #include <torch/torch.h>
+#include <unistd.h>
 
 #include <CLI/CLI.hpp>
+#include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
+#include <filesystem>
 #include <fstream>
-#include <set>
 #include <sstream>
 #include <string>
 
 #include "loom/loom.h"
+#include "loom/parallel/recompute.h"
 #include "loom/parallel/tensor_parallel.h"
+#include "loom/topology/placement.h"
+#include "loom/trace.h"
 #include "loom/train/accumulation.h"
 #include "loom/train/checkpoint.h"
+#include "loom/train/metrics.h"
+
+namespace fs = std::filesystem;
 
 namespace {
+
+using Clock = std::chrono::steady_clock;
+double seconds_since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
 
 struct Options {
   int tp = 0;  // 0: 2 when the world size is even, else 1
   int64_t steps = 300;
-  int64_t batch = 16;  // global, split over DP replicas
-  int64_t seq = 32;
-  int64_t hidden = 64;
+  int64_t batch = 16;  // global sequences per step, split over DP replicas
+  int64_t seq = 64;
+  int64_t hidden = 128;
   int64_t heads = 4;
-  int64_t layers = 2;
+  int64_t layers = 3;
   double dropout = 0.1;
-  double lr = 3e-3;
-  int64_t log_every = 25;
-  int64_t sample_chars = 120;
+  double lr = 2e-3;
+  double warmup = 0.05;  // share of the steps with a linearly rising learning rate
+  int64_t log_every = 20;
+  int64_t eval_every = 100;
+  int64_t eval_batches = 4;
+  double held_out = 0.1;
+  int64_t sample_bytes = 240;
   uint64_t seed = 1234;
-  std::string text_path;
-  int64_t accumulate = 1;
+  std::string data;
+  int64_t data_bytes = 4 << 20;
+  int64_t accumulate = 2;
+  std::string precision = "auto";  // auto, fp32, bf16, fp16
   bool scaler = false;
+  bool sequence_parallel = false;
+  bool recompute = false;
   std::string checkpoint_dir;
   int64_t save_every = 0;
   bool resume = false;
+  std::string timeline;
+  bool all_ranks = false;
+  std::string progress = "auto";
   int loss_digits = 4;
 };
 
-// Sentences from a tiny grammar: "the quick cat sees a red ball. " and so on.
-std::string synthetic_text(uint64_t seed, size_t chars) {
-  const std::vector<std::string> det = {"the", "a", "one", "every"};
-  const std::vector<std::string> adj = {"quick", "lazy", "red", "small", "happy", "old"};
-  const std::vector<std::string> noun = {"cat", "dog", "bird", "child", "ball", "tree", "river"};
-  const std::vector<std::string> verb = {"sees", "likes", "chases", "finds", "jumps over", "sits by"};
-  auto gen = at::make_generator<at::CPUGeneratorImpl>(seed);
-  auto pick = [&](const std::vector<std::string>& words) {
-    return words[torch::randint(static_cast<int64_t>(words.size()), {1}, gen).item<int64_t>()];
-  };
+// ---- data ----------------------------------------------------------------------------------
+
+bool is_text_file(const fs::path& p) {
+  static const std::vector<std::string> kinds = {".md", ".txt", ".rst", ".py", ".cpp", ".h", ".c"};
+  return fs::is_regular_file(p) && std::find(kinds.begin(), kinds.end(), p.extension().string()) != kinds.end();
+}
+
+// The text of a file, or of a directory's text files in name order (recursively), up to `limit` bytes.
+std::string read_text(const std::string& where, int64_t limit) {
+  std::vector<fs::path> files;
+  if (fs::is_directory(where)) {
+    for (const auto& e : fs::recursive_directory_iterator(where, fs::directory_options::skip_permission_denied))
+      if (is_text_file(e.path())) files.push_back(e.path());
+    std::sort(files.begin(), files.end());
+  } else {
+    files.push_back(where);
+  }
   std::string text;
-  while (text.size() < chars)
-    text += pick(det) + " " + pick(adj) + " " + pick(noun) + " " + pick(verb) + " " + pick(det) + " " + pick(noun) +
-            ". ";
+  for (const auto& f : files) {
+    std::ifstream in(f, std::ios::binary);
+    if (!in) throw loom::InvalidArgumentError("train_gpt: cannot read --data " + f.string());
+    std::stringstream buffer;
+    buffer << in.rdbuf();
+    text += buffer.str();
+    if (!text.empty() && text.back() != '\n') text += '\n';
+    if (static_cast<int64_t>(text.size()) >= limit) break;
+  }
+  if (static_cast<int64_t>(text.size()) > limit) text.resize(static_cast<size_t>(limit));
   return text;
 }
 
+// Random windows [seq + 1, batch] of `corpus` (token ids), the same on every rank for (seed, step).
+torch::Tensor windows(const torch::Tensor& corpus, int64_t seq, int64_t batch, uint64_t seed) {
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(seed);
+  torch::Tensor starts = torch::randint(corpus.size(0) - seq - 1, {batch}, gen);
+  return corpus.index({torch::arange(seq + 1).unsqueeze(1) + starts.unsqueeze(0)});
+}
+
+// ---- model ---------------------------------------------------------------------------------
+
 struct GptImpl : torch::nn::Module {
-  GptImpl(const Options& o, int64_t vocab, loom::TensorParallelGroup group) : hidden(o.hidden) {
-    tok = register_module("tok", loom::VocabParallelEmbedding(vocab, o.hidden, group));
-    pos = register_module("pos", torch::nn::Embedding(o.seq, o.hidden));
+  GptImpl(const Options& o, int64_t vocab, loom::TensorParallelGroup group, const loom::ParallelInit& init) {
+    loom::VocabParallelEmbeddingOptions tok_options;
+    tok_options.sequence_parallel = o.sequence_parallel;
+    tok_options.initialization = init;
+    tok = register_module("tok", loom::VocabParallelEmbedding(vocab, o.hidden, group, tok_options));
+    pos = register_parameter("pos", torch::randn({o.seq, 1, o.hidden}, torch::dtype(init.dtype).device(init.device)) *
+                                        0.02);
     for (int64_t l = 0; l < o.layers; ++l) {
       loom::ParallelTransformerBlockOptions b;
       b.hidden_size = o.hidden;
       b.num_heads = o.heads;
       b.attention_dropout = o.dropout;
       b.hidden_dropout = o.dropout;
+      b.sequence_parallel = o.sequence_parallel;
+      b.recompute = o.recompute;
+      b.initialization = init;
       blocks.push_back(register_module("block" + std::to_string(l), loom::ParallelTransformerBlock(b, group)));
     }
-    lnf = register_module("lnf", torch::nn::LayerNorm(torch::nn::LayerNormOptions({o.hidden})));
+    const auto replicated = torch::dtype(init.dtype).device(init.device);
+    lnf_weight = register_parameter("lnf_weight", torch::ones({o.hidden}, replicated));
+    lnf_bias = register_parameter("lnf_bias", torch::zeros({o.hidden}, replicated));
     loom::ColumnParallelLinearOptions head_options;
     head_options.bias = false;
+    head_options.sequence_parallel = o.sequence_parallel;
+    head_options.initialization = init;
     head = register_module("head", loom::ColumnParallelLinear(o.hidden, vocab, group, head_options));
+    sequence_parallel = o.sequence_parallel;
+    this->group = group;
+    tp_rank = group ? group->rank() : 0;
   }
-  // ids [s, b] -> this rank's slice of the logits [s, b, vocab / tp].
+  // Under sequence parallelism each rank uses the replicated positions and final layernorm on its
+  // own rows only, so their gradients are partial: copy_to_region sums them over the TP group.
+  torch::Tensor replicated(const torch::Tensor& p) { return sequence_parallel ? loom::tp::copy_to_region(p, group) : p; }
+  // ids [s, b] -> this rank's slice of the logits [s, b, vocab / tp]. Sequence-parallel: the
+  // embedding's output is this rank's rows, and so is every activation up to the head.
   torch::Tensor forward(const torch::Tensor& ids) {
-    torch::Tensor x = tok(ids) + pos->weight.narrow(0, 0, ids.size(0)).unsqueeze(1);
+    torch::Tensor x = tok(ids);
+    const int64_t rows = x.size(0), first = sequence_parallel ? tp_rank * rows : 0;
+    x = x + replicated(pos).narrow(0, first, rows);
     for (auto& block : blocks) x = block(x);
-    return head(lnf(x));
+    return head(torch::layer_norm(x, {x.size(-1)}, replicated(lnf_weight), replicated(lnf_bias)));
   }
-  int64_t hidden;
+  void set_recompute(bool on) {
+    for (auto& block : blocks) block->options.recompute = on;
+  }
   loom::VocabParallelEmbedding tok{nullptr};
-  torch::nn::Embedding pos{nullptr};
+  torch::Tensor pos;
   std::vector<loom::ParallelTransformerBlock> blocks;
-  torch::nn::LayerNorm lnf{nullptr};
+  torch::Tensor lnf_weight, lnf_bias;
   loom::ColumnParallelLinear head{nullptr};
+  loom::TensorParallelGroup group;
+  bool sequence_parallel = false;
+  int tp_rank = 0;
 };
 TORCH_MODULE(Gpt);
+
+// Bytes of heap in use (glibc): what a forward pass keeps for backward shows up here on the CPU.
+size_t heap_in_use() {
+  struct mallinfo2 m = mallinfo2();
+  return m.uordblks + m.hblkhd;
+}
+
+// Generated bytes as printable text: valid UTF-8 sequences kept, anything else (a byte-level model
+// can emit half a character) and control characters other than newline and tab shown as '?'.
+std::string printable(const std::string& bytes) {
+  std::string out;
+  for (size_t i = 0; i < bytes.size();) {
+    const auto c = static_cast<unsigned char>(bytes[i]);
+    const size_t n = c < 0x80 ? 1 : (c >> 5) == 0x6 ? 2 : (c >> 4) == 0xE ? 3 : (c >> 3) == 0x1E ? 4 : 0;
+    bool valid = n > 0 && i + n <= bytes.size();
+    for (size_t k = 1; valid && k < n; ++k) valid = (static_cast<unsigned char>(bytes[i + k]) >> 6) == 0x2;
+    if (!valid) {
+      out += '?';
+      ++i;
+      continue;
+    }
+    if (n == 1 && c < 0x20 && c != '\n' && c != '\t')
+      out += '?';
+    else
+      out.append(bytes, i, n);
+    i += n;
+  }
+  return out;
+}
+
+// ---- progress ------------------------------------------------------------------------------
+
+std::string duration_text(double s) {
+  char buf[32];
+  if (s >= 3600)
+    std::snprintf(buf, sizeof(buf), "%dh%02dm", int(s / 3600), int(std::fmod(s, 3600) / 60));
+  else if (s >= 60)
+    std::snprintf(buf, sizeof(buf), "%dm%02ds", int(s / 60), int(std::fmod(s, 60)));
+  else
+    std::snprintf(buf, sizeof(buf), "%.1fs", s);
+  return buf;
+}
+
+// Where each step's time went, summed over the steps of this run (this process).
+struct TimeShares {
+  double data = 0, step = 0, exposed_comm = 0, checkpoint = 0, eval = 0;
+};
 
 int train(Options o) {
   auto rt = loom::init();
   auto world = rt->world_comm();
+  const int rank = world->rank();
+  if (!o.timeline.empty()) loom::trace::configure(o.timeline, rank);
   if (o.tp == 0) o.tp = world->size() % 2 == 0 ? 2 : 1;
+  // CUDA tensors go over NCCL when every rank has a GPU; otherwise everything runs on the CPU.
+  auto comm = rt->device_comm() ? rt->device_comm() : world;
+  const c10::Device device = comm->device();
+  const bool on_gpu = device.is_cuda();
+  if (o.precision == "auto") o.precision = on_gpu ? "fp16" : "bf16";
+  const bool use_scaler = o.scaler || o.precision == "fp16";
+  const bool log = rank == 0 || o.all_ranks;
 
-  std::string text;
-  if (o.text_path.empty()) {
-    text = synthetic_text(o.seed, 200000);
-  } else {
-    std::ifstream in(o.text_path, std::ios::binary);
-    if (!in) throw loom::InvalidArgumentError("train_gpt_tp: cannot read --text " + o.text_path);
-    std::stringstream buffer;
-    buffer << in.rdbuf();
-    text = buffer.str();
-  }
-  if (static_cast<int64_t>(text.size()) < o.seq + 2)
-    throw loom::InvalidArgumentError("train_gpt_tp: the text has " + std::to_string(text.size()) +
-                                     " characters; expected more than --seq + 1 = " + std::to_string(o.seq + 1));
-  std::set<unsigned char> charset(text.begin(), text.end());
-  std::vector<unsigned char> chars(charset.begin(), charset.end());
-  std::vector<int64_t> index(256, 0);
-  for (size_t i = 0; i < chars.size(); ++i) index[chars[i]] = static_cast<int64_t>(i);
-  // Padded so the vocabulary splits evenly; the padding classes are never targets.
-  const int64_t vocab = loom::padded_vocab_size(static_cast<int64_t>(chars.size()), o.tp);
-  std::vector<int64_t> ids_vec(text.size());
-  for (size_t i = 0; i < text.size(); ++i) ids_vec[i] = index[static_cast<unsigned char>(text[i])];
-  const torch::Tensor corpus = torch::tensor(ids_vec, torch::kLong);
+  // Data: bytes of real text; the held-out tail is never trained on.
+  if (o.data.empty()) o.data = LOOM_EXAMPLE_DATA;
+  const std::string text = read_text(o.data, o.data_bytes);
+  const int64_t held_out_bytes = static_cast<int64_t>(o.held_out * static_cast<double>(text.size()));
+  const int64_t train_bytes = static_cast<int64_t>(text.size()) - held_out_bytes;
+  if (train_bytes < 4 * (o.seq + 1) || held_out_bytes < o.seq + 2)
+    throw loom::InvalidArgumentError("train_gpt: --data " + o.data + " has " + std::to_string(text.size()) +
+                                     " bytes; expected enough for training and held-out windows of --seq " +
+                                     std::to_string(o.seq) + " + 1");
+  const torch::Tensor all_ids =
+      torch::from_blob(const_cast<char*>(text.data()), {static_cast<int64_t>(text.size())}, torch::kUInt8)
+          .to(torch::kLong);
+  const torch::Tensor train_ids = all_ids.narrow(0, 0, train_bytes), held_ids = all_ids.narrow(0, train_bytes, held_out_bytes);
+  const int64_t vocab = loom::padded_vocab_size(256, o.tp);
 
   loom::ParallelConfig config;
   config.tensor_parallel = o.tp;
   config.hidden_size = o.hidden;
   config.num_heads = o.heads;
   config.vocab_size = vocab;
-  loom::ParallelState ps(world, config);
+  loom::ParallelState ps(comm, config);
   if (o.batch % (ps.dp_degree() * o.accumulate) != 0)
     throw loom::InvalidArgumentError(
-        "train_gpt_tp: --batch " + std::to_string(o.batch) + " must be divisible by the data-parallel degree " +
+        "train_gpt: --batch " + std::to_string(o.batch) + " must be divisible by the data-parallel degree " +
         std::to_string(ps.dp_degree()) + " x --accumulate " + std::to_string(o.accumulate));
-  ps.seed(o.seed);  // the same initial weights on every rank; per-TP-rank dropout streams
-  Gpt model(o, vocab, ps.tp_group());
+  if (o.sequence_parallel && o.seq % ps.tp_degree() != 0)
+    throw loom::InvalidArgumentError("train_gpt: --seq " + std::to_string(o.seq) +
+                                     " must be divisible by the tensor-parallel degree with --sequence-parallel");
+
+  ps.seed(o.seed);  // replicated weights equal everywhere; shards and dropout per TP rank
+  loom::RngTracker device_rng(device);
+  if (on_gpu) ps.seed(o.seed, device_rng);
+  loom::ParallelInit init;
+  init.device = device;
+  init.rng = on_gpu ? &device_rng : nullptr;
+  Gpt model(o, vocab, ps.tp_group(), init);
+  for (auto& block : model->blocks) block->options.rng = init.rng;
   loom::GradientReducer reducer(model->parameters(), ps.dp_group());
   torch::optim::AdamW opt(model->parameters(), torch::optim::AdamWOptions(o.lr).weight_decay(0.01));
   loom::GradientAccumulator accumulate(reducer, static_cast<size_t>(o.accumulate));
   std::unique_ptr<loom::GradScaler> scaler;
-  if (o.scaler) {
+  if (use_scaler) {
     loom::GradScalerOptions scaler_options;
     scaler_options.sync_groups = {ps.tp_group()};  // gradients are split over the TP group
     scaler = std::make_unique<loom::GradScaler>(scaler_options);
   }
+  const c10::ScalarType autocast_dtype = o.precision == "fp16" ? at::kHalf : at::kBFloat16;
+  const bool autocast = o.precision != "fp32";
+  const c10::DeviceType autocast_device = device.type();
 
   const int64_t per_replica = o.batch / ps.dp_degree();
-  if (world->rank() == 0)
-    std::printf("train_gpt_tp: %d ranks = TP %d x DP %d; %zu characters, vocabulary %zu (padded to %lld); "
-                "%lld layers, hidden %lld, %lld heads; batch %lld x %lld characters\n",
-                world->size(), ps.tp_degree(), ps.dp_degree(), text.size(), chars.size(), (long long)vocab,
-                (long long)o.layers, (long long)o.hidden, (long long)o.heads, (long long)o.batch, (long long)o.seq);
+  const int64_t tokens_per_step = o.batch * o.seq;
+  int64_t parameters = 0;
+  for (const auto& p : model->parameters()) parameters += p.numel();
+  if (log) {
+    std::printf("train_gpt: %d ranks = TP %d x DP %d on %s; %s, %lld parameters on this rank\n", world->size(),
+                ps.tp_degree(), ps.dp_degree(), device.str().c_str(), o.precision.c_str(), (long long)parameters);
+    std::printf("  data: %s, %zu bytes (%lld held out); %lld layers, hidden %lld, %lld heads, vocabulary %lld\n",
+                o.data.c_str(), text.size(), (long long)held_out_bytes, (long long)o.layers, (long long)o.hidden,
+                (long long)o.heads, (long long)vocab);
+    std::printf("  batch %lld x %lld bytes (%lld micro-batches per replica)%s%s\n", (long long)o.batch,
+                (long long)o.seq, (long long)o.accumulate, o.sequence_parallel ? ", sequence-parallel" : "",
+                o.recompute ? ", blocks recomputed in backward" : "");
+    // The placement plan the groups follow (with GPUs, or a topology file: LOOM_TOPOLOGY).
+    if (rt->plan()) std::printf("%s", loom::topo::explain(*rt->plan(), 64 << 20).c_str());
+    std::fflush(stdout);
+  }
+
+  auto loss_of = [&](const torch::Tensor& ids) {
+    std::optional<loom::AutocastGuard> guard;
+    if (autocast) guard.emplace(autocast_device, autocast_dtype);
+    torch::Tensor logits = model(ids.narrow(0, 0, o.seq).to(device));
+    // (Sequence-parallel too: the head all-gathers the rows, so the logits cover the whole sequence.)
+    torch::Tensor target = ids.narrow(0, 1, o.seq);
+    return loom::vocab_parallel_cross_entropy(logits.to(at::kFloat), target.to(device), ps.tp_group());
+  };
+  // Mean over DP replicas of a value each computed on its share.
+  auto replica_mean = [&](double v) {
+    torch::Tensor t = torch::full({1}, v, torch::dtype(torch::kFloat64).device(device));
+    ps.dp_group()->all_reduce(t, {loom::ReduceOp::Avg})->wait();
+    return t.item<double>();
+  };
+  // Held-out loss: the same --eval-batches windows every time (fixed seed), no dropout.
+  auto held_out_loss = [&] {
+    torch::NoGradGuard no_grad;
+    model->eval();
+    double sum = 0;
+    for (int64_t i = 0; i < o.eval_batches; ++i) {
+      torch::Tensor w = windows(held_ids, o.seq, o.batch, o.seed + 17 + i).narrow(1, ps.dp_rank() * per_replica, per_replica);
+      sum += loss_of(w).item<double>();
+    }
+    model->train();
+    return replica_mean(sum / o.eval_batches);
+  };
+
+  if (o.recompute) {
+    // What recomputation saves: the heap a forward pass keeps for backward, with and without.
+    torch::Tensor w = windows(train_ids, o.seq, per_replica, o.seed).to(device);
+    auto kept = [&](bool on) {
+      model->set_recompute(on);
+      const size_t before = heap_in_use();
+      torch::Tensor loss = loss_of(w);
+      const size_t after = heap_in_use();
+      return after > before ? after - before : 0;
+    };
+    const double without = kept(false) / 1e6, with = kept(true) / 1e6;
+    model->set_recompute(true);
+    if (log && !on_gpu)
+      std::printf("  activations kept for backward: %.1f MB per rank without recomputation, %.1f MB with (%.0f%% less)\n",
+                  without, with, without > 0 ? 100 * (1 - with / without) : 0.0);
+  }
 
   double first = 0, last = 0, window = 0;
   int64_t first_step = 1;
@@ -170,7 +368,7 @@ int train(Options o) {
   if (!o.checkpoint_dir.empty()) {
     loom::CheckpointOptions options;
     options.directory = o.checkpoint_dir;
-    checkpointer = std::make_unique<loom::Checkpointer>(world, options);
+    checkpointer = std::make_unique<loom::Checkpointer>(world, options);  // host-side agreement over MPI
     checkpointer->model(model).optimizer(opt).rng(loom::rng_tracker()).accumulator(accumulate);
     if (scaler) checkpointer->scaler(*scaler);
     if (o.resume) {
@@ -178,28 +376,43 @@ int train(Options o) {
         first_step = info->progress.step + 1;
         auto saved_first = info->user.find("first_loss");
         if (saved_first != info->user.end()) first = std::stod(saved_first->second);
-        if (world->rank() == 0)
-          std::printf("resumed from %s at step %lld\n", info->path.c_str(), (long long)info->progress.step);
-      } else if (world->rank() == 0) {
+        if (log) std::printf("resumed from %s at step %lld\n", info->path.c_str(), (long long)info->progress.step);
+      } else if (log) {
         std::printf("no checkpoint in %s: starting fresh\n", o.checkpoint_dir.c_str());
       }
     }
   }
 
-  const auto start = std::chrono::steady_clock::now();
+  // Prometheus metrics per rank where LOOM_METRICS asks for them (file:DIR or port:N).
+  loom::MetricsExporter metrics;
+  auto communicated = [&] { return loom::tp::comm_stats().total_bytes() + reducer.stats().bytes_reduced; };
+  auto exposed = [&] { return loom::tp::comm_stats().wait_seconds + reducer.stats().wait_seconds; };
+
+  // Ranks under mpirun write to a pseudo-terminal whatever mpirun writes to, so "auto" can be wrong
+  // in a log: scripts/run_demo.sh passes --progress lines when its own output is not a terminal.
+  const bool live = log && (o.progress == "live" || (o.progress == "auto" && isatty(fileno(stdout))));
+  TimeShares time;
+  const double exposed_at_start = exposed();
+  const auto start = Clock::now();
   int64_t window_steps = 0;
+  double held = std::nan("");
   for (int64_t step = first_step; step <= o.steps; ++step) {
-    auto gen = at::make_generator<at::CPUGeneratorImpl>(o.seed * 7919 + step);
-    torch::Tensor starts = torch::randint(corpus.size(0) - o.seq - 1, {o.batch}, gen);
-    torch::Tensor offsets = torch::arange(o.seq + 1).unsqueeze(1) + starts.unsqueeze(0);  // [s+1, batch]
-    torch::Tensor windows = corpus.index({offsets}).narrow(1, ps.dp_rank() * per_replica, per_replica);
+    const auto step_start = Clock::now();
+    const double exposed_before = exposed();
+    const uint64_t communicated_before = communicated();
+    double checkpoint_stall = 0;
+    torch::Tensor batch = windows(train_ids, o.seq, o.batch, o.seed * 7919 + step)
+                              .narrow(1, ps.dp_rank() * per_replica, per_replica);
+    time.data += seconds_since(step_start);
+
+    const double warm = std::max(1.0, o.warmup * o.steps);
+    for (auto& group : opt.param_groups())
+      static_cast<torch::optim::AdamWOptions&>(group.options()).lr(o.lr * std::min(1.0, step / warm));
     reducer.zero_grad();
     double step_loss = 0;
-    for (const auto& micro : windows.chunk(o.accumulate, 1)) {
+    for (const auto& micro : batch.chunk(o.accumulate, 1)) {
       auto scope = accumulate.next();  // only the last micro-batch's backward all-reduces
-      torch::Tensor loss = loom::vocab_parallel_cross_entropy(model(micro.narrow(0, 0, o.seq)),
-                                                              micro.narrow(0, 1, o.seq), ps.tp_group()) /
-                           double(o.accumulate);
+      torch::Tensor loss = loss_of(micro) / double(o.accumulate);
       if (scaler)
         scaler->scale(loss).backward();
       else
@@ -214,49 +427,117 @@ int train(Options o) {
     }
     window += step_loss;
     ++window_steps;
-    if (step == 1 || step % o.log_every == 0 || step == o.steps) {
-      torch::Tensor mean = torch::full({1}, window / window_steps, torch::kFloat64);
-      ps.dp_group()->all_reduce(mean, {loom::ReduceOp::Avg})->wait();
-      if (step == 1) first = mean.item<double>();
-      last = mean.item<double>();
-      const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-      if (world->rank() == 0) {
-        std::printf("step %5lld/%lld  loss %.*f  %.1f steps/s\n", (long long)step, (long long)o.steps, o.loss_digits,
-                    last, (step - first_step + 1) / elapsed);
+    time.step += seconds_since(step_start);
+
+    const bool log_step = step == first_step || step % o.log_every == 0 || step == o.steps;
+    if (log_step || live) {
+      const double mean = log_step ? replica_mean(window / window_steps) : step_loss;
+      if (step == 1) first = mean;
+      if (log_step) last = mean;
+      const double elapsed = seconds_since(start);
+      const double done = static_cast<double>(step - first_step + 1);
+      const double tokens_per_s = done * tokens_per_step / elapsed;
+      const double eta = elapsed / done * static_cast<double>(o.steps - step);
+      if (log) {
+        char line[256];
+        std::snprintf(line, sizeof(line), "step %5lld/%lld  loss %.*f | %s tok/s | ETA %s", (long long)step,
+                      (long long)o.steps, o.loss_digits, mean,
+                      tokens_per_s >= 1e4 ? (std::to_string(int(tokens_per_s / 1e3)) + "k").c_str()
+                                          : std::to_string(int(tokens_per_s)).c_str(),
+                      duration_text(eta).c_str());
+        if (live)  // redrawn in place; a newline only on the logged steps
+          std::printf("\r%s\x1b[K%s", line, log_step ? "\n" : "");
+        else
+          std::printf("%s\n", line);
         std::fflush(stdout);
       }
-      window = 0;
-      window_steps = 0;
+      if (log_step) {
+        window = 0;
+        window_steps = 0;
+      }
+    }
+    if ((o.eval_every > 0 && step % o.eval_every == 0) || step == o.steps) {
+      const auto eval_start = Clock::now();
+      held = held_out_loss();
+      time.eval += seconds_since(eval_start);
+      if (log) {
+        std::printf("step %5lld/%lld  held-out loss %.4f\n", (long long)step, (long long)o.steps, held);
+        std::fflush(stdout);
+      }
     }
     if (checkpointer && ((o.save_every > 0 && step % o.save_every == 0) || step == o.steps)) {
+      const auto save_start = Clock::now();
       char first_text[32];
       std::snprintf(first_text, sizeof(first_text), "%.17g", first);
       checkpointer->save({.step = step, .epoch = 0, .sample = step * o.batch}, {{"first_loss", first_text}});
+      checkpoint_stall = seconds_since(save_start);
+      time.checkpoint += checkpoint_stall;
     }
+    metrics.record({.step = step,
+                    .step_seconds = seconds_since(step_start),
+                    .tokens = per_replica * o.seq,
+                    .loss = step_loss,
+                    .exposed_communication_seconds = exposed() - exposed_before,
+                    .bytes_communicated = communicated() - communicated_before,
+                    .checkpoint_stall_seconds = checkpoint_stall});
   }
-  if (checkpointer) checkpointer->wait();
+  metrics.flush();
+  if (checkpointer) {
+    const auto wait_start = Clock::now();
+    checkpointer->wait();
+    time.checkpoint += seconds_since(wait_start);
+  }
+  const double total = seconds_since(start);
+  time.exposed_comm = exposed() - exposed_at_start;
 
-  // Greedy continuation of the text's first characters. Every rank takes part: the last position's
-  // logits are gathered over the TP group (a few hundred floats, unlike the whole batch's).
+  // Where the time went, averaged over the ranks.
+  torch::Tensor shares = torch::tensor({time.data, time.step, time.exposed_comm, time.checkpoint, time.eval, total},
+                                       torch::kFloat64)
+                             .to(device);
+  comm->all_reduce(shares, {loom::ReduceOp::Avg})->wait();
+  shares = shares.cpu();
+  auto s = shares.accessor<double, 1>();
+  const double compute = std::max(0.0, s[1] - s[0] - s[2]);
+  if (log && first_step <= o.steps) {
+    const double n = static_cast<double>(o.steps - first_step + 1);
+    std::printf("where the time went (mean over ranks, %.1f s, %.0f ms per step):\n", s[5], 1e3 * s[5] / n);
+    auto row = [&](const char* what, double v) {
+      std::printf("  %-24s %8.2f s  %5.1f%%\n", what, v, s[5] > 0 ? 100 * v / s[5] : 0.0);
+    };
+    row("compute", compute);
+    row("exposed communication", s[2]);
+    row("checkpoint stall", s[3]);
+    row("data", s[0]);
+    row("held-out evaluation", s[4]);
+    row("other (logging, sync)", std::max(0.0, s[5] - compute - s[2] - s[3] - s[0] - s[4]));
+  }
+
+  // A sample: continue a held-out prompt, sampling at temperature 0.8 from a generator seeded the
+  // same on every rank (each needs the same next byte). The last position's logits are gathered
+  // over the TP group.
   model->eval();
   torch::NoGradGuard no_grad;
-  std::vector<int64_t> context(ids_vec.begin(), ids_vec.begin() + std::min<int64_t>(o.seq / 2, corpus.size(0)));
-  std::string sample;
-  for (unsigned char c : std::string(text.begin(), text.begin() + context.size())) sample += static_cast<char>(c);
-  for (int64_t i = 0; i < o.sample_chars; ++i) {
-    const int64_t n = std::min<int64_t>(static_cast<int64_t>(context.size()), o.seq);
-    torch::Tensor ids = torch::tensor(std::vector<int64_t>(context.end() - n, context.end())).unsqueeze(1);
-    torch::Tensor logits = loom::tp::gather_from_region(model(ids)[n - 1][0], ps.tp_group());
-    const int64_t next = logits.narrow(0, 0, static_cast<int64_t>(chars.size())).argmax().item<int64_t>();
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(o.seed + 99);
+  const int64_t prompt = std::min<int64_t>(o.seq / 2, held_out_bytes);
+  std::vector<int64_t> context(held_ids.data_ptr<int64_t>(), held_ids.data_ptr<int64_t>() + prompt);
+  std::string sample(text.begin() + train_bytes, text.begin() + train_bytes + prompt);
+  const int64_t step_rows = o.sequence_parallel ? ps.tp_degree() : 1;
+  for (int64_t i = 0; i < o.sample_bytes; ++i) {
+    const int64_t n = std::min<int64_t>(static_cast<int64_t>(context.size()), o.seq) / step_rows * step_rows;
+    torch::Tensor ids = torch::tensor(std::vector<int64_t>(context.end() - n, context.end())).unsqueeze(1).to(device);
+    torch::Tensor logits = model(ids);
+    logits = loom::tp::gather_from_region(logits[n - 1][0].to(at::kFloat), ps.tp_group()).narrow(0, 0, 256).cpu();
+    const int64_t next = torch::multinomial(torch::softmax(logits / 0.8, 0), 1, false, gen).item<int64_t>();
     context.push_back(next);
-    sample += static_cast<char>(chars[next]);
+    sample += static_cast<char>(next);
   }
-  const bool learned = last < 0.5 * first;
-  if (world->rank() == 0) {
-    std::printf("sample: \"%s\"\n", sample.c_str());
+  const bool learned = last < 0.6 * first;
+  if (log) {
+    std::printf("sample (prompt from the held-out text, then generated):\n----\n%s\n----\n", printable(sample).c_str());
+    std::printf("held-out loss %.4f\n", held);
     std::printf("final loss %.17g\n", last);
     std::printf("first loss %.4f, final loss %.4f (%.1f%% of first): %s\n", first, last, 100 * last / first,
-                learned ? "OK, the loss fell below half its start" : "FAILED, the loss did not halve");
+                learned ? "OK, the loss fell below 60% of its start" : "FAILED, the loss did not fall below 60%");
   }
   return learned ? 0 : 1;
 }
@@ -264,34 +545,46 @@ int train(Options o) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  CLI::App app{"GPT-style character model with tensor x data parallelism (torchloom)"};
+  CLI::App app{"GPT-style byte-level language model with tensor x data parallelism (torchloom)"};
   Options o;
   app.add_option("--tp", o.tp, "tensor-parallel degree (default: 2 on an even world, else 1)")
       ->check(CLI::NonNegativeNumber);
   app.add_option("--steps", o.steps, "optimizer steps")->check(CLI::PositiveNumber);
   app.add_option("--batch", o.batch, "global batch (sequences per step, split over DP replicas)")
       ->check(CLI::PositiveNumber);
-  app.add_option("--seq", o.seq, "characters per sequence")->check(CLI::PositiveNumber);
+  app.add_option("--seq", o.seq, "bytes per sequence")->check(CLI::PositiveNumber);
   app.add_option("--hidden", o.hidden, "model width")->check(CLI::PositiveNumber);
   app.add_option("--heads", o.heads, "attention heads")->check(CLI::PositiveNumber);
   app.add_option("--layers", o.layers, "transformer blocks")->check(CLI::PositiveNumber);
-  app.add_option("--dropout", o.dropout, "attention and hidden dropout");
+  app.add_option("--dropout", o.dropout, "attention and hidden dropout")->check(CLI::Range(0.0, 0.9));
   app.add_option("--lr", o.lr, "AdamW learning rate")->check(CLI::PositiveNumber);
-  app.add_option("--log-every", o.log_every, "print every this many steps")->check(CLI::PositiveNumber);
-  app.add_option("--text", o.text_path, "train on this text file instead of the built-in grammar");
-  app.add_option("--seed", o.seed, "seed of the text, the batches, the weights and dropout");
+  app.add_option("--log-every", o.log_every, "log a line every this many steps")->check(CLI::PositiveNumber);
+  app.add_option("--eval-every", o.eval_every, "held-out loss every this many steps (0: only at the end)")
+      ->check(CLI::NonNegativeNumber);
+  app.add_option("--data", o.data, "text file, or directory of text files (default: this project's docs)");
+  app.add_option("--data-bytes", o.data_bytes, "read at most this many bytes of --data")->check(CLI::PositiveNumber);
+  app.add_option("--held-out", o.held_out, "share of the text kept for the held-out loss")->check(CLI::Range(0.01, 0.5));
+  app.add_option("--seed", o.seed, "seed of the batches, the weights and dropout");
   app.add_option("--accumulate", o.accumulate, "micro-batches per step (gradient accumulation)")
       ->check(CLI::PositiveNumber);
-  app.add_flag("--scaler", o.scaler, "scale the loss with loom::GradScaler");
-  app.add_option("--checkpoint-dir", o.checkpoint_dir,
-                 "save checkpoints here (every --save-every steps and at the end)");
+  app.add_option("--precision", o.precision, "auto (bf16 on CPU, fp16 + GradScaler on GPU), fp32, bf16 or fp16")
+      ->check(CLI::IsMember({"auto", "fp32", "bf16", "fp16"}));
+  app.add_flag("--scaler", o.scaler, "scale the loss with loom::GradScaler whatever the precision");
+  app.add_flag("--sequence-parallel", o.sequence_parallel, "layernorm and dropout on sequence shards");
+  app.add_flag("--recompute", o.recompute, "recompute each block in backward (less activation memory)");
+  app.add_option("--checkpoint-dir", o.checkpoint_dir, "save checkpoints here (every --save-every steps and at the end)");
   app.add_option("--save-every", o.save_every, "steps between checkpoints (0: only at the end)")
       ->check(CLI::NonNegativeNumber);
   app.add_flag("--resume", o.resume, "continue from the newest complete checkpoint in --checkpoint-dir, if any");
+  app.add_option("--timeline", o.timeline, "write a Chrome-trace timeline per rank to PREFIX.rank<r>.json");
+  app.add_flag("--all-ranks", o.all_ranks, "every rank prints, not only rank 0");
+  app.add_option("--progress", o.progress, "live (one line redrawn in place), lines (a line per --log-every) or auto")
+      ->check(CLI::IsMember({"auto", "live", "lines"}));
+  app.add_option("--sample-bytes", o.sample_bytes, "bytes of text to generate at the end")->check(CLI::NonNegativeNumber);
   app.add_option("--loss-digits", o.loss_digits, "decimals of the logged loss")->check(CLI::Range(1, 17));
   CLI11_PARSE(app, argc, argv);
   if (o.resume && o.checkpoint_dir.empty()) {
-    std::fprintf(stderr, "train_gpt_tp: --resume needs --checkpoint-dir\n");
+    std::fprintf(stderr, "train_gpt: --resume needs --checkpoint-dir\n");
     return 2;
   }
 
@@ -302,7 +595,7 @@ int main(int argc, char** argv) {
   } catch (const std::exception& e) {
     // Leaving without finalizing makes mpirun end the other ranks instead of letting them hang;
     // exit code 1, as when torchloom ends the job itself (MPI_Abort), whichever rank reports first.
-    std::fprintf(stderr, "train_gpt_tp: %s\n", e.what());
+    std::fprintf(stderr, "train_gpt: %s\n", e.what());
     return 1;
   }
   loom::finalize();

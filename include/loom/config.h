@@ -47,6 +47,8 @@ struct Config {
   int64_t fingerprint_interval = 1024;               // LOOM_FINGERPRINT_INTERVAL (0: off)
   int flight_record = 16;                            // LOOM_FLIGHT_RECORD
   std::string topology;                              // LOOM_TOPOLOGY (empty: detect)
+  std::string metrics;                               // LOOM_METRICS (empty: off)
+  double metrics_interval = 5;                       // LOOM_METRICS_INTERVAL, seconds
   int tensor_parallel = 1;                           // LOOM_TP
   int ranks_per_node = 0;                            // LOOM_RANKS_PER_NODE (0: unset)
 };

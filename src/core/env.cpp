@@ -57,6 +57,10 @@ const std::vector<Variable>& all_variables() {
        "A topology file (JSON, nvidia-smi topo -m text or NCCL XML; docs/topology.md) describing the machine(s): "
        "loom::init() plans placement with it where NVML sees no GPU (on a machine without GPUs the ranks stand in "
        "for the described GPUs), and prints the plan."},
+      {"LOOM_METRICS", "",
+       "Where per-rank training metrics go in Prometheus' text format (loom::MetricsExporter): file:DIR writes DIR/torchloom_rank<r>.prom for node_exporter's textfile collector, port:N serves them over HTTP on port N plus the local rank. Unset: off."},
+      {"LOOM_METRICS_INTERVAL", "5",
+       "Seconds between rewrites of the metrics file (0 to 3600; 0: on every recorded step)."},
       {"LOOM_TP", "1",
        "Tensor-parallel degree the placement plan groups ranks for (1 to 4096; loomrun --tp sets it). "
        "ParallelState at this degree builds the planned groups."},

@@ -245,6 +245,7 @@ struct GradientReducer::Impl : std::enable_shared_from_this<GradientReducer::Imp
       // Counted only when a bucket really went to a communicator (alone in the group, none does).
       if (!passthrough()) {
         ++stats.buckets_reduced;
+        stats.bytes_reduced += static_cast<uint64_t>(bucket.buffer.numel()) * bucket.buffer.element_size();
         if (during_backward) ++issued_during_backward;
       }
       ++next_to_issue;
@@ -300,6 +301,7 @@ struct GradientReducer::Impl : std::enable_shared_from_this<GradientReducer::Imp
            "when the model does not use every parameter in every iteration";
       error = s.str();
     }
+    const auto waiting_since = trace::now();
     for (size_t b = 0; b < buckets.size(); ++b) {
       Bucket& bucket = buckets[b];
       if (!bucket.reduction.work) continue;
@@ -307,6 +309,8 @@ struct GradientReducer::Impl : std::enable_shared_from_this<GradientReducer::Imp
       if (bucket.reduction.finish) bucket.reduction.finish();
       if (trace::enabled()) record_bucket(b);
     }
+    // What backward did not hide: the wait for the last buckets (and any hook's finishing work).
+    stats.wait_seconds += std::chrono::duration<double>(trace::now() - waiting_since).count();
     size_t unused = 0;
     for (size_t i = 0; i < params.size(); ++i) {
       at::Tensor& grad = params[i].mutable_grad();

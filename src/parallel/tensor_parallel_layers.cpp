@@ -1,11 +1,13 @@
 // Tensor-parallel layers: ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding.
 //
-// Initialisation is by master weight: the full weight is drawn exactly as the plain LibTorch
-// layer would draw it (by constructing that layer, which consumes the default generator the same
-// way), and each rank keeps its slice. This costs the full weight's memory once, transiently, and
-// buys the property the tests rely on: from the same generator state, every TP degree starts
-// from the same function. All ranks of a TP group must therefore draw from the same default
-// generator state (loom::model_parallel_seed keeps it identical).
+// Two ways to create the weights (ParallelInit). Sharded (the default): each rank draws its own
+// shard on the target device, with the plain layer's distribution for the whole weight (the
+// global fan-in), from the model-parallel RNG stream, so shards differ across a TP group and agree
+// across DP replicas; replicated parameters come from the default generator. Master: the full weight
+// is drawn exactly as the plain LibTorch layer would draw it (by constructing that layer, which
+// consumes the default generator the same way) and each rank keeps its slice, which costs the full
+// weight's memory once and buys the property the tests rely on: from the same generator state,
+// every TP degree starts from the same function.
 #include <ATen/core/grad_mode.h>
 #include <ATen/ops/embedding.h>
 #include <ATen/ops/empty.h>
@@ -13,6 +15,7 @@
 #include <torch/nn/modules/embedding.h>
 #include <torch/nn/modules/linear.h>
 
+#include <cmath>
 #include <ostream>
 
 #include "loom/parallel/tensor_parallel.h"
@@ -22,6 +25,38 @@ namespace loom {
 namespace {
 
 using LinearInit = std::function<void(at::Tensor&, at::Tensor&)>;
+
+// A parameter of `shape` drawn by `fill` (on a float32 tensor), then on the layer's device and in
+// its dtype. per_rank: from the tracker's model-parallel stream (this rank's shard); otherwise from
+// the default generator (replicated parameters, and layers without a TP group).
+at::Tensor draw(const std::string& where, const ParallelInit& init, bool per_rank, at::IntArrayRef shape,
+                const std::function<void(at::Tensor&)>& fill) {
+  at::NoGradGuard no_grad;
+  RngTracker& rng = init.rng ? *init.rng : rng_tracker();
+  // Drawn where the generator lives: the tracker's device when its streams are for another kind
+  // of device than the parameters (then copied: one shard, never the whole weight).
+  const c10::Device on = per_rank && rng.device().type() != init.device.type() ? rng.device() : init.device;
+  at::Tensor t = at::empty(shape, at::TensorOptions().dtype(at::kFloat).device(on));
+  if (per_rank) {
+    if (!rng.has(kModelParallelRngStream))
+      throw InvalidArgumentError(where + ": sharded initialisation draws each rank's shard from the RNG tracker's \"" +
+                                 kModelParallelRngStream +
+                                 "\" stream, which is not seeded: call ParallelState::seed (or loom::model_parallel_seed) "
+                                 "first, or build the layer with ParallelInit::Mode::Master");
+    auto guard = rng.fork(kModelParallelRngStream);
+    fill(t);
+  } else {
+    fill(t);
+  }
+  return t.to(init.device, init.dtype);
+}
+
+// torch::nn::Linear's init, from the whole layer's fan-in (kaiming_uniform_ with a = sqrt(5) is
+// uniform(-1/sqrt(fan_in), 1/sqrt(fan_in)); so is the bias).
+std::function<void(at::Tensor&)> linear_uniform(int64_t fan_in) {
+  const double bound = 1.0 / std::sqrt(static_cast<double>(fan_in));
+  return [bound](at::Tensor& t) { t.uniform_(-bound, bound); };
+}
 
 // The full [out, in] weight and [out] bias of the plain layer, drawn from the default generator.
 void master_linear(int64_t in, int64_t out, bool with_bias, const LinearInit& init, at::Tensor& weight,
@@ -70,18 +105,31 @@ ColumnParallelLinearImpl::ColumnParallelLinearImpl(int64_t in, int64_t out, Tens
   detail::require_divisible(where, "out_features", out, t);
   out_per_rank = out / t;
   out_start = detail::tp_rank(group) * out_per_rank;
+  const ParallelInit& init = options.initialization;
   at::Tensor w, b;
-  master_linear(in, out, options.bias, options.init, w, b);
-  weight = register_parameter("weight", w.narrow(0, out_start, out_per_rank).clone());
-  if (options.bias) bias = register_parameter("bias", b.narrow(0, out_start, out_per_rank).clone());
+  if (init.mode == ParallelInit::Mode::Master) {
+    master_linear(in, out, options.bias, options.init, w, b);
+    w = w.narrow(0, out_start, out_per_rank).clone().to(init.device, init.dtype);
+    if (options.bias) b = b.narrow(0, out_start, out_per_rank).clone().to(init.device, init.dtype);
+  } else {
+    const bool per_rank = t > 1;
+    w = draw(where, init, per_rank, {out_per_rank, in}, linear_uniform(in));
+    if (options.bias) b = draw(where, init, per_rank, {out_per_rank}, linear_uniform(in));
+    if (options.init) options.init(w, b);
+  }
+  weight = register_parameter("weight", w);
+  if (options.bias) bias = register_parameter("bias", b);
 }
 
 at::Tensor ColumnParallelLinearImpl::forward(const at::Tensor& input) {
   require_last_dim(detail::tp_where(group, "ColumnParallelLinear"), input, in_features, "in_features");
   // Every rank needs the whole input; backward sums the ranks' partial input gradients.
-  at::Tensor x = options.sequence_parallel ? tp::gather_from_sequence_region(input, group, /*grad_is_partial=*/true)
-                                           : tp::copy_to_region(input, group);
-  at::Tensor y = at::linear(x, weight, bias);
+  // Sequence-parallel: all-gather the shards (backward reduce-scatters). Otherwise the all-reduce of
+  // the input gradient overlaps the weight-gradient GEMM in backward.
+  at::Tensor y = options.sequence_parallel
+                     ? at::linear(tp::gather_from_sequence_region(input, group, /*grad_is_partial=*/true), weight, bias)
+                     : (detail::tp_size(group) > 1 ? tp::linear_with_async_grad_all_reduce(input, weight, bias, group)
+                                                   : at::linear(input, weight, bias));
   return options.gather_output ? tp::gather_from_region(y, group) : y;
 }
 
@@ -113,10 +161,20 @@ RowParallelLinearImpl::RowParallelLinearImpl(int64_t in, int64_t out, TensorPara
                                "row layer is the split output of a column-parallel one)");
   in_per_rank = in / t;
   in_start = detail::tp_rank(group) * in_per_rank;
+  const ParallelInit& init = options.initialization;
   at::Tensor w, b;
-  master_linear(in, out, options.bias, options.init, w, b);
-  weight = register_parameter("weight", w.narrow(1, in_start, in_per_rank).clone());
-  if (options.bias) bias = register_parameter("bias", b.clone());
+  if (init.mode == ParallelInit::Mode::Master) {
+    master_linear(in, out, options.bias, options.init, w, b);
+    w = w.narrow(1, in_start, in_per_rank).clone().to(init.device, init.dtype);
+    if (options.bias) b = b.to(init.device, init.dtype);
+  } else {
+    w = draw(where, init, /*per_rank=*/t > 1, {out, in_per_rank}, linear_uniform(in));
+    // The bias is added once, after the reduction: replicated, so the same on every rank.
+    if (options.bias) b = draw(where, init, /*per_rank=*/false, {out}, linear_uniform(in));
+    if (options.init) options.init(w, b);
+  }
+  weight = register_parameter("weight", w);
+  if (options.bias) bias = register_parameter("bias", b);
 }
 
 at::Tensor RowParallelLinearImpl::forward(const at::Tensor& input) {
@@ -163,17 +221,23 @@ VocabParallelEmbeddingImpl::VocabParallelEmbeddingImpl(int64_t n, int64_t dim, T
   const int64_t per_rank = n / t;
   vocab_start = detail::tp_rank(group) * per_rank;
   vocab_end = vocab_start + per_rank;
-  at::Tensor full;
-  {
+  const ParallelInit& init = options.initialization;
+  at::Tensor w;
+  if (init.mode == ParallelInit::Mode::Master) {
     at::NoGradGuard no_grad;
+    at::Tensor full;
     if (options.init) {
       full = at::empty({n, dim});
       options.init(full);
     } else {
       full = torch::nn::Embedding(n, dim)->weight.detach();
     }
+    w = full.narrow(0, vocab_start, per_rank).clone().to(init.device, init.dtype);
+  } else {
+    w = draw(where, init, /*per_rank=*/t > 1, {per_rank, dim}, [](at::Tensor& x) { x.normal_(); });
+    if (options.init) options.init(w);
   }
-  weight = register_parameter("weight", full.narrow(0, vocab_start, per_rank).clone());
+  weight = register_parameter("weight", w);
 }
 
 at::Tensor VocabParallelEmbeddingImpl::forward(const at::Tensor& ids) {

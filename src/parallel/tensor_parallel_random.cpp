@@ -101,8 +101,14 @@ void RngTracker::set_states(const std::map<std::string, at::Tensor>& states) {
                                  "\" is not a generator state of this device: " + e.what());
     }
   }
+  // A stream that stays keeps its seed on record (it still started from it, and a state saved by
+  // this tracker -- recomputation, a checkpoint of this run -- continues it); a new one's is unknown,
+  // so later add() calls check only its name.
+  std::map<std::string, uint64_t> seeds;
+  for (const auto& [name, seed] : seeds_)
+    if (states.count(name)) seeds[name] = seed;
+  seeds_ = std::move(seeds);
   states_.clear();
-  seeds_.clear();  // a restored stream's seed is unknown; later add() calls only check the names
   forked_.clear();
   for (const auto& [name, state] : states) {
     states_[name] = state.clone();

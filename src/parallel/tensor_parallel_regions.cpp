@@ -6,6 +6,7 @@
 #include <torch/csrc/autograd/custom_function.h>
 
 #include <atomic>
+#include <chrono>
 
 #include "loom/config.h"
 #include "loom/parallel/tensor_parallel.h"
@@ -20,6 +21,7 @@ using torch::autograd::variable_list;
 std::atomic<uint64_t> g_all_reduce_calls{0}, g_all_reduce_bytes{0};
 std::atomic<uint64_t> g_all_gather_calls{0}, g_all_gather_bytes{0};
 std::atomic<uint64_t> g_reduce_scatter_calls{0}, g_reduce_scatter_bytes{0};
+std::atomic<uint64_t> g_wait_nanoseconds{0};
 
 uint64_t bytes_of(const at::Tensor& t) { return static_cast<uint64_t>(t.numel()) * t.element_size(); }
 
@@ -40,9 +42,9 @@ TensorParallelGroup held(const AutogradContext* ctx) {
 
 at::Tensor all_reduce_sum(const at::Tensor& input, const TensorParallelGroup& group) {
   at::Tensor out = input.contiguous().clone();  // the collective is in place; the input may be saved by autograd
-  group->all_reduce(out)->wait();
-  g_all_reduce_calls += 1;
-  g_all_reduce_bytes += bytes_of(out);
+  auto work = group->all_reduce(out);
+  detail::count_all_reduce(out);
+  detail::wait_counted(*work);
   return out;
 }
 
@@ -71,7 +73,7 @@ at::Tensor gather_last(const at::Tensor& input, const TensorParallelGroup& group
   std::vector<int64_t> shape{group->size()};
   shape.insert(shape.end(), in.sizes().begin(), in.sizes().end());
   at::Tensor buffer = at::empty(shape, in.options());
-  group->all_gather(buffer, in)->wait();
+  detail::wait_counted(*group->all_gather(buffer, in));
   g_all_gather_calls += 1;
   g_all_gather_bytes += bytes_of(buffer);
   // [t, ..., n] -> [..., t, n] -> [..., t*n]: rank r's block lands at columns [r*n, (r+1)*n).
@@ -87,7 +89,7 @@ at::Tensor gather_first(const at::Tensor& input, const TensorParallelGroup& grou
   std::vector<int64_t> shape(in.sizes().begin(), in.sizes().end());
   shape[0] *= group->size();
   at::Tensor out = at::empty(shape, in.options());  // rank r's input is rows [r*s, (r+1)*s)
-  group->all_gather(out, in)->wait();
+  detail::wait_counted(*group->all_gather(out, in));
   g_all_gather_calls += 1;
   g_all_gather_bytes += bytes_of(out);
   return out;
@@ -99,7 +101,7 @@ at::Tensor reduce_scatter_first(const at::Tensor& input, const TensorParallelGro
   std::vector<int64_t> shape(in.sizes().begin(), in.sizes().end());
   shape[0] = n;
   at::Tensor out = at::empty(shape, in.options());
-  group->reduce_scatter(out, in)->wait();
+  detail::wait_counted(*group->reduce_scatter(out, in));
   g_reduce_scatter_calls += 1;
   g_reduce_scatter_bytes += bytes_of(in);
   return out;
@@ -218,12 +220,13 @@ CommStats comm_stats() {
   s.all_gather_bytes = g_all_gather_bytes;
   s.reduce_scatter_calls = g_reduce_scatter_calls;
   s.reduce_scatter_bytes = g_reduce_scatter_bytes;
+  s.wait_seconds = static_cast<double>(g_wait_nanoseconds.load()) * 1e-9;
   return s;
 }
 
 void reset_comm_stats() {
   for (auto* c : {&g_all_reduce_calls, &g_all_reduce_bytes, &g_all_gather_calls, &g_all_gather_bytes,
-                  &g_reduce_scatter_calls, &g_reduce_scatter_bytes})
+                  &g_reduce_scatter_calls, &g_reduce_scatter_bytes, &g_wait_nanoseconds})
     c->store(0);
 }
 
@@ -234,9 +237,21 @@ namespace loom::detail {
 bool host_checks_enabled(const at::Tensor& on) { return on.device().is_cpu() || config().check_collectives; }
 
 void tp_all_reduce(at::Tensor& tensor, const TensorParallelGroup& group, ReduceOp op) {
-  group->all_reduce(tensor, {op})->wait();
+  auto work = group->all_reduce(tensor, {op});
+  count_all_reduce(tensor);
+  wait_counted(*work);
+}
+
+void count_all_reduce(const at::Tensor& tensor) {
   tp::g_all_reduce_calls += 1;
   tp::g_all_reduce_bytes += tp::bytes_of(tensor);
+}
+
+void wait_counted(Work& work) {
+  const auto start = std::chrono::steady_clock::now();
+  work.wait();
+  tp::g_wait_nanoseconds += static_cast<uint64_t>(
+      std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start).count());
 }
 
 }  // namespace loom::detail

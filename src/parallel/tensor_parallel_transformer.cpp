@@ -16,6 +16,7 @@
 #include <optional>
 #include <limits>
 
+#include "loom/parallel/recompute.h"
 #include "loom/parallel/tensor_parallel.h"
 #include "parallel/tensor_parallel_util.h"
 
@@ -36,17 +37,22 @@ ParallelTransformerBlockImpl::ParallelTransformerBlockImpl(const ParallelTransfo
   heads_per_rank = options.num_heads / t;
   const bool sp = options.sequence_parallel;
 
-  ln1_weight = register_parameter("ln1_weight", at::ones({h}));
-  ln1_bias = register_parameter("ln1_bias", at::zeros({h}));
+  ParallelInit init = options.initialization;
+  if (init.rng == nullptr) init.rng = options.rng;
+  const auto replicated = at::TensorOptions().device(init.device).dtype(init.dtype);
+  ln1_weight = register_parameter("ln1_weight", at::ones({h}, replicated));
+  ln1_bias = register_parameter("ln1_bias", at::zeros({h}, replicated));
   ColumnParallelLinearOptions column;
   column.sequence_parallel = sp;
+  column.initialization = init;
   RowParallelLinearOptions row;
   row.sequence_parallel = sp;
+  row.initialization = init;
   // Construction order = the plain block's order of random draws: qkv, proj, fc1, fc2.
   qkv = register_module("qkv", ColumnParallelLinear(h, 3 * h, group, column));
   proj = register_module("proj", RowParallelLinear(h, h, group, row));
-  ln2_weight = register_parameter("ln2_weight", at::ones({h}));
-  ln2_bias = register_parameter("ln2_bias", at::zeros({h}));
+  ln2_weight = register_parameter("ln2_weight", at::ones({h}, replicated));
+  ln2_bias = register_parameter("ln2_bias", at::zeros({h}, replicated));
   fc1 = register_module("fc1", ColumnParallelLinear(h, options.ffn_hidden_size, group, column));
   fc2 = register_module("fc2", RowParallelLinear(options.ffn_hidden_size, h, group, row));
 }
@@ -57,7 +63,6 @@ at::Tensor ParallelTransformerBlockImpl::forward(const at::Tensor& x) {
   if (x.dim() != 3 || x.size(2) != h)
     throw InvalidArgumentError(where + ": expected input [sequence, batch, " + std::to_string(h) + "]; found " +
                                c10::str(x.sizes()));
-  const bool sp = options.sequence_parallel;
   RngTracker& rng = options.rng ? *options.rng : rng_tracker();
   const bool dropout = is_training() && (options.hidden_dropout > 0 || options.attention_dropout > 0);
   if (dropout && rng.device().type() != x.device().type())
@@ -65,6 +70,24 @@ at::Tensor ParallelTransformerBlockImpl::forward(const at::Tensor& x) {
                                c10::DeviceTypeName(x.device().type(), true) + ", found one for " + rng.device().str() +
                                " (its streams would not reach the " + x.device().str() + " generator)");
 
+  if (options.recompute) {
+    // The backward node holds the block (shared), so the graph may outlive the caller's handle.
+    std::shared_ptr<ParallelTransformerBlockImpl> self;
+    try {
+      self = std::static_pointer_cast<ParallelTransformerBlockImpl>(shared_from_this());
+    } catch (const std::bad_weak_ptr&) {  // a block not owned by a ModuleHolder: the caller keeps it alive
+      self = std::shared_ptr<ParallelTransformerBlockImpl>(std::shared_ptr<ParallelTransformerBlockImpl>(), this);
+    }
+    return recompute([self](const at::Tensor& in) { return self->forward_block(in); }, x, parameters(),
+                     {.rng = &rng});
+  }
+  return forward_block(x);
+}
+
+at::Tensor ParallelTransformerBlockImpl::forward_block(const at::Tensor& x) {
+  const int64_t h = options.hidden_size;
+  const bool sp = options.sequence_parallel;
+  RngTracker& rng = options.rng ? *options.rng : rng_tracker();
   auto layer_norm = [&](const at::Tensor& in, const at::Tensor& w, const at::Tensor& b) {
     // Under sequence parallelism each rank normalises its own rows, so the weights' gradients are
     // partial sums: copy_to_region adds them up over the group in backward.

@@ -37,4 +37,10 @@ bool host_checks_enabled(const at::Tensor& on);
 // communicates outside the region operations, such as the cross-entropy).
 void tp_all_reduce(at::Tensor& tensor, const TensorParallelGroup& group, ReduceOp op);
 
+// Counts an all-reduce of `tensor` (issued by the caller) in tp::comm_stats().
+void count_all_reduce(const at::Tensor& tensor);
+// Waits for a tensor-parallel collective; the time blocked is tp::comm_stats().wait_seconds, the
+// exposed communication of the tensor-parallel layers.
+void wait_counted(Work& work);
+
 }  // namespace loom::detail

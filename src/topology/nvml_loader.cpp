@@ -68,6 +68,54 @@ std::string bus_id_of(const nvmlPciInfo_t& pci) {
 
 }  // namespace
 
+std::optional<NvmlGauges> read_nvml_gauges(unsigned index, std::string& why) {
+  struct Utilization {
+    unsigned int gpu, memory;
+  };
+  struct Memory {
+    unsigned long long total, free, used;
+  };
+  using UtilizationFn = nvmlReturn_t (*)(nvmlDevice_t, Utilization*);
+  using MemoryFn = nvmlReturn_t (*)(nvmlDevice_t, Memory*);
+  using TemperatureFn = nvmlReturn_t (*)(nvmlDevice_t, int, unsigned int*);
+  using PcieFn = nvmlReturn_t (*)(nvmlDevice_t, int, unsigned int*);
+  // Opened once for the life of the process: monitoring reads every few seconds.
+  static const Library lib("libnvidia-ml.so.1");
+  static const bool started = [] {
+    auto init = lib ? lib.symbol<InitFn>({"nvmlInit_v2", "nvmlInit"}) : nullptr;
+    return init && init() == NVML_SUCCESS;
+  }();
+  if (!started) {
+    why = "NVML (libnvidia-ml.so.1) is not available or did not start";
+    return std::nullopt;
+  }
+  auto get_handle = lib.symbol<GetHandleFn>({"nvmlDeviceGetHandleByIndex_v2", "nvmlDeviceGetHandleByIndex"});
+  nvmlDevice_t device = nullptr;
+  if (!get_handle || get_handle(index, &device) != NVML_SUCCESS) {
+    why = "NVML has no device " + std::to_string(index);
+    return std::nullopt;
+  }
+  NvmlGauges g;
+  if (auto f = lib.symbol<UtilizationFn>({"nvmlDeviceGetUtilizationRates"})) {
+    Utilization u{};
+    if (f(device, &u) == NVML_SUCCESS) g.utilization_percent = u.gpu;
+  }
+  if (auto f = lib.symbol<MemoryFn>({"nvmlDeviceGetMemoryInfo"})) {
+    Memory m{};
+    if (f(device, &m) == NVML_SUCCESS) g.memory_used_bytes = double(m.used), g.memory_total_bytes = double(m.total);
+  }
+  if (auto f = lib.symbol<TemperatureFn>({"nvmlDeviceGetTemperature"})) {
+    unsigned int t = 0;
+    if (f(device, /*NVML_TEMPERATURE_GPU=*/0, &t) == NVML_SUCCESS) g.temperature_celsius = t;
+  }
+  if (auto f = lib.symbol<PcieFn>({"nvmlDeviceGetPcieThroughput"})) {
+    unsigned int kb = 0;  // KB/s
+    if (f(device, /*NVML_PCIE_UTIL_TX_BYTES=*/0, &kb) == NVML_SUCCESS) g.pcie_tx_bytes_per_second = 1024.0 * kb;
+    if (f(device, /*NVML_PCIE_UTIL_RX_BYTES=*/1, &kb) == NVML_SUCCESS) g.pcie_rx_bytes_per_second = 1024.0 * kb;
+  }
+  return g;
+}
+
 std::optional<Link> link_from_nvml_level(int level) {
   switch (level) {
     case 0:   // NVML_TOPOLOGY_INTERNAL: devices on one board

@@ -189,7 +189,7 @@ int main(int argc, char** argv) {
     std::this_thread::sleep_for(std::chrono::seconds(60));
   } else if (scenario == "sigkill_in_tp_forward") {
     loom::ParallelState ps(comm, comm->size());
-    torch::manual_seed(3);
+    ps.seed(3);
     loom::ColumnParallelLinear fc1(32, 64, ps.tp_group());
     loom::RowParallelLinear fc2(64, 32, ps.tp_group());
     run_and_report(rank, [&] {

@@ -71,8 +71,14 @@ constexpr int64_t kVocab = 16, kHidden = 16, kHeads = 4, kFfn = 32, kSeq = 6;
 
 struct TinyGptImpl : torch::nn::Module {
   TinyGptImpl(TensorParallelGroup group, RngTracker* rng) : group(group) {
-    tok = register_module("tok", VocabParallelEmbedding(kVocab, kHidden, group));
+    // Master initialisation: the same function at every TP degree (resharding compares across them).
+    ParallelInit master;
+    master.mode = ParallelInit::Mode::Master;
+    VocabParallelEmbeddingOptions tok_options;
+    tok_options.initialization = master;
+    tok = register_module("tok", VocabParallelEmbedding(kVocab, kHidden, group, tok_options));
     ParallelTransformerBlockOptions b;
+    b.initialization = master;
     b.hidden_size = kHidden;
     b.num_heads = kHeads;
     b.ffn_hidden_size = kFfn;
@@ -83,6 +89,7 @@ struct TinyGptImpl : torch::nn::Module {
     lnf = register_module("lnf", torch::nn::LayerNorm(torch::nn::LayerNormOptions({kHidden})));
     ColumnParallelLinearOptions head_options;
     head_options.bias = false;
+    head_options.initialization = master;
     head = register_module("head", ColumnParallelLinear(kHidden, kVocab, group, head_options));
   }
   at::Tensor forward(const at::Tensor& ids) { return head(lnf(block(tok(ids)))); }

@@ -58,6 +58,13 @@ std::vector<int> degrees() {
         << what << ": max difference " << (a_ - b_).abs().max().item<double>() << " at tp=" << tp;     \
   } while (0)
 
+// The exact master-weight initialisation: layers equal the plain ones built from the same seed.
+ParallelInit master_init() {
+  ParallelInit init;
+  init.mode = ParallelInit::Mode::Master;
+  return init;
+}
+
 at::Tensor randn_seeded(at::IntArrayRef shape, uint64_t seed) {
   auto gen = at::make_generator<at::CPUGeneratorImpl>(seed);
   return at::randn(shape, gen);
@@ -121,6 +128,7 @@ TEST(TensorParallelLayers, ColumnParallelLinearEqualsLinear) {
         torch::nn::Linear plain(torch::nn::LinearOptions(in, out).bias(bias));
         torch::manual_seed(11);
         ColumnParallelLinearOptions options;
+        options.initialization = master_init();
         options.gather_output = gather;
         options.bias = bias;
         ColumnParallelLinear col(in, out, ps.tp_group(), options);
@@ -160,6 +168,7 @@ TEST(TensorParallelLayers, RowParallelLinearEqualsLinear) {
         torch::nn::Linear plain(torch::nn::LinearOptions(in, out).bias(bias));
         torch::manual_seed(12);
         RowParallelLinearOptions options;
+        options.initialization = master_init();
         options.input_is_parallel = parallel_input;
         options.bias = bias;
         RowParallelLinear row(in, out, ps.tp_group(), options);
@@ -191,8 +200,10 @@ TEST(TensorParallelLayers, SequenceParallelMlpEqualsPlainMlp) {
     torch::manual_seed(13);
     ColumnParallelLinearOptions column;
     column.sequence_parallel = true;
+    column.initialization = master_init();
     RowParallelLinearOptions row;
     row.sequence_parallel = true;
+    row.initialization = master_init();
     ColumnParallelLinear pfc1(h, f, ps.tp_group(), column);
     RowParallelLinear pfc2(f, h, ps.tp_group(), row);
     const int64_t rows = s / tp, r0 = ps.tp_rank() * rows, n = f / tp, c0 = ps.tp_rank() * n;
@@ -223,6 +234,7 @@ TEST(TensorParallelLayers, VocabParallelEmbeddingEqualsEmbedding) {
       torch::nn::Embedding plain(vocab, dim);
       torch::manual_seed(14);
       VocabParallelEmbeddingOptions options;
+      options.initialization = master_init();
       options.sequence_parallel = sp;
       VocabParallelEmbedding emb(vocab, dim, ps.tp_group(), options);
       const int64_t n = vocab / tp, start = ps.tp_rank() * n;
@@ -370,6 +382,7 @@ TEST(TensorParallelLayers, TransformerBlockEqualsPlainBlock) {
       PlainBlock plain(h, heads, f);
       torch::manual_seed(15);
       ParallelTransformerBlockOptions options;
+      options.initialization = master_init();
       options.hidden_size = h;
       options.num_heads = heads;
       options.ffn_hidden_size = f;
@@ -405,6 +418,7 @@ TEST(TensorParallelLayers, MlpCommunicatesOneAllReducePerPass) {
   const int64_t h = 16, f = 64, tokens = 24;
   for (int tp : degrees()) {
     const auto& ps = state(tp);
+    ps.seed(18);  // sharded initialisation draws from the model-parallel stream
     ColumnParallelLinear fc1(h, f, ps.tp_group());
     RowParallelLinear fc2(f, h, ps.tp_group());
     at::Tensor x = randn_seeded({tokens, h}, 18).requires_grad_();
@@ -428,10 +442,14 @@ struct GptConfig {
 // column-parallel output layer whose split logits go straight into the vocab-parallel loss.
 struct TinyGptImpl : torch::nn::Module {
   TinyGptImpl(const GptConfig& c, TensorParallelGroup group) : config(c) {
-    tok = register_module("tok", VocabParallelEmbedding(c.vocab, c.hidden, group));
+    // Master initialisation: the same function at every TP degree, as the one-process reference.
+    VocabParallelEmbeddingOptions tok_options;
+    tok_options.initialization = master_init();
+    tok = register_module("tok", VocabParallelEmbedding(c.vocab, c.hidden, group, tok_options));
     pos = register_module("pos", torch::nn::Embedding(c.seq, c.hidden));
     for (int64_t l = 0; l < c.layers; ++l) {
       ParallelTransformerBlockOptions o;
+      o.initialization = master_init();
       o.hidden_size = c.hidden;
       o.num_heads = c.heads;
       blocks.push_back(register_module("block" + std::to_string(l), ParallelTransformerBlock(o, group)));
@@ -440,6 +458,7 @@ struct TinyGptImpl : torch::nn::Module {
     lnf_b = register_parameter("lnf_b", at::zeros({c.hidden}));
     ColumnParallelLinearOptions head_options;
     head_options.bias = false;
+    head_options.initialization = master_init();
     head = register_module("head", ColumnParallelLinear(c.hidden, c.vocab, group, head_options));
   }
   at::Tensor forward(const at::Tensor& ids) {  // [s, b] -> this rank's logits [s, b, V/t]
@@ -593,6 +612,7 @@ TEST(TensorParallelRng, DropoutStreamsAcrossTpAndDp) {
 TEST(TensorParallelRng, AttentionDropoutIsReproducibleAndDiffersFromEval) {
   const auto& ps = state(degrees().back());
   ParallelTransformerBlockOptions o;
+  o.initialization = master_init();
   o.hidden_size = 16;
   o.num_heads = 4;
   o.attention_dropout = 0.3;
@@ -682,6 +702,7 @@ TEST(TensorParallelState, DivisibilityErrorsNameRankExpectedAndFound) {
     expect_invalid([&] { VocabParallelEmbedding(tp * 3 + 1, 4, group); },
                    job + "VocabParallelEmbedding" + in_group +
                        "num_embeddings (vocabulary size) must be a positive multiple");
+    state(tp).seed(5);  // sharded initialisation draws from the model-parallel stream
     // A token id no rank owns is an error on every rank, not a silent zero vector.
     VocabParallelEmbedding emb(tp * 3, 4, group);
     expect_invalid([&] { emb(at::tensor({0, tp * 3}, at::kLong)); },

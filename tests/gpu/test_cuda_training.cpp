@@ -14,6 +14,7 @@
 #include <ATen/cuda/Sleep.h>
 #include <c10/cuda/CUDAFunctions.h>
 #include <gtest/gtest.h>
+#include <torch/cuda.h>
 #include <torch/nn.h>
 #include <torch/optim.h>
 
@@ -187,13 +188,18 @@ TEST_F(CudaTraining, TensorParallelLayersOverNcclMatchThePlainLayers) {
   // The NCCL group carries the region operations on the device (a group of one here; at N
   // ranks with one GPU each, the same code splits the weights N ways).
   const int64_t in = 32, hidden = 64 * g_gpu->size(), out = 16;
+  // Master-weight initialisation straight onto the device: the plain layers' weights, split.
+  loom::ColumnParallelLinearOptions column;
+  column.initialization.mode = loom::ParallelInit::Mode::Master;
+  column.initialization.device = device_;
+  loom::RowParallelLinearOptions row;
+  row.initialization = column.initialization;
   at::manual_seed(4);
-  loom::ColumnParallelLinear fc1(in, hidden, g_gpu);
-  loom::RowParallelLinear fc2(hidden, out, g_gpu);
+  loom::ColumnParallelLinear fc1(in, hidden, g_gpu, column);
+  loom::RowParallelLinear fc2(hidden, out, g_gpu, row);
+  ASSERT_EQ(fc1->weight.device(), device_);
   at::manual_seed(4);
   torch::nn::Linear plain1(in, hidden), plain2(hidden, out);
-  fc1->to(device_);
-  fc2->to(device_);
   plain1->to(device_);
   plain2->to(device_);
   at::Tensor x = at::randn({8, in}, device_);
@@ -209,6 +215,42 @@ TEST_F(CudaTraining, TensorParallelLayersOverNcclMatchThePlainLayers) {
   at::Tensor target = at::randint(0, 10, {6}, at::TensorOptions().dtype(at::kLong).device(device_));
   at::Tensor loss = loom::vocab_parallel_cross_entropy(logits, target, g_gpu);
   EXPECT_TRUE(at::allclose(loss, torch::nn::functional::cross_entropy(logits, target), 1e-5, 1e-6));
+}
+
+TEST_F(CudaTraining, ParallelLayersForwardAndLossNeverSynchronizeTheHost) {
+  // Sharded initialisation on the device from a CUDA RNG tracker, then the vocabulary-parallel
+  // embedding, a column-parallel head and the vocabulary-parallel loss under CUDA's sync debug mode
+  // set to error: any device-to-host synchronisation (an .item() range check, a blocking copy)
+  // throws. The range checks that read the device run only under LOOM_CHECK_COLLECTIVES=1.
+  const int64_t t = g_gpu->size(), vocab = 64 * t, hidden = 32;
+  loom::RngTracker cuda_rng(device_);
+  cuda_rng.add(loom::kModelParallelRngStream, 1234 + g_gpu->rank());
+  loom::ParallelInit init;
+  init.device = device_;
+  init.rng = &cuda_rng;
+  loom::VocabParallelEmbeddingOptions embedding_options;
+  embedding_options.initialization = init;
+  loom::ColumnParallelLinearOptions head_options;
+  head_options.bias = false;
+  head_options.initialization = init;
+  loom::VocabParallelEmbedding embedding(vocab, hidden, g_gpu, embedding_options);
+  loom::ColumnParallelLinear head(hidden, vocab, g_gpu, head_options);
+  ASSERT_EQ(embedding->weight.device(), device_);
+  const auto long_on_device = at::TensorOptions().dtype(at::kLong).device(device_);
+  at::Tensor ids = at::randint(0, vocab, {16, 4}, long_on_device);
+  at::Tensor target = at::randint(0, vocab, {16, 4}, long_on_device);
+  auto step = [&] { return loom::vocab_parallel_cross_entropy(head(embedding(ids)), target, g_gpu); };
+  step();  // first calls may set up handles and caches
+  torch::cuda::synchronize();
+  c10::cuda::warning_state().set_sync_debug_mode(c10::cuda::SyncDebugMode::L_ERROR);
+  std::string error;
+  try {
+    at::Tensor loss = step();
+  } catch (const std::exception& e) {
+    error = e.what();
+  }
+  c10::cuda::warning_state().set_sync_debug_mode(c10::cuda::SyncDebugMode::L_DISABLED);
+  EXPECT_EQ(error, "") << "the forward or the loss synchronised the host with the device";
 }
 
 int main(int argc, char** argv) {

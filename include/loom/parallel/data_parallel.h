@@ -98,9 +98,13 @@ struct ReducerStats {
   size_t buckets = 0;
   size_t last_buckets_issued_during_backward = 0;  // handed to the communicator from a hook, before backward ended
   uint64_t buckets_reduced = 0;                     // handed to the communicator (or hook), all iterations
+  uint64_t bytes_reduced = 0;                       // their sizes (before any compression hook), all iterations
   size_t last_unused_parameters = 0;                // globally unused, last iteration
   uint64_t used_set_agreements = 0;                 // all-reduces of the used-parameter flags
   bool buckets_rebuilt = false;
+  // Time synchronize() spent waiting for buckets after backward, all iterations: the data-parallel
+  // communication that backward did not hide (exposed).
+  double wait_seconds = 0;
 };
 
 class GradientReducer {

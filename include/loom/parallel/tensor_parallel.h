@@ -14,11 +14,19 @@
 //   loom::GradientReducer dp(all_parameters, ps.dp_group());   // DP over the DP group only
 //
 // Layout: ranks that hold slices of the same weights form a TP group; ranks that hold the same
-// slice form a DP group (loom::make_parallel_groups). Every layer built with TP degree t holds
-// exactly its slice of the weights the plain layer (torch::nn::Linear / Embedding) would get
-// from the same default-generator state: the full "master" weight is drawn with the plain
-// layer's init, then sliced. So torch::manual_seed(s) followed by the same constructor calls
-// gives the same function at every TP degree.
+// slice form a DP group (loom::make_parallel_groups).
+//
+// Initialisation (ParallelInit). By default each rank draws only its own shard, on the target
+// device and in the target dtype, from the RNG tracker's "model-parallel" stream (different per TP
+// rank, the same across DP replicas; seed it with ParallelState::seed), with the distribution the
+// plain layer's init uses for the whole weight (Megatron's default): nothing is materialised at
+// full size, so a 256k x 8k embedding costs each rank its shard only. Replicated parameters (a
+// row-parallel bias, layernorms) come from the default generator, identical on every rank.
+// ParallelInit::Mode::Master instead draws the full "master" weight exactly as the plain layer
+// (torch::nn::Linear / Embedding) would from the same default-generator state and keeps this
+// rank's slice: torch::manual_seed(s) followed by the same constructor calls then gives the same
+// function at every TP degree (what the tests compare), at the cost of the full weight in host
+// memory, transiently, on every rank.
 //
 // A null group means "no tensor parallelism": every operation is local, with no communication.
 // Activations of the transformer block are [sequence, batch, hidden] (sequence first, so that
@@ -72,6 +80,14 @@ at::Tensor gather_from_sequence_region(const at::Tensor& input, const TensorPara
 // Reduce-scatter (sum) along dim 0 forward; all-gather along dim 0 backward.
 at::Tensor reduce_scatter_to_sequence_region(const at::Tensor& input, const TensorParallelGroup& group);
 
+// y = linear(x, weight, bias) where x is replicated over the group and weight is this rank's slice of
+// a column-parallel weight: copy_to_region followed by at::linear in one autograd function, whose
+// backward starts the all-reduce of the input gradient and computes the weight and bias gradients
+// while it runs (Megatron's LinearWithGradAccumulationAndAsyncCommunication). ColumnParallelLinear
+// uses it when the input is not sequence-parallel.
+at::Tensor linear_with_async_grad_all_reduce(const at::Tensor& input, const at::Tensor& weight, const at::Tensor& bias,
+                                             const TensorParallelGroup& group);
+
 // What the region operations communicated in this process since the last reset (both passes).
 // Bytes count the full tensor each collective works on: the all-reduced tensor, the gathered
 // output, the reduce-scattered input; the minimum for a Column+Row parallel MLP step is two
@@ -82,6 +98,8 @@ struct CommStats {
   uint64_t reduce_scatter_calls = 0, reduce_scatter_bytes = 0;
   uint64_t total_bytes() const { return all_reduce_bytes + all_gather_bytes + reduce_scatter_bytes; }
   uint64_t total_calls() const { return all_reduce_calls + all_gather_calls + reduce_scatter_calls; }
+  // Time spent blocked waiting for these collectives: the layers' exposed communication.
+  double wait_seconds = 0;
 };
 CommStats comm_stats();
 void reset_comm_stats();
@@ -119,6 +137,18 @@ class ShardedModule {
 // ---------------------------------------------------------------------------------------------
 // Layers.
 
+class RngTracker;
+
+// How a tensor-parallel layer creates its parameters (see the file comment).
+struct ParallelInit {
+  enum class Mode { Sharded, Master };
+  Mode mode = Mode::Sharded;
+  c10::Device device = c10::Device(c10::kCPU);
+  c10::ScalarType dtype = c10::ScalarType::Float;
+  // The tracker whose "model-parallel" stream sharded draws come from; nullptr: loom::rng_tracker().
+  RngTracker* rng = nullptr;
+};
+
 struct ColumnParallelLinearOptions {
   bool bias = true;
   // All-gather the output so every rank gets all out_features; otherwise each keeps its slice.
@@ -126,9 +156,12 @@ struct ColumnParallelLinearOptions {
   // The input is this rank's dim-0 (sequence) shard: all-gather it before the matmul, and
   // reduce-scatter its gradient.
   bool sequence_parallel = false;
-  // Draws the full master weight [out, in] and bias [out] (bias undefined without one) in place;
-  // empty: torch::nn::Linear's init (kaiming_uniform_(a = sqrt(5)), uniform bias).
+  // Draws the weight [out, in] and bias [out] (bias undefined without one) in place: the full master
+  // tensors with ParallelInit::Mode::Master, this rank's shards with Sharded (under the
+  // model-parallel stream). Empty: torch::nn::Linear's init (kaiming_uniform_(a = sqrt(5)),
+  // uniform bias, both from the global fan-in).
   std::function<void(at::Tensor& weight, at::Tensor& bias)> init;
+  ParallelInit initialization;
 };
 
 // y = x A^T + b with A split by rows (output features): rank r holds A[r*o/t : (r+1)*o/t, :].
@@ -158,6 +191,7 @@ struct RowParallelLinearOptions {
   // Reduce-scatter the output along dim 0 (sequence) instead of all-reducing it.
   bool sequence_parallel = false;
   std::function<void(at::Tensor& weight, at::Tensor& bias)> init;
+  ParallelInit initialization;
 };
 
 // y = x A^T + b with A split by columns (input features): rank r holds A[:, r*i/t : (r+1)*i/t].
@@ -182,9 +216,10 @@ TORCH_MODULE(RowParallelLinear);
 struct VocabParallelEmbeddingOptions {
   // Reduce-scatter the output along dim 0 (sequence) instead of all-reducing it.
   bool sequence_parallel = false;
-  // Draws the full [num_embeddings, dim] master table in place; empty: torch::nn::Embedding's
-  // init (standard normal).
+  // Draws the [num_embeddings, dim] master table (Master) or this rank's rows (Sharded) in place;
+  // empty: torch::nn::Embedding's init (standard normal).
   std::function<void(at::Tensor& weight)> init;
+  ParallelInit initialization;
 };
 
 // An embedding table split by rows (vocabulary): rank r holds ids [vocab_start, vocab_end). Ids
@@ -274,8 +309,8 @@ class RngTracker {
   [[nodiscard]] ForkGuard fork(const std::string& name = kModelParallelRngStream);
 
   // Copies of every stream's generator state (uint8 tensors, as at::Generator::get_state), for
-  // checkpoints; set_states replaces the streams with the given ones (and forgets their seeds,
-  // so the duplicate-seed check does not cover restored streams).
+  // checkpoints and recomputation; set_states replaces the streams with the given ones (streams
+  // that stay keep their seeds on record for the duplicate-seed check; new ones have none).
   std::map<std::string, at::Tensor> get_states() const;
   void set_states(const std::map<std::string, at::Tensor>& states);
   c10::Device device() const { return device_; }
@@ -371,6 +406,11 @@ struct ParallelTransformerBlockOptions {
   // The tracker whose "model-parallel" stream dropout inside split regions draws from;
   // nullptr: loom::rng_tracker().
   RngTracker* rng = nullptr;
+  // How the block's layers create their parameters (its RNG tracker is `rng` when that is set).
+  ParallelInit initialization;
+  // Keep only the block's input in forward and recompute the block in backward (activation
+  // recomputation, loom::recompute): less activation memory for one more forward.
+  bool recompute = false;
 };
 
 // A pre-layernorm GPT block over [s, b, h] activations:
@@ -393,6 +433,9 @@ class ParallelTransformerBlockImpl : public torch::nn::Module {
   ParallelTransformerBlockOptions options;
   TensorParallelGroup group;
   int64_t heads_per_rank = 0;
+
+ private:
+  at::Tensor forward_block(const at::Tensor& x);
 };
 TORCH_MODULE(ParallelTransformerBlock);
 

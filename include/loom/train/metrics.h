@@ -1,0 +1,68 @@
+// Per-rank training metrics in Prometheus' text exposition format, for the Prometheus + Grafana
+// setups that already watch GPU servers (a dashboard: docs/grafana-dashboard.json).
+//
+// Where they go is LOOM_METRICS:
+//   file:DIR   DIR/torchloom_rank<r>.prom, replaced atomically (write, rename) at most every
+//              LOOM_METRICS_INTERVAL seconds and at flush(): node_exporter's textfile collector
+//              (--collector.textfile.directory=DIR) publishes them with the node's other metrics.
+//   port:N     an HTTP endpoint on port N + local rank (/metrics), served by a thread, for a
+//              Prometheus scrape job listing each rank's port.
+//   (unset)    off: record() only keeps the numbers (render() still gives the text).
+//
+//   loom::MetricsExporter metrics;                     // from LOOM_METRICS
+//   for (...) {
+//     ... one optimizer step ...
+//     metrics.record({.step = step, .step_seconds = dt, .tokens = tokens, .loss = loss,
+//                     .exposed_communication_seconds = comm, .bytes_communicated = bytes});
+//   }
+//   metrics.flush();
+//
+// Every sample carries the labels rank, local_rank and host. Counters (_total) add up what each
+// record() reported; gauges hold the last value. Host memory is this process's resident set; where
+// NVML is present (a GPU driver), the process's GPU adds utilisation, memory, temperature and PCIe
+// throughput.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+namespace loom {
+
+// What one optimizer step did, on this rank.
+struct StepMetrics {
+  int64_t step = 0;
+  double step_seconds = 0;                   // wall time of the step
+  int64_t tokens = 0;                        // tokens this rank processed in the step
+  double loss = 0;                           // the step's training loss
+  double exposed_communication_seconds = 0;  // time blocked on communication in the step
+  uint64_t bytes_communicated = 0;           // bytes the step's collectives reduced or gathered
+  double checkpoint_stall_seconds = 0;       // time the step spent in Checkpointer::save()
+};
+
+class MetricsExporter {
+ public:
+  // target: "file:DIR", "port:N" or "" (off); by default LOOM_METRICS. Throws loom::ConfigError for
+  // anything else, for a directory that cannot be written or a port that cannot be bound.
+  MetricsExporter();
+  explicit MetricsExporter(const std::string& target);
+  ~MetricsExporter();  // writes the file one last time; stops the endpoint
+  MetricsExporter(const MetricsExporter&) = delete;
+  MetricsExporter& operator=(const MetricsExporter&) = delete;
+
+  void record(const StepMetrics& step);
+  // Writes the file now (file:), whatever the interval.
+  void flush();
+  // The exposition text of everything recorded so far, with fresh memory and GPU readings.
+  std::string render() const;
+  // The file written (file:), or "" .
+  std::string path() const;
+  // The port served (port:), or 0.
+  int port() const;
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace loom
