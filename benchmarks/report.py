@@ -28,6 +28,7 @@ import traceback
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DPI = 100
+PLOTS = ["allreduce_busbw.png", "ddp_step.png", "tp_mlp.png", "amp_unscale.png", "checkpoint.png", "placement.png"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -186,14 +187,23 @@ class Report:
             Image.open(path).convert("RGB").quantize(colors=256).save(path, optimize=True)
         except Exception:
             pass
+        assert name in PLOTS, name
         self.figures.append(name)
         return f"![{caption}]({name})\n\n*{caption}; the plot's footer names the machine and run.*\n"
 
     def section(self, title, fn):
+        before = len(self.figures)
         try:
             text = fn()
         except Exception as e:  # one broken file must not lose the rest of the report
-            traceback.print_exc()
+            print(f"report.py: {title}: skipped, {type(e).__name__}: {e}", file=sys.stderr)
+            self.plt.close("all")
+            for name in self.figures[before:]:  # no plot without its section
+                try:
+                    os.remove(os.path.join(self.out, name))
+                except OSError:
+                    pass
+            del self.figures[before:]
             self.skipped.append(f"{title}: results present but unreadable ({type(e).__name__}: {e})")
             return
         if text is None:
@@ -500,7 +510,12 @@ class Report:
         a1.set_xticklabels([b[0] for b in bars], fontsize=7.5)
         a1.set_ylabel("GB/s (state bytes / median time)")
         a1.set_title(f"save and load, {state_gb * 1e3:.0f} MB of model + Adam state")
-        a1.set_ylim(0, max(b[1] for b in bars) * 1.2)
+        a1.set_ylim(0, max(b[1] for b in bars) * 1.3)
+        from matplotlib.patches import Patch
+
+        a1.legend(handles=[Patch(color="C0", label="torchloom Checkpointer"),
+                           Patch(color="C7", label="the disk (raw write / read)"),
+                           Patch(color="C3", label="torch::save / torch::load")], loc="upper left", fontsize=7)
         st = [("async save\nstall", s["async_stall"] * 1e3, "C0"), ("memcpy of\nthe state", s["memcpy"] * 1e3, "C7")]
         bs = a2.bar(range(2), [b[1] for b in st], 0.7, color=[b[2] for b in st])
         for bar in bs:
@@ -596,8 +611,12 @@ class Report:
                     ratio(r["naive_dp_allreduce_us"], r["dp_allreduce_us"]) < 0.999)
         text += (f"\nThe plan is faster than the naive layout in {better} of {len(rows)} cases and slower in "
                  f"{worse}; the largest planner run took {max(r['planner_ms'] for r in rows):.1f} ms.\n\n")
-        text += table(["topology", "nodes", "GPUs/node", "TP", "ranks", "TP us", "naive TP us", "TP naive/plan",
-                       "DP us", "naive DP us", "DP naive/plan", "planner ms"], trs)
+        header = ["topology", "nodes", "GPUs/node", "TP", "ranks", "TP us", "naive TP us", "TP naive/plan",
+                  "DP us", "naive DP us", "DP naive/plan", "planner ms"]
+        keep = [i for i, r in enumerate(rows) if r in differ]
+        text += "Cases where the plan differs from the naive layout:\n\n" + table(header, [trs[i] for i in keep])
+        text += ("\n<details><summary>All " + str(len(rows)) + " cases</summary>\n\n" + table(header, trs) +
+                 "\n</details>\n")
         return text
 
     def soak(self):
@@ -614,8 +633,9 @@ class Report:
 
     def write(self):
         os.makedirs(self.out, exist_ok=True)
-        for old in glob.glob(os.path.join(self.out, "*.png")):
-            os.remove(old)
+        for old in PLOTS:  # a plot from an earlier run must not outlive its missing section
+            if os.path.exists(os.path.join(self.out, old)):
+                os.remove(os.path.join(self.out, old))
         self.section("All-reduce bus bandwidth: torchloom, raw MPI, PyTorch Gloo", self.allreduce)
         self.section("DDP step time: torchloom against PyTorch DDP", self.ddp)
         self.section("Tensor parallelism: speed-up and bytes communicated", self.tp)
@@ -645,8 +665,8 @@ class Report:
         else:
             head += ["(No machine.json in the results directory: the machine and run are unknown.)", ""]
         head.append(f"Results directory: `{os.path.relpath(self.results, ROOT) if self.results.startswith(ROOT) else self.results}`; "
-                    f"sections: " + ", ".join(f"[{p.splitlines()[0][3:]}](#{anchor(p.splitlines()[0][3:])})"
-                                              for p in self.parts) + ".")
+                    f"sections: " + (", ".join(f"[{p.splitlines()[0][3:]}](#{anchor(p.splitlines()[0][3:])})"
+                                               for p in self.parts) or "none") + ".")
         head.append("")
         if self.skipped:
             head += ["Not in this report:", ""] + [f"- {s}" for s in self.skipped] + [""]
