@@ -24,7 +24,6 @@ import socket
 import statistics
 import subprocess
 import sys
-import traceback
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DPI = 100
@@ -128,6 +127,13 @@ def fmt(x, digits=3):
     if x is None or (isinstance(x, float) and x != x):
         return "-"
     return f"{x:.{digits}f}"
+
+
+def sig(x, digits=3):
+    """Three significant figures: bandwidths and ratios here span six orders of magnitude."""
+    if x is None or (isinstance(x, float) and x != x):
+        return "-"
+    return f"{x:.{digits}g}"
 
 
 def table(header, rows):
@@ -276,10 +282,10 @@ class Report:
             for row in d["results"]:
                 g = gl.get(row["bytes"])
                 rows.append([human_bytes(row["bytes"]), fmt(row["mpi_us"], 1), fmt(row["loom_us"], 1),
-                             fmt(g["gloo_us"], 1) if g else "-", fmt(row["loom_busbw_gbps"]),
-                             fmt(row["mpi_busbw_gbps"]), fmt(g["gloo_busbw_gbps"]) if g else "-",
-                             fmt(row["ratio_loom_over_mpi_bandwidth"]),
-                             fmt(g["gloo_us"] / row["loom_us"]) if g else "-",
+                             fmt(g["gloo_us"], 1) if g else "-", sig(row["loom_busbw_gbps"]),
+                             sig(row["mpi_busbw_gbps"]), sig(g["gloo_busbw_gbps"]) if g else "-",
+                             sig(row["ratio_loom_over_mpi_bandwidth"]),
+                             sig(g["gloo_us"] / row["loom_us"]) if g else "-",
                              fmt(row["check_cost_ratio"]),
                              "yes" if row["correct"] and (not g or g["correct"]) else "**NO**"])
             text += (f"\n**{n} ranks**" + ("" if gloo else " (no Gloo results for this rank count)") + "\n\n")
@@ -483,7 +489,7 @@ class Report:
                          fmt(wl["ratio_unscale_over_foreach_mul_bandwidth"]), f"{wl['speedup_over_naive']:.1f}x",
                          "yes" if wl["correct"] and wl["inf_detected"] else "**NO**"])
         text += "\n" + table(["workload", "tensors", "MB", "loom us", "PyTorch us", "loom/PyTorch bw",
-                              "normalised by copy", "loom/copy bw", "loom/_foreach_mul_ bw", "vs naive loop",
+                              "normalised by copy", "loom/copy bw", "loom/`_foreach_mul_` bw", "vs naive loop",
                               "exact, inf caught"], rows)
         return text
 
