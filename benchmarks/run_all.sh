@@ -3,6 +3,8 @@
 # writes JSON next to the tables. Machines are noisy: the programs report medians, and only
 # ratios from one run should be compared.
 #   bash benchmarks/run_all.sh [results-dir]
+# The last step writes benchmarks/report/README.md and its plots from the results (REPORT=0 skips
+# it; on its own: python3 benchmarks/report.py [results-dir]).
 # BENCHMARKS selects which run (default: all of "allreduce ddp tp amp placement soak checkpoint"); DDP_ROUNDS how many times the
 # loom/PyTorch DDP pair is repeated, alternating which goes first (default 3).
 set -euo pipefail
@@ -22,6 +24,11 @@ if ((busy > 20)); then
 fi
 BENCHMARKS=${BENCHMARKS:-allreduce ddp tp amp placement soak checkpoint}
 PYTHON=${PYTHON:-python3}
+# What machine and run the results come from (CPU, cores, host, date, commit, these settings): the
+# report prints it under every plot.
+"$PYTHON" benchmarks/report.py --write-machine "$RESULTS/machine.json" --setting "BENCHMARKS=$BENCHMARKS" \
+  --setting "DDP_ROUNDS=${DDP_ROUNDS:-3}" --setting "CHECKPOINT_ROUNDS=${CHECKPOINT_ROUNDS:-7}" \
+  --setting "cpu_busy_before_start=${busy}%" --setting "results=$RESULTS"
 if [[ " $BENCHMARKS " == *" allreduce "* ]]; then
   # Ranks pinned to cores when there are enough (2 here): floating ranks and progress threads
   # land on the same core in some runs and not others, which alone moves 1 MB results by 30%.
@@ -32,6 +39,10 @@ if [[ " $BENCHMARKS " == *" allreduce "* ]]; then
     echo "== all_reduce, $np ranks ($binding)"
     mpirun -np $np --oversubscribe $binding build/benchmarks/allreduce_bench --min-bytes 4 \
       --json "$RESULTS/allreduce_np$np.json"
+    # The same sizes through PyTorch's torch.distributed on Gloo, the third line of the report's plot.
+    echo "== all_reduce, PyTorch (gloo), $np ranks"
+    "$PYTHON" -m torch.distributed.run --standalone --nproc_per_node $np benchmarks/allreduce_gloo.py --min-bytes 4 \
+      --json "$RESULTS/allreduce_gloo_np$np.json"
   done
 fi
 if [[ " $BENCHMARKS " == *" ddp "* ]]; then
@@ -94,3 +105,7 @@ if [[ " $BENCHMARKS " == *" checkpoint "* ]]; then
     --json "$RESULTS/checkpoint.json"
 fi
 echo "results in $RESULTS"
+if [[ ${REPORT:-1} != 0 ]]; then
+  echo "== report"
+  "$PYTHON" benchmarks/report.py "$RESULTS"
+fi
