@@ -3,7 +3,7 @@
 # writes JSON next to the tables. Machines are noisy: the programs report medians, and only
 # ratios from one run should be compared.
 #   bash benchmarks/run_all.sh [results-dir]
-# BENCHMARKS selects which run (default: all of "allreduce ddp tp amp placement soak checkpoint"); DDP_ROUNDS how many times the
+# BENCHMARKS selects which run (default: all of "allreduce ddp python tp amp placement soak checkpoint"); DDP_ROUNDS how many times the
 # loom/PyTorch DDP pair is repeated, alternating which goes first (default 3).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -20,7 +20,7 @@ busy=$( { head -1 /proc/stat; sleep 1; head -1 /proc/stat; } |
 if ((busy > 20)); then
   echo "WARNING: the CPUs are ${busy}% busy before the benchmarks start (another process): results will be noisy"
 fi
-BENCHMARKS=${BENCHMARKS:-allreduce ddp tp amp placement soak checkpoint}
+BENCHMARKS=${BENCHMARKS:-allreduce ddp python tp amp placement soak checkpoint}
 PYTHON=${PYTHON:-python3}
 if [[ " $BENCHMARKS " == *" allreduce "* ]]; then
   # Ranks pinned to cores when there are enough (2 here): floating ranks and progress threads
@@ -61,6 +61,13 @@ if [[ " $BENCHMARKS " == *" ddp "* ]]; then
   echo "== DDP summary"
   "$PYTHON" benchmarks/ddp_reference.py --summarize --ours "${ours[@]}" --pytorch "${ref[@]}" \
     --ours-single "$RESULTS/ddp_loom_np1.json" --json "$RESULTS/ddp_summary.json"
+fi
+if [[ " $BENCHMARKS " == *" python "* ]]; then
+  # The torchloom Python module: its DDP against PyTorch's (Gloo) in the same processes, and the
+  # per-call overhead of a Python collective over the C++ call.
+  echo "== Python: torchloom DDP vs torch DDP (gloo), 2 ranks; per-call overhead"
+  PYTHONPATH="build/python${PYTHONPATH:+:$PYTHONPATH}" mpirun -np 2 $LOOM_MPIRUN_FLAGS "$PYTHON" \
+    benchmarks/python_ddp_bench.py --json "$RESULTS/python_ddp_np2.json"
 fi
 if [[ " $BENCHMARKS " == *" tp "* ]]; then
   echo "== tensor-parallel MLP, TP=2 against TP=1, 2 ranks"
