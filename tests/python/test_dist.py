@@ -258,3 +258,33 @@ def test_gradscaler_agrees_across_ranks(loom):
     scaler.update()
     assert scaler.get_scale() == 32.0
     assert torch.equal(model.weight, before)
+
+
+def test_blocking_calls_release_the_gil(loom):
+    """While rank 0 waits in a collective that rank 1 joins late, another Python thread of rank 0 runs."""
+    import threading
+    import time
+    comm = loom.world_comm()
+    comm.barrier().wait()
+    if comm.rank != 0:
+        time.sleep(1.0)
+        comm.all_reduce(torch.ones(1)).wait()
+        comm.barrier().wait()
+        return
+    ticks = [0]
+    stop = threading.Event()
+
+    def count():
+        while not stop.is_set():
+            ticks[0] += 1
+
+    t = threading.Thread(target=count)
+    t.start()
+    time.sleep(0.05)
+    start_ticks = ticks[0]
+    comm.all_reduce(torch.ones(1)).wait()     # about 1 s without the GIL
+    during_wait = ticks[0] - start_ticks
+    stop.set()
+    t.join()
+    comm.barrier().wait()
+    assert during_wait > 10000, during_wait

@@ -9,11 +9,15 @@ import torchloom
 
 def test_timeout_arrives_as_torchloom_timeout_error(loom):
     comm = loom.world_comm()
+    # A second communicator, to meet again once rank 1 has joined the timed-out all_reduce late (so
+    # that rank 0's operation stuck in MPI has completed and both ranks finalize cleanly).
+    spare = comm.split(0, comm.rank, "spare")
     if comm.rank == 1:
         # Joins late, after rank 0's all_reduce timed out (LOOM_TIMEOUT=2 s): the operation stuck in
         # MPI on rank 0 then completes, and both ranks can finalize.
-        time.sleep(8)
+        time.sleep(5)
         comm.all_reduce(torch.ones(8)).wait()
+        spare.barrier(timeout=60).wait()
         return
     t = torch.ones(8)
     start = time.monotonic()
@@ -27,6 +31,10 @@ def test_timeout_arrives_as_torchloom_timeout_error(loom):
     else:
         raise AssertionError("expected torchloom.TimeoutError")
     assert time.monotonic() - start < 30
+    # The communicator is marked broken as part of the same failure (just after the waiter wakes).
+    deadline = time.monotonic() + 10
+    while not comm.is_broken() and time.monotonic() < deadline:
+        time.sleep(0.01)
     assert comm.is_broken()
     try:
         comm.all_reduce(t)
@@ -34,3 +42,4 @@ def test_timeout_arrives_as_torchloom_timeout_error(loom):
         pass
     else:
         raise AssertionError("a broken communicator must refuse new operations")
+    spare.barrier(timeout=60).wait()
