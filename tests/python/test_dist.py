@@ -271,20 +271,23 @@ def test_blocking_calls_release_the_gil(loom):
         comm.all_reduce(torch.ones(1)).wait()
         comm.barrier().wait()
         return
-    ticks = [0]
+    samples = []
     stop = threading.Event()
 
-    def count():
+    def sample():  # a time stamp about every 5 ms, whenever this thread gets the GIL
         while not stop.is_set():
-            ticks[0] += 1
+            samples.append(time.monotonic())
+            time.sleep(0.005)
 
-    t = threading.Thread(target=count)
+    t = threading.Thread(target=sample)
     t.start()
     time.sleep(0.05)
-    start_ticks = ticks[0]
-    comm.all_reduce(torch.ones(1)).wait()     # about 1 s without the GIL
-    during_wait = ticks[0] - start_ticks
+    start = time.monotonic()
+    comm.all_reduce(torch.ones(1)).wait()     # about 1 s, waiting for rank 1
+    end = time.monotonic()
     stop.set()
     t.join()
     comm.barrier().wait()
-    assert during_wait > 10000, during_wait
+    during = [x for x in samples if start + 0.05 < x < end - 0.05]
+    assert end - start > 0.5, end - start
+    assert len(during) > 0.3 * (end - start - 0.1) / 0.005, (len(during), end - start)
