@@ -291,3 +291,44 @@ def test_blocking_calls_release_the_gil(loom):
     during = [x for x in samples if start + 0.05 < x < end - 0.05]
     assert end - start > 0.5, end - start
     assert len(during) > 0.3 * (end - start - 0.1) / 0.005, (len(during), end - start)
+
+
+def test_checkpoint_round_trip(loom):
+    import os
+    import shutil
+    comm = loom.world_comm()
+    token = torch.randint(0, 2**31 - 1, (1,), dtype=torch.int64)
+    comm.broadcast(token).wait()
+    directory = f"/tmp/torchloom-pytest-ckpt-{int(token)}"
+    try:
+        torch.manual_seed(4)
+        model = nn.Sequential(nn.Linear(4, 3), nn.BatchNorm1d(3))
+        scaler = torchloom.GradScaler(init_scale=128.0, growth_interval=5)
+        extra = torch.arange(5.0)
+        ckpt = torchloom.Checkpointer(comm, directory, keep_last=2)
+        ckpt.model(model).scaler(scaler).tensor("extra", extra)
+        assert ckpt.load_latest() is None  # nothing saved yet: start fresh
+        saved = {k: v.clone() for k, v in model.state_dict().items()}
+        ckpt.save(torchloom.TrainingProgress(step=3, epoch=1, sample=40), {"note": "python"})
+        info = ckpt.wait()
+        assert info.path.endswith("step_000003") or "3" in os.path.basename(info.path), info.path
+        assert torchloom.Checkpointer.find_latest(directory) == info.path
+        with torch.no_grad():
+            for p in model.parameters():
+                p.zero_()
+            model[1].running_mean.fill_(7)
+        extra.zero_()
+        scaler.update(8.0)
+        loaded = ckpt.load_latest()
+        assert loaded.progress.step == 3 and loaded.progress.epoch == 1 and loaded.progress.sample == 40
+        assert loaded.user["note"] == "python"
+        for k, v in model.state_dict().items():
+            assert torch.equal(v, saved[k]), k
+        assert torch.equal(extra, torch.arange(5.0))
+        assert scaler.get_scale() == 128.0
+        with pytest.raises(torchloom.CheckpointError):
+            ckpt.load(os.path.join(directory, "step_999999"))
+    finally:
+        comm.barrier().wait()
+        if comm.rank == 0:
+            shutil.rmtree(directory, ignore_errors=True)
