@@ -44,7 +44,12 @@ loom::ReducerOptions reducer_options(double bucket_cap_mb, double first_bucket_c
 // A Python callable hook(state, bucket) returning a Work, or (Work, finish) where finish() runs
 // after the wait and must leave bucket.buffer holding the averaged gradients.
 loom::CommHook python_hook(py::object state, py::object fn) {
-  auto keep = std::make_shared<std::pair<py::object, py::object>>(std::move(state), std::move(fn));
+  // The Python objects are released with the GIL, whichever thread drops the reducer's last reference.
+  auto keep = std::shared_ptr<std::pair<py::object, py::object>>(
+      new std::pair<py::object, py::object>(std::move(state), std::move(fn)), [](std::pair<py::object, py::object>* p) {
+        py::gil_scoped_acquire gil;
+        delete p;
+      });
   return [keep](loom::GradBucket& bucket) -> loom::PendingReduction {
     py::gil_scoped_acquire gil;
     PyGradBucket b{bucket.index, bucket.buffer, bucket.parameters,
@@ -55,7 +60,10 @@ loom::CommHook python_hook(py::object state, py::object fn) {
       auto pair = result.cast<py::tuple>();
       pending.work = pair[0].cast<loom::WorkPtr>();
       if (!pair[1].is_none()) {
-        auto finish = std::make_shared<py::object>(pair[1]);
+        auto finish = std::shared_ptr<py::object>(new py::object(pair[1]), [](py::object* f) {
+          py::gil_scoped_acquire gil;
+          delete f;
+        });
         pending.finish = [finish] {
           py::gil_scoped_acquire gil;
           (*finish)();
