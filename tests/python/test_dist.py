@@ -92,7 +92,10 @@ def test_ddp_equals_torch_ddp_step_for_step(loom, gloo):
     assert stats["synchronized_iterations"] == STEPS and stats["iterations"] == STEPS * MICRO
 
 
-def test_ddp_equals_one_process_on_the_whole_batch(loom):
+@pytest.mark.parametrize("options", [{}, {"gradient_as_bucket_view": False},
+                                     {"find_unused_parameters": True, "static_graph": True}],
+                         ids=["defaults", "copied_gradients", "static_graph"])
+def test_ddp_equals_one_process_on_the_whole_batch(loom, options):
     comm = loom.world_comm()
     n, rank = comm.size, comm.rank
 
@@ -100,7 +103,7 @@ def test_ddp_equals_one_process_on_the_whole_batch(loom):
         torch.manual_seed(1)
         return nn.Sequential(nn.Linear(5, 16), nn.Tanh(), nn.Linear(16, 3))
 
-    ours, whole = torchloom.DistributedDataParallel(mlp(), bucket_cap_mb=0.0005), mlp()
+    ours, whole = torchloom.DistributedDataParallel(mlp(), bucket_cap_mb=0.0005, **options), mlp()
     our_opt = torch.optim.SGD(ours.parameters(), lr=0.1, momentum=0.9)
     whole_opt = torch.optim.SGD(whole.parameters(), lr=0.1, momentum=0.9)
     for step in range(STEPS):
@@ -118,6 +121,13 @@ def test_ddp_equals_one_process_on_the_whole_batch(loom):
         whole_opt.step()
         for (name, a), b in zip(whole.named_parameters(), ours.module.parameters()):
             torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6, msg=f"step {step} parameter {name}")
+    # the options reached the reducer
+    storages = {p.grad.untyped_storage().data_ptr() for p in ours.module.parameters()}
+    assert len(ours.bucket_layout()) == 1  # (the first bucket holds up to 1 MB)
+    expected = 1 if options.get("gradient_as_bucket_view", True) else len(list(ours.module.parameters()))
+    assert len(storages) == expected, storages  # views into the bucket share its storage
+    agreements = ours.stats()["used_set_agreements"]
+    assert agreements == (1 if options.get("static_graph") else 0), agreements
 
 
 def test_ddp_comm_hooks(loom):
