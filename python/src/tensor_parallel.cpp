@@ -30,6 +30,25 @@ struct ForkContext {
   std::optional<loom::RngTracker::ForkGuard> guard;
 };
 
+// init=None keeps the C++ default. "master": the full weight drawn as the plain torch layer would
+// from the default generator, then sliced (equal to the plain layer at every TP degree); "sharded":
+// each rank draws only its shard from the model-parallel stream (loom::ParallelInit, where the
+// library has it).
+template <typename Options>
+void set_initialization(Options& o, const std::optional<std::string>& init, const char* layer) {
+  if (!init) return;
+  if (*init != "master" && *init != "sharded")
+    throw loom::InvalidArgumentError(std::string(layer) + ": init must be 'master' or 'sharded', found '" + *init + "'");
+  if constexpr (requires { o.initialization.mode; }) {
+    using Mode = decltype(o.initialization.mode);
+    o.initialization.mode = *init == "master" ? Mode::Master : Mode::Sharded;
+  } else if (*init == "sharded") {
+    throw loom::InvalidArgumentError(std::string(layer) +
+                                     ": init='sharded' needs a library with loom::ParallelInit; this one draws the "
+                                     "master weight (init='master')");
+  }
+}
+
 loom::LossReduction parse_reduction(const std::string& r) {
   if (r == "mean") return loom::LossReduction::Mean;
   if (r == "sum") return loom::LossReduction::Sum;
@@ -65,15 +84,17 @@ void bind_tensor_parallel(py::module_& m) {
 
   py::class_<loom::ColumnParallelLinearImpl, std::shared_ptr<loom::ColumnParallelLinearImpl>>(
       tp, "ColumnParallelLinear", "loom::ColumnParallelLinear")
-      .def(py::init([](int64_t in, int64_t out, Group group, bool bias, bool gather_output, bool sequence_parallel) {
+      .def(py::init([](int64_t in, int64_t out, Group group, bool bias, bool gather_output, bool sequence_parallel,
+                       const std::optional<std::string>& init) {
              loom::ColumnParallelLinearOptions o;
              o.bias = bias;
              o.gather_output = gather_output;
              o.sequence_parallel = sequence_parallel;
+             set_initialization(o, init, "ColumnParallelLinear");
              return std::make_shared<loom::ColumnParallelLinearImpl>(in, out, std::move(group), std::move(o));
            }),
            py::arg("in_features"), py::arg("out_features"), py::arg("group"), py::arg("bias") = true,
-           py::arg("gather_output") = false, py::arg("sequence_parallel") = false)
+           py::arg("gather_output") = false, py::arg("sequence_parallel") = false, py::arg("init") = py::none())
       .def("forward", &loom::ColumnParallelLinearImpl::forward, release_gil())
       .def("load_master", [](loom::ColumnParallelLinearImpl& l, const at::Tensor& w, const std::optional<at::Tensor>& b) {
              l.load_master(w, b.value_or(at::Tensor()));
@@ -87,15 +108,16 @@ void bind_tensor_parallel(py::module_& m) {
   py::class_<loom::RowParallelLinearImpl, std::shared_ptr<loom::RowParallelLinearImpl>>(tp, "RowParallelLinear",
                                                                                         "loom::RowParallelLinear")
       .def(py::init([](int64_t in, int64_t out, Group group, bool bias, bool input_is_parallel,
-                       bool sequence_parallel) {
+                       bool sequence_parallel, const std::optional<std::string>& init) {
              loom::RowParallelLinearOptions o;
              o.bias = bias;
              o.input_is_parallel = input_is_parallel;
              o.sequence_parallel = sequence_parallel;
+             set_initialization(o, init, "RowParallelLinear");
              return std::make_shared<loom::RowParallelLinearImpl>(in, out, std::move(group), std::move(o));
            }),
            py::arg("in_features"), py::arg("out_features"), py::arg("group"), py::arg("bias") = true,
-           py::arg("input_is_parallel") = true, py::arg("sequence_parallel") = false)
+           py::arg("input_is_parallel") = true, py::arg("sequence_parallel") = false, py::arg("init") = py::none())
       .def("forward", &loom::RowParallelLinearImpl::forward, release_gil())
       .def("load_master", [](loom::RowParallelLinearImpl& l, const at::Tensor& w, const std::optional<at::Tensor>& b) {
              l.load_master(w, b.value_or(at::Tensor()));
@@ -108,12 +130,15 @@ void bind_tensor_parallel(py::module_& m) {
 
   py::class_<loom::VocabParallelEmbeddingImpl, std::shared_ptr<loom::VocabParallelEmbeddingImpl>>(
       tp, "VocabParallelEmbedding", "loom::VocabParallelEmbedding")
-      .def(py::init([](int64_t n, int64_t dim, Group group, bool sequence_parallel) {
+      .def(py::init([](int64_t n, int64_t dim, Group group, bool sequence_parallel,
+                       const std::optional<std::string>& init) {
              loom::VocabParallelEmbeddingOptions o;
              o.sequence_parallel = sequence_parallel;
+             set_initialization(o, init, "VocabParallelEmbedding");
              return std::make_shared<loom::VocabParallelEmbeddingImpl>(n, dim, std::move(group), std::move(o));
            }),
-           py::arg("num_embeddings"), py::arg("embedding_dim"), py::arg("group"), py::arg("sequence_parallel") = false)
+           py::arg("num_embeddings"), py::arg("embedding_dim"), py::arg("group"), py::arg("sequence_parallel") = false,
+           py::arg("init") = py::none())
       .def("forward", &loom::VocabParallelEmbeddingImpl::forward, release_gil())
       .def("load_master", &loom::VocabParallelEmbeddingImpl::load_master, py::arg("weight"))
       .def("shard_info", &shard_info_dict<loom::VocabParallelEmbeddingImpl>)

@@ -1,11 +1,13 @@
 """Tensor parallelism (Megatron-style) as Python nn.Modules over the C++ layers and region operations.
 
-Each layer is built by the C++ layer (which draws the plain layer's full "master" weight from
-torch's default generator, exactly as torch.nn.Linear / Embedding would, and keeps this rank's
-slice); the Python module then owns that slice as its nn.Parameter and hands the same tensor back
-to the C++ layer, whose forward (checks, region operations, matmul) runs on it. So
-torch.manual_seed(s) followed by the same constructor calls gives the same function at every TP
-degree, and optimizers, state_dict() and DDP see ordinary parameters.
+Each layer is built by the C++ layer, which creates this rank's slice of the weights; the Python
+module then owns that slice as its nn.Parameter and hands the same tensor back to the C++ layer,
+whose forward (checks, region operations, matmul) runs on it, so optimizers, state_dict() and DDP
+see ordinary parameters. init="master" draws the plain layer's full weight from torch's default
+generator, exactly as torch.nn.Linear / Embedding would, and keeps this rank's slice:
+torch.manual_seed(s) followed by the same constructor calls then gives the same function at every
+TP degree. init=None takes the C++ library's default (where it has loom::ParallelInit, "sharded":
+each rank draws only its shard from the model-parallel stream).
 
     ps = torchloom.ParallelState(torchloom.world_comm(), tensor_parallel=2)
     fc1 = torchloom.ColumnParallelLinear(512, 2048, ps.tp_group)   # 1024 output rows per rank
@@ -62,11 +64,12 @@ class ColumnParallelLinear(_ParallelLayer):
     """y = x A^T + b with A split by rows (output features) across the TP group."""
 
     def __init__(self, in_features: int, out_features: int, group: Group = None, bias: bool = True,
-                 gather_output: bool = False, sequence_parallel: bool = False) -> None:
+                 gather_output: bool = False, sequence_parallel: bool = False, init: Optional[str] = None) -> None:
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
         self._impl = _C.ColumnParallelLinear(in_features, out_features, group, bias=bias,
-                                                gather_output=gather_output, sequence_parallel=sequence_parallel)
+                                             gather_output=gather_output, sequence_parallel=sequence_parallel,
+                                             init=init)
         _adopt(self, self._impl, "weight")
         _adopt(self, self._impl, "bias")
 
@@ -79,11 +82,12 @@ class RowParallelLinear(_ParallelLayer):
     """y = x A^T + b with A split by columns (input features); partial products all-reduced, bias added once."""
 
     def __init__(self, in_features: int, out_features: int, group: Group = None, bias: bool = True,
-                 input_is_parallel: bool = True, sequence_parallel: bool = False) -> None:
+                 input_is_parallel: bool = True, sequence_parallel: bool = False, init: Optional[str] = None) -> None:
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
         self._impl = _C.RowParallelLinear(in_features, out_features, group, bias=bias,
-                                             input_is_parallel=input_is_parallel, sequence_parallel=sequence_parallel)
+                                          input_is_parallel=input_is_parallel, sequence_parallel=sequence_parallel,
+                                          init=init)
         _adopt(self, self._impl, "weight")
         _adopt(self, self._impl, "bias")
 
@@ -96,11 +100,11 @@ class VocabParallelEmbedding(_ParallelLayer):
     """An embedding table split by rows (vocabulary) across the TP group."""
 
     def __init__(self, num_embeddings: int, embedding_dim: int, group: Group = None,
-                 sequence_parallel: bool = False) -> None:
+                 sequence_parallel: bool = False, init: Optional[str] = None) -> None:
         super().__init__()
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         self._impl = _C.VocabParallelEmbedding(num_embeddings, embedding_dim, group,
-                                                  sequence_parallel=sequence_parallel)
+                                               sequence_parallel=sequence_parallel, init=init)
         _adopt(self, self._impl, "weight")
 
     def load_master(self, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> None:

@@ -70,6 +70,8 @@ def test_bad_arguments_raise_mirrored_errors_with_the_cpp_message(loom):
     # TP configuration checked by the C++ side
     with pytest.raises(torchloom.InvalidArgumentError, match=r"ColumnParallelLinear.*out_features"):
         torchloom.ColumnParallelLinear(4, 0, None)
+    with pytest.raises(torchloom.InvalidArgumentError, match=r"ColumnParallelLinear: init must be 'master' or 'sharded'"):
+        torchloom.ColumnParallelLinear(4, 4, None, init="random")
     with pytest.raises(torchloom.InvalidArgumentError, match=r"GradScaler.*growth_factor must be > 1.0"):
         torchloom.GradScaler(growth_factor=0.5)
     with pytest.raises(torchloom.InvalidArgumentError, match=r"timeout"):
@@ -173,7 +175,7 @@ def test_gradscaler_state_dict_round_trip_and_setters():
 
 def test_tp_layers_without_group_equal_plain_layers():
     torch.manual_seed(3)
-    col = torchloom.ColumnParallelLinear(6, 8, None)
+    col = torchloom.ColumnParallelLinear(6, 8, None, init="master")
     torch.manual_seed(3)
     plain = torch.nn.Linear(6, 8)
     assert torch.equal(col.weight, plain.weight) and torch.equal(col.bias, plain.bias)
