@@ -5,7 +5,7 @@
 #   bash benchmarks/run_all.sh [results-dir]
 # The last step writes benchmarks/report/README.md and its plots from the results (REPORT=0 skips
 # it; on its own: python3 benchmarks/report.py [results-dir]).
-# BENCHMARKS selects which run (default: all of "allreduce ddp tp amp placement soak checkpoint"); DDP_ROUNDS how many times the
+# BENCHMARKS selects which run (default: all of "allreduce ddp python tp amp placement soak checkpoint"); DDP_ROUNDS how many times the
 # loom/PyTorch DDP pair is repeated, alternating which goes first (default 3).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -22,7 +22,7 @@ busy=$( { head -1 /proc/stat; sleep 1; head -1 /proc/stat; } |
 if ((busy > 20)); then
   echo "WARNING: the CPUs are ${busy}% busy before the benchmarks start (another process): results will be noisy"
 fi
-BENCHMARKS=${BENCHMARKS:-allreduce ddp tp amp placement soak checkpoint}
+BENCHMARKS=${BENCHMARKS:-allreduce ddp python tp amp placement soak checkpoint}
 PYTHON=${PYTHON:-python3}
 # What machine and run the results come from (CPU, cores, host, date, commit, these settings): the
 # report prints it under every plot.
@@ -72,6 +72,13 @@ if [[ " $BENCHMARKS " == *" ddp "* ]]; then
   echo "== DDP summary"
   "$PYTHON" benchmarks/ddp_reference.py --summarize --ours "${ours[@]}" --pytorch "${ref[@]}" \
     --ours-single "$RESULTS/ddp_loom_np1.json" --json "$RESULTS/ddp_summary.json"
+fi
+if [[ " $BENCHMARKS " == *" python "* ]]; then
+  # The torchloom Python module: its DDP against PyTorch's (Gloo) in the same processes, and the
+  # per-call overhead of a Python collective over the C++ call.
+  echo "== Python: torchloom DDP vs torch DDP (gloo), 2 ranks; per-call overhead"
+  PYTHONPATH="build/python${PYTHONPATH:+:$PYTHONPATH}" mpirun -np 2 $LOOM_MPIRUN_FLAGS "$PYTHON" \
+    benchmarks/python_ddp_bench.py --json "$RESULTS/python_ddp_np2.json"
 fi
 if [[ " $BENCHMARKS " == *" tp "* ]]; then
   echo "== tensor-parallel MLP, TP=2 against TP=1, 2 ranks"

@@ -6,7 +6,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 APT_PACKAGES=(cmake ninja-build g++ openmpi-bin libopenmpi-dev libspdlog-dev nlohmann-json3-dev
-              libcli11-dev libhwloc-dev libxxhash-dev libgtest-dev libbenchmark-dev)
+              libcli11-dev libhwloc-dev libxxhash-dev libgtest-dev libbenchmark-dev
+              python3-dev)  # python3-dev: Python.h for the torchloom module (python/)
 
 missing=()
 for pkg in "${APT_PACKAGES[@]}"; do

@@ -73,11 +73,24 @@ std::vector<at::Tensor> GradScaler::scale(const std::vector<at::Tensor>& outputs
   return scaled;
 }
 
-GradScaler::PerOptimizer& GradScaler::state_of(const torch::optim::Optimizer& optimizer) {
-  return per_optimizer_[&optimizer];
+GradScaler::PerOptimizer& GradScaler::state_of(const void* optimizer) { return per_optimizer_[optimizer]; }
+
+namespace {
+std::vector<at::Tensor> defined_grads(torch::optim::Optimizer& optimizer) {
+  std::vector<at::Tensor> grads;
+  for (auto& group : optimizer.param_groups())
+    for (auto& param : group.params())
+      if (param.grad().defined()) grads.push_back(param.grad());
+  return grads;
 }
+}  // namespace
 
 void GradScaler::unscale_(torch::optim::Optimizer& optimizer) {
+  if (!options_.enabled) return;
+  unscale_(&optimizer, defined_grads(optimizer));
+}
+
+void GradScaler::unscale_(const void* optimizer, const std::vector<at::Tensor>& gradients) {
   if (!options_.enabled) return;
   PerOptimizer& state = state_of(optimizer);
   if (state.stage == Stage::Unscaled)
@@ -90,19 +103,16 @@ void GradScaler::unscale_(torch::optim::Optimizer& optimizer) {
 
   // Group gradients by (device, dtype): one fused kernel per group.
   std::map<std::tuple<int, int, int>, std::vector<at::Tensor>> groups;
-  for (auto& group : optimizer.param_groups()) {
-    for (auto& param : group.params()) {
-      const at::Tensor& grad = param.grad();
-      if (!grad.defined()) continue;
-      if (grad.scalar_type() == at::kHalf)
-        throw InvalidArgumentError(where("unscale_") +
-                                   ": attempting to unscale float16 gradients (expected float32 master parameters; "
-                                   "keep the parameters in float32 and let autocast run the math in float16)");
-      if (grad.is_sparse())
-        throw InvalidArgumentError(where("unscale_") + ": sparse gradients are not supported");
-      groups[{static_cast<int>(grad.device().type()), grad.device().index(), static_cast<int>(grad.scalar_type())}]
-          .push_back(grad);
-    }
+  for (const at::Tensor& grad : gradients) {
+    if (!grad.defined()) continue;
+    if (grad.scalar_type() == at::kHalf)
+      throw InvalidArgumentError(where("unscale_") +
+                                 ": attempting to unscale float16 gradients (expected float32 master parameters; "
+                                 "keep the parameters in float32 and let autocast run the math in float16)");
+    if (grad.is_sparse())
+      throw InvalidArgumentError(where("unscale_") + ": sparse gradients are not supported");
+    groups[{static_cast<int>(grad.device().type()), grad.device().index(), static_cast<int>(grad.scalar_type())}]
+        .push_back(grad);
   }
   if (groups.empty())
     throw InvalidArgumentError(where("unscale_") +
@@ -137,17 +147,23 @@ void GradScaler::unscale_(torch::optim::Optimizer& optimizer) {
 }
 
 bool GradScaler::step(torch::optim::Optimizer& optimizer) {
+  const bool unscaled = !options_.enabled || state_of(&optimizer).stage != Stage::Ready;
+  return step(&optimizer, unscaled ? std::vector<at::Tensor>{} : defined_grads(optimizer), [&] { optimizer.step(); });
+}
+
+bool GradScaler::step(const void* optimizer, const std::vector<at::Tensor>& grads,
+                      const std::function<void()>& optimizer_step) {
   if (!options_.enabled) {
-    optimizer.step();
+    optimizer_step();
     return true;
   }
   PerOptimizer& state = state_of(optimizer);
   if (state.stage == Stage::Stepped)
     throw InvalidArgumentError(where("step") + ": step() has already been called since the last update()");
-  if (state.stage == Stage::Ready) unscale_(optimizer);
+  if (state.stage == Stage::Ready) unscale_(optimizer, grads);
   // The step's one host synchronisation: whether to run the optimizer at all.
   const bool skip = state.found_inf.item<float>() != 0.0f;
-  if (!skip) optimizer.step();
+  if (!skip) optimizer_step();
   state.stage = Stage::Stepped;
   return !skip;
 }

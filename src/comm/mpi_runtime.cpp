@@ -25,6 +25,15 @@ bool initialized() {
   return flag && !finalized;
 }
 
+std::string library_version() {
+  char text[MPI_MAX_LIBRARY_VERSION_STRING] = {};
+  int length = 0;
+  MPI_Get_library_version(text, &length);  // callable before MPI_Init
+  std::string version(text, static_cast<size_t>(length));
+  while (!version.empty() && (version.back() == '\n' || version.back() == '\0')) version.pop_back();
+  return version;
+}
+
 void initialize() {
   int already = 0;
   MPI_Initialized(&already);

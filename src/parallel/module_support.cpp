@@ -133,7 +133,11 @@ void prepare_frozen_parameters(Communicator& group, const ModuleParameters& para
 
 void check_module_unchanged(const Communicator& group, const ModuleParameters& at_construction,
                             const torch::nn::Module& module) {
-  const ModuleParameters now = module_parameters(module);
+  check_parameters_unchanged(group, at_construction, module_parameters(module));
+}
+
+void check_parameters_unchanged(const Communicator& group, const ModuleParameters& at_construction,
+                                const ModuleParameters& now) {
   const ErrorContext where = group.context("DistributedDataParallel forward");
   const std::string rebuild = " (build the DistributedDataParallel wrapper again after changing the model)";
   if (now.all.size() != at_construction.all.size())

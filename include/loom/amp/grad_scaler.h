@@ -22,6 +22,7 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <functional>
 #include <map>
 #include <optional>
 #include <utility>
@@ -61,6 +62,10 @@ class GradScaler {
   // Unscales (if not done yet) and runs optimizer.step() unless a gradient was inf/NaN on any
   // rank of the sync groups. Returns whether the optimizer stepped.
   bool step(torch::optim::Optimizer& optimizer);
+  // The same two calls for an optimizer LibTorch does not know (a Python one): `optimizer` only
+  // identifies it, `grads` are its parameters' defined gradients, `optimizer_step` runs its step.
+  void unscale_(const void* optimizer, const std::vector<at::Tensor>& grads);
+  bool step(const void* optimizer, const std::vector<at::Tensor>& grads, const std::function<void()>& optimizer_step);
   // Adjusts the scale from this step's found-inf flags (back off, or grow after growth_interval
   // clean steps) and starts the next step.
   void update();
@@ -72,6 +77,10 @@ class GradScaler {
   double get_backoff_factor() const { return options_.backoff_factor; }
   int64_t get_growth_interval() const { return options_.growth_interval; }
   int64_t get_growth_tracker() const;
+  // As torch.amp.GradScaler's setters: take effect at the next update().
+  void set_growth_factor(double factor) { options_.growth_factor = factor; }
+  void set_backoff_factor(double factor) { options_.backoff_factor = factor; }
+  void set_growth_interval(int64_t interval) { options_.growth_interval = interval; }
 
   // {"scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker"}, as
   // torch.amp.GradScaler.state_dict(); empty when disabled.
@@ -89,7 +98,7 @@ class GradScaler {
   void lazy_init(const at::Device& device);
   // Sets the scale and growth tracker, now or (before the first scale()) when they are created.
   void set_state(double scale, int64_t growth_tracker);
-  PerOptimizer& state_of(const torch::optim::Optimizer& optimizer);
+  PerOptimizer& state_of(const void* optimizer);
   std::string where(const char* call) const;
 
   GradScalerOptions options_;
@@ -97,7 +106,7 @@ class GradScaler {
   at::Tensor growth_tracker_;  // int32 [1]
   // A state set before the first scale(): applied on the loss's device by lazy_init.
   std::optional<std::pair<double, int64_t>> pending_state_;
-  std::map<const torch::optim::Optimizer*, PerOptimizer> per_optimizer_;
+  std::map<const void*, PerOptimizer> per_optimizer_;
 };
 
 }  // namespace loom

@@ -14,6 +14,7 @@
 #pragma once
 
 #include <memory>
+#include <string>
 
 #include "loom/comm/communicator.h"
 
@@ -22,6 +23,8 @@ namespace loom::mpi {
 // Starts MPI (idempotent). Throws loom::ConfigError when MPI_THREAD_MULTIPLE is not provided.
 void initialize();
 bool initialized();
+// The MPI library's version string (MPI_Get_library_version), e.g. "Open MPI v4.1.4, ...".
+std::string library_version();
 // Finalizes MPI (idempotent). Communicators should be destroyed first.
 void finalize();
 

@@ -190,6 +190,9 @@ void prepare_frozen_parameters(Communicator& group, const ModuleParameters& para
 // frozen or unfrozen since construction (the wrapper must then be rebuilt, as in PyTorch).
 void check_module_unchanged(const Communicator& group, const ModuleParameters& at_construction,
                             const torch::nn::Module& module);
+// The same check on the parameters as they are now (a Python module's named_parameters()).
+void check_parameters_unchanged(const Communicator& group, const ModuleParameters& at_construction,
+                                const ModuleParameters& now);
 // Whether grad mode is on (so the header needs no autograd include).
 bool grad_enabled();
 }  // namespace detail

@@ -1,0 +1,59 @@
+// Checkpoints: loom::Checkpointer with what maps to Python without a C++ module or optimizer —
+// named tensors (a Python model's parameters and buffers, optimizer state tensors), the
+// GradScaler, the RNG tracker; progress and user key-values.
+#include "bindings.h"
+
+#include "loom/amp/grad_scaler.h"
+#include "loom/parallel/tensor_parallel.h"
+#include "loom/train/checkpoint.h"
+
+namespace torchloom_py {
+
+void bind_checkpoint(py::module_& m) {
+  py::class_<loom::TrainingProgress>(m, "TrainingProgress", "Where training stands (loom::TrainingProgress).")
+      .def(py::init([](int64_t step, int64_t epoch, int64_t sample) {
+             return loom::TrainingProgress{step, epoch, sample};
+           }),
+           py::arg("step") = 0, py::arg("epoch") = 0, py::arg("sample") = 0)
+      .def_readwrite("step", &loom::TrainingProgress::step)
+      .def_readwrite("epoch", &loom::TrainingProgress::epoch)
+      .def_readwrite("sample", &loom::TrainingProgress::sample);
+  py::class_<loom::CheckpointInfo>(m, "CheckpointInfo", "What a save published or a load read.")
+      .def_readonly("path", &loom::CheckpointInfo::path)
+      .def_readonly("progress", &loom::CheckpointInfo::progress)
+      .def_readonly("user", &loom::CheckpointInfo::user)
+      .def_readonly("bytes", &loom::CheckpointInfo::bytes)
+      .def_readonly("seconds", &loom::CheckpointInfo::seconds)
+      .def_readonly("stall_seconds", &loom::CheckpointInfo::stall_seconds);
+
+  // The registered objects must outlive the checkpointer: keep_alive ties them to it.
+  py::class_<loom::Checkpointer>(m, "Checkpointer", "loom::Checkpointer (collective construction).")
+      .def(py::init([](std::shared_ptr<loom::Communicator> world, const std::string& directory, int keep_last,
+                       bool async, const py::object& timeout) {
+             loom::CheckpointOptions o;
+             o.directory = directory;
+             o.keep_last = keep_last;
+             o.async = async;
+             o.timeout = to_timeout(timeout);
+             py::gil_scoped_release release;
+             return std::make_unique<loom::Checkpointer>(std::move(world), o);
+           }),
+           py::arg("world"), py::arg("directory"), py::arg("keep_last") = 3, py::arg("async_") = true,
+           py::arg("timeout") = py::none())
+      .def("tensor", [](loom::Checkpointer& c, const std::string& name, at::Tensor t) -> loom::Checkpointer& {
+             return c.tensor(name, std::move(t));
+           }, py::arg("name"), py::arg("tensor"), py::return_value_policy::reference_internal)
+      .def("scaler", &loom::Checkpointer::scaler, py::arg("scaler"), py::keep_alive<1, 2>(),
+           py::return_value_policy::reference_internal)
+      .def("rng", &loom::Checkpointer::rng, py::arg("tracker"), py::keep_alive<1, 2>(),
+           py::return_value_policy::reference_internal)
+      .def("save", &loom::Checkpointer::save, py::arg("progress"),
+           py::arg("user") = std::map<std::string, std::string>{}, release_gil())
+      .def("wait", &loom::Checkpointer::wait, release_gil())
+      .def("pending", &loom::Checkpointer::pending)
+      .def("load_latest", &loom::Checkpointer::load_latest, release_gil())
+      .def("load", &loom::Checkpointer::load, py::arg("path"), release_gil())
+      .def_static("find_latest", &loom::Checkpointer::find_latest, py::arg("directory"));
+}
+
+}  // namespace torchloom_py

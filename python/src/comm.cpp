@@ -1,0 +1,183 @@
+// Start-up, the world, communicators, work handles, TP x DP groups, the placement plan.
+#include "bindings.h"
+
+#include "loom/comm/groups.h"
+#include "loom/runtime.h"
+#include "loom/topology/placement.h"
+#include "loom/world.h"
+
+namespace torchloom_py {
+
+void bind_comm(py::module_& m) {
+  py::class_<loom::World>(m, "World", "Where this process stands in the job (loom::World).")
+      .def_readonly("rank", &loom::World::rank)
+      .def_readonly("size", &loom::World::size)
+      .def_readonly("local_rank", &loom::World::local_rank)
+      .def_readonly("local_size", &loom::World::local_size)
+      .def_readonly("node_index", &loom::World::node_index)
+      .def_readonly("num_nodes", &loom::World::num_nodes)
+      .def_readonly("hostname", &loom::World::hostname)
+      .def_readonly("launcher", &loom::World::launcher)
+      .def("__repr__", [](const loom::World& w) {
+        return "World(rank=" + std::to_string(w.rank) + ", size=" + std::to_string(w.size) +
+               ", local_rank=" + std::to_string(w.local_rank) + ", local_size=" + std::to_string(w.local_size) +
+               ", node_index=" + std::to_string(w.node_index) + ", num_nodes=" + std::to_string(w.num_nodes) +
+               ", hostname='" + w.hostname + "', launcher='" + w.launcher + "')";
+      });
+  m.def("world_from_environment", [] {
+        return loom::world_from_environment(loom::current_environment(), loom::current_hostname());
+      }, "The world as the launcher's environment describes it (no MPI started).");
+
+  py::enum_<loom::ReduceOp>(m, "ReduceOp", "Reduction of all_reduce / reduce_scatter.")
+      .value("SUM", loom::ReduceOp::Sum)
+      .value("AVG", loom::ReduceOp::Avg)
+      .value("MIN", loom::ReduceOp::Min)
+      .value("MAX", loom::ReduceOp::Max)
+      .value("PRODUCT", loom::ReduceOp::Product);
+
+  py::class_<loom::Work, std::shared_ptr<loom::Work>>(
+      m, "Work", "Handle of an asynchronous operation (loom::Work), like torch.distributed's Work.")
+      .def("wait", [](loom::Work& w, const py::object& timeout) {
+             const loom::Timeout t = to_timeout(timeout);
+             py::gil_scoped_release release;
+             w.wait(t);
+             return true;
+           }, py::arg("timeout") = py::none(),
+           "Blocks (without the GIL) until the operation is done; raises its error. With a timeout (seconds or "
+           "timedelta), raises torchloom.TimeoutError when it is not done by then.")
+      .def("is_completed", &loom::Work::is_completed, "True once finished, successfully or not. Never blocks.")
+      .def("is_success", &loom::Work::is_success, "True once finished without error.")
+      .def("synchronize", &loom::Work::synchronize, release_gil(), "Blocks the host until the operation is done.")
+      .def("exception", [](loom::Work& w) { return python_exception(w.exception()); },
+           "The operation's error as a torchloom exception (not raised), or None.")
+      .def_property_readonly("seq", [](const loom::Work& w) { return w.info().seq; }, "Sequence number.")
+      .def("__repr__", [](const loom::Work& w) { return "<torchloom.Work " + w.info().describe() + ">"; });
+
+  py::class_<loom::Communicator, std::shared_ptr<loom::Communicator>>(
+      m, "Communicator",
+      "Collectives and point-to-point operations over a group of ranks (loom::Communicator). Every call is "
+      "asynchronous and returns a Work; tensors are updated in place.")
+      .def_property_readonly("rank", &loom::Communicator::rank)
+      .def_property_readonly("size", &loom::Communicator::size)
+      .def_property_readonly("name", &loom::Communicator::name)
+      .def_property_readonly("job_rank", &loom::Communicator::job_rank)
+      .def_property_readonly("members", &loom::Communicator::members)
+      .def_property_readonly("backend", &loom::Communicator::backend)
+      .def_property_readonly("device", [](const loom::Communicator& c) { return c.device(); })
+      .def("is_broken", &loom::Communicator::is_broken)
+      .def("broken_reason", &loom::Communicator::broken_reason)
+      .def("all_reduce", [](loom::Communicator& c, at::Tensor tensor, loom::ReduceOp op, const py::object& timeout) {
+             loom::AllReduceOptions o{op, to_timeout(timeout)};
+             py::gil_scoped_release release;
+             return c.all_reduce(tensor, o);
+           }, py::arg("tensor"), py::arg("op") = loom::ReduceOp::Sum, py::arg("timeout") = py::none(),
+           "In place: every rank's tensor becomes the reduction over the group.")
+      .def("broadcast", [](loom::Communicator& c, at::Tensor tensor, int root, const py::object& timeout) {
+             loom::BroadcastOptions o{root, to_timeout(timeout)};
+             py::gil_scoped_release release;
+             return c.broadcast(tensor, o);
+           }, py::arg("tensor"), py::arg("root") = 0, py::arg("timeout") = py::none(),
+           "The root's tensor is copied into every rank's tensor.")
+      .def("all_gather", [](loom::Communicator& c, const py::object& output, at::Tensor input, const py::object& timeout) {
+             loom::AllGatherOptions o{to_timeout(timeout)};
+             if (py::isinstance<py::list>(output)) {
+               auto outputs = output.cast<std::vector<at::Tensor>>();
+               py::gil_scoped_release release;
+               return c.all_gather(outputs, input, o);
+             }
+             at::Tensor flat = output.cast<at::Tensor>();
+             py::gil_scoped_release release;
+             return c.all_gather(flat, input, o);
+           }, py::arg("output"), py::arg("input"), py::arg("timeout") = py::none(),
+           "output: a tensor of size * input.numel() elements (rank r's input at offset r * numel), or a list of "
+           "size tensors shaped like input.")
+      .def("reduce_scatter", [](loom::Communicator& c, at::Tensor output, at::Tensor input, loom::ReduceOp op,
+                                const py::object& timeout) {
+             loom::ReduceScatterOptions o{op, to_timeout(timeout)};
+             py::gil_scoped_release release;
+             return c.reduce_scatter(output, input, o);
+           }, py::arg("output"), py::arg("input"), py::arg("op") = loom::ReduceOp::Sum, py::arg("timeout") = py::none(),
+           "input holds size * output.numel() elements; rank r receives the reduction of every rank's r-th chunk.")
+      .def("all_to_all", [](loom::Communicator& c, at::Tensor output, at::Tensor input, const py::object& timeout) {
+             loom::AllToAllOptions o{to_timeout(timeout)};
+             py::gil_scoped_release release;
+             return c.all_to_all(output, input, o);
+           }, py::arg("output"), py::arg("input"), py::arg("timeout") = py::none(),
+           "Chunk j of rank i's input lands in chunk i of rank j's output.")
+      .def("send", [](loom::Communicator& c, at::Tensor tensor, int dst, int tag, const py::object& timeout) {
+             loom::SendRecvOptions o{tag, to_timeout(timeout)};
+             py::gil_scoped_release release;
+             return c.send(tensor, dst, o);
+           }, py::arg("tensor"), py::arg("dst"), py::arg("tag") = 0, py::arg("timeout") = py::none())
+      .def("recv", [](loom::Communicator& c, at::Tensor tensor, int src, int tag, const py::object& timeout) {
+             loom::SendRecvOptions o{tag, to_timeout(timeout)};
+             py::gil_scoped_release release;
+             return c.recv(tensor, src, o);
+           }, py::arg("tensor"), py::arg("src"), py::arg("tag") = 0, py::arg("timeout") = py::none())
+      .def("barrier", [](loom::Communicator& c, const py::object& timeout) {
+             loom::BarrierOptions o{to_timeout(timeout)};
+             py::gil_scoped_release release;
+             return c.barrier(o);
+           }, py::arg("timeout") = py::none())
+      .def("split", [](loom::Communicator& c, int color, int key, const std::string& name, const py::object& timeout) {
+             loom::SplitOptions o{to_timeout(timeout)};
+             py::gil_scoped_release release;
+             return c.split(color, key, name, o);
+           }, py::arg("color"), py::arg("key"), py::arg("name"), py::arg("timeout") = py::none(),
+           "Collective: ranks passing the same color form a new communicator ordered by key; color < 0 gives None.")
+      .def("__repr__", [](const loom::Communicator& c) {
+        return "<torchloom.Communicator " + c.name() + " rank " + std::to_string(c.rank()) + " of " +
+               std::to_string(c.size()) + " (" + c.backend() + ")>";
+      });
+
+  py::class_<loom::ParallelGroups>(m, "ParallelGroups", "TP and DP groups (loom::ParallelGroups).")
+      .def_readonly("tp_degree", &loom::ParallelGroups::tp_degree)
+      .def_readonly("dp_degree", &loom::ParallelGroups::dp_degree)
+      .def_readonly("tp_rank", &loom::ParallelGroups::tp_rank)
+      .def_readonly("dp_rank", &loom::ParallelGroups::dp_rank)
+      .def_readonly("order", &loom::ParallelGroups::order)
+      .def_readonly("tensor_parallel", &loom::ParallelGroups::tensor_parallel)
+      .def_readonly("data_parallel", &loom::ParallelGroups::data_parallel);
+  m.def("make_parallel_groups", &loom::make_parallel_groups, py::arg("world"), py::arg("tp_degree"),
+        py::arg("order") = std::vector<int>{}, py::arg("dp_rings") = std::vector<std::vector<int>>{}, release_gil(),
+        "Collective over world: TP groups of tp_degree consecutive ranks (in order) and DP groups across them.");
+
+  py::class_<loom::Runtime, std::shared_ptr<loom::Runtime>>(m, "Runtime", "What loom::init() started.")
+      .def_property_readonly("world", &loom::Runtime::world, py::return_value_policy::copy)
+      .def_property_readonly("world_comm", &loom::Runtime::world_comm, "Every process of the job, CPU tensors (MPI).")
+      .def_property_readonly("device_comm", &loom::Runtime::device_comm,
+                             "Every process of the job, CUDA tensors (NCCL); None without one.")
+      .def_property_readonly("cuda_device", &loom::Runtime::cuda_device);
+  m.def("init", [](const py::object& timeout, const std::optional<std::string>& on_error) {
+        loom::InitOptions options;
+        if (!timeout.is_none()) options.comm.timeout = to_timeout(timeout);
+        if (on_error) {
+          if (*on_error == "raise") options.comm.on_error = loom::OnError::Raise;
+          else if (*on_error == "abort") options.comm.on_error = loom::OnError::Abort;
+          else throw loom::InvalidArgumentError("init: on_error must be 'raise' or 'abort', found '" + *on_error + "'");
+        }
+        py::gil_scoped_release release;
+        return loom::init(options);
+      }, py::arg("timeout") = py::none(), py::arg("on_error") = py::none());
+  m.def("finalize", &loom::finalize, release_gil());
+  // For benchmarks/python_ddp_bench.py: the same all_reduce + wait loop in C++, seconds per call, so
+  // that the Python call's own overhead can be measured against it.
+  m.def("_time_all_reduce_loop", [](loom::Communicator& c, at::Tensor tensor, int iterations) {
+        py::gil_scoped_release release;
+        const auto start = std::chrono::steady_clock::now();
+        for (int i = 0; i < iterations; ++i) c.all_reduce(tensor)->wait();
+        return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count() / iterations;
+      }, py::arg("comm"), py::arg("tensor"), py::arg("iterations"));
+  m.def("placement_plan_json", []() -> std::optional<std::string> {
+        const loom::topo::Plan* plan = loom::placement_plan();
+        if (!plan) return std::nullopt;
+        return loom::topo::plan_to_json(*plan);
+      }, "The placement plan loom::init() made, as JSON; None without one.");
+  m.def("explain_placement", [](double bytes) -> std::optional<std::string> {
+        const loom::topo::Plan* plan = loom::placement_plan();
+        if (!plan) return std::nullopt;
+        return loom::topo::explain(*plan, bytes);
+      }, py::arg("message_bytes") = double(64 << 20));
+}
+
+}  // namespace torchloom_py

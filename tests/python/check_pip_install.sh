@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# pip install --no-build-isolation ./python, linked against this build's library installed into a
+# scratch prefix, into a scratch target directory; then `import torch, torchloom` from there runs
+# a collective. Usage: check_pip_install.sh <build dir> <python>
+set -euo pipefail
+build=$1
+python=${2:-python3}
+src=$(cd "$(dirname "$0")/../.." && pwd)
+scratch=$(mktemp -d "${TMPDIR:-/tmp}/torchloom-pip.XXXXXX")
+trap 'rm -rf "$scratch"' EXIT
+cmake --install "$build" --prefix "$scratch/prefix" >/dev/null
+# The binding's own build directory lives in the scratch space, not in the source tree.
+"$python" -m pip install --no-build-isolation --no-deps --disable-pip-version-check -q \
+  --target "$scratch/site" \
+  -Ccmake.define.torchloom_DIR="$scratch/prefix/lib/cmake/torchloom" \
+  -Cbuild-dir="$scratch/build" -Ccmake.build-type=Release \
+  "$src/python"
+cd "$scratch"
+SITE="$scratch/site" PYTHONPATH="$scratch/site" "$python" - <<'PY'
+import torch, torchloom, os
+assert torchloom.__file__.startswith(os.environ["SITE"]), torchloom.__file__
+print("imported", torchloom.__version__, "from", torchloom.__file__)
+t = torch.ones(3)
+torchloom.init().world_comm.all_reduce(t).wait()
+assert t.tolist() == [1.0, 1.0, 1.0]
+torchloom.finalize()
+PY
+info=$(PYTHONPATH="$scratch/site" "$python" -m torchloom.info)
+grep "^torchloom " <<<"$info"
+echo "pip install: OK"

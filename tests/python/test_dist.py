@@ -1,0 +1,344 @@
+"""Multi-rank tests (CTest runs this file under mpirun -np 2 and -np 4): torchloom's data
+parallelism against PyTorch's DistributedDataParallel (Gloo, started inside the same processes)
+step for step and against one process on the whole batch; tensor-parallel layers against the
+plain torch layers; collectives and groups; GradScaler agreement across ranks."""
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+import torchloom
+
+STEPS = 6
+MICRO = 2
+BATCH = 4  # per micro-batch and rank
+
+
+@pytest.fixture(scope="module")
+def gloo(loom):
+    """torch.distributed (Gloo) over the same processes; rank 0's free port broadcast by torchloom."""
+    import socket
+    comm = loom.world_comm()
+    port = torch.zeros(1, dtype=torch.int64)
+    if comm.rank == 0:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port[0] = s.getsockname()[1]
+    comm.broadcast(port, root=0).wait()
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{int(port)}", rank=comm.rank,
+                            world_size=comm.size)
+    yield
+    dist.destroy_process_group()
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3)
+        self.bn = nn.BatchNorm2d(8)
+        self.head = nn.Linear(8 * 6 * 6, 10)
+        self.aux = nn.Linear(8 * 6 * 6, 10)  # used on some steps only
+
+    def forward(self, x, use_aux):
+        h = torch.relu(self.bn(self.conv(x))).flatten(1)
+        out = self.head(h)
+        return out + self.aux(h) if use_aux else out
+
+
+def uses_aux(step, rank):
+    return step != 4 and (step + rank) % 2 == 0  # step 4: unused on every rank
+
+
+def batch(step, micro, rank, shape=(3, 8, 8), out=10):
+    g = torch.Generator().manual_seed(1000 * step + 10 * micro + rank)
+    return torch.randn(BATCH, *shape, generator=g), torch.randn(BATCH, out, generator=g)
+
+
+def make_net(rank):
+    torch.manual_seed(0)
+    model = Net()
+    model.conv.bias.requires_grad_(False)  # frozen
+    with torch.no_grad():
+        model.conv.bias.add_(rank)  # differs per rank before wrapping: both DDPs broadcast rank 0's
+    return model
+
+
+def test_ddp_equals_torch_ddp_step_for_step(loom, gloo):
+    comm = loom.world_comm()
+    rank = comm.rank
+    ref_model, our_model = make_net(rank), make_net(rank)
+    ref = nn.parallel.DistributedDataParallel(ref_model, find_unused_parameters=True)
+    ours = torchloom.DistributedDataParallel(our_model, find_unused_parameters=True)
+    ref_opt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=0.01, weight_decay=0.01)
+    our_opt = torch.optim.AdamW([p for p in ours.parameters() if p.requires_grad], lr=0.01, weight_decay=0.01)
+    assert torch.equal(our_model.conv.bias, ref_model.conv.bias)  # frozen parameter broadcast from rank 0
+    for step in range(STEPS):
+        for ddp, opt in ((ref, ref_opt), (ours, our_opt)):
+            opt.zero_grad(set_to_none=True)
+            for micro in range(MICRO):
+                x, y = batch(step, micro, rank)
+                if micro < MICRO - 1:
+                    with ddp.no_sync():
+                        (((ddp(x, uses_aux(step, rank)) - y) ** 2).mean() / MICRO).backward()
+                else:
+                    (((ddp(x, uses_aux(step, rank)) - y) ** 2).mean() / MICRO).backward()
+            opt.step()
+        for (name, a), (_, b) in zip(ref_model.named_parameters(), our_model.named_parameters()):
+            assert (a.grad is None) == (b.grad is None), (step, name)
+            torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6, msg=f"step {step} parameter {name}")
+        for (name, a), (_, b) in zip(ref_model.named_buffers(), our_model.named_buffers()):
+            torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6, msg=f"step {step} buffer {name}")
+    stats = ours.stats()
+    assert stats["synchronized_iterations"] == STEPS and stats["iterations"] == STEPS * MICRO
+
+
+@pytest.mark.parametrize("options", [{}, {"gradient_as_bucket_view": False},
+                                     {"find_unused_parameters": True, "static_graph": True}],
+                         ids=["defaults", "copied_gradients", "static_graph"])
+def test_ddp_equals_one_process_on_the_whole_batch(loom, options):
+    comm = loom.world_comm()
+    n, rank = comm.size, comm.rank
+
+    def mlp():
+        torch.manual_seed(1)
+        return nn.Sequential(nn.Linear(5, 16), nn.Tanh(), nn.Linear(16, 3))
+
+    ours, whole = torchloom.DistributedDataParallel(mlp(), bucket_cap_mb=0.0005, **options), mlp()
+    our_opt = torch.optim.SGD(ours.parameters(), lr=0.1, momentum=0.9)
+    whole_opt = torch.optim.SGD(whole.parameters(), lr=0.1, momentum=0.9)
+    for step in range(STEPS):
+        our_opt.zero_grad()
+        whole_opt.zero_grad()
+        for micro in range(MICRO):
+            shards = [batch(step, micro, r, shape=(5,), out=3) for r in range(n)]
+            x, y = shards[rank]
+            ctx = ours.no_sync() if micro < MICRO - 1 else torch.enable_grad()
+            with ctx:
+                (((ours(x) - y) ** 2).mean() / MICRO).backward()
+            X, Y = torch.cat([s[0] for s in shards]), torch.cat([s[1] for s in shards])
+            (((whole(X) - Y) ** 2).mean() / MICRO).backward()
+        our_opt.step()
+        whole_opt.step()
+        for (name, a), b in zip(whole.named_parameters(), ours.module.parameters()):
+            torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6, msg=f"step {step} parameter {name}")
+    # the options reached the reducer
+    storages = {p.grad.untyped_storage().data_ptr() for p in ours.module.parameters()}
+    assert len(ours.bucket_layout()) == 1  # (the first bucket holds up to 1 MB)
+    expected = 1 if options.get("gradient_as_bucket_view", True) else len(list(ours.module.parameters()))
+    assert len(storages) == expected, storages  # views into the bucket share its storage
+    agreements = ours.stats()["used_set_agreements"]
+    assert agreements == (1 if options.get("static_graph") else 0), agreements
+
+
+def test_ddp_comm_hooks(loom):
+    comm = loom.world_comm()
+
+    def run(hook):
+        torch.manual_seed(2)
+        model = nn.Linear(4, 4)
+        ddp = torchloom.DistributedDataParallel(model)
+        calls = []
+        if hook == "python":
+            def average(state, bucket):
+                calls.append(bucket.index)
+                bucket.buffer.div_(bucket.divisor)
+                return bucket.group.all_reduce(bucket.buffer)
+            ddp.register_comm_hook(None, average)
+        elif hook is not None:
+            ddp.register_comm_hook(None, hook)
+        x = torch.full((2, 4), float(comm.rank + 1))
+        ddp(x).sum().backward()
+        return model.weight.grad.clone(), calls
+
+    plain, _ = run(None)
+    python, calls = run("python")
+    assert calls, "the Python hook was not called"
+    torch.testing.assert_close(python, plain)
+    for builtin in (torchloom.comm_hooks.fp16_compress_hook, torchloom.comm_hooks.bf16_compress_hook):
+        g, _ = run(builtin)
+        torch.testing.assert_close(g, plain, rtol=1e-2, atol=1e-2)
+    with pytest.raises(torchloom.InvalidArgumentError, match="register_comm_hook"):
+        torchloom.DistributedDataParallel(nn.Linear(1, 1)).register_comm_hook(None, 3)
+
+
+def test_ddp_errors_name_parameters(loom):
+    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    ddp = torchloom.DistributedDataParallel(model)
+    model[1].weight.requires_grad_(False)
+    with pytest.raises(torchloom.InvalidArgumentError, match=r"parameter 1\.weight was frozen after construction"):
+        ddp(torch.ones(1, 2))
+    comm = loom.world_comm()
+    different = nn.Linear(2, 3 if comm.rank == comm.size - 1 else 2)
+    with pytest.raises(torchloom.MismatchError, match=r"weight"):
+        torchloom.DistributedDataParallel(different)
+
+
+def test_collectives_and_groups(loom):
+    comm = loom.world_comm()
+    n, r = comm.size, comm.rank
+    t = torch.full((3,), float(r))
+    comm.all_reduce(t, torchloom.ReduceOp.SUM).wait()
+    assert t.tolist() == [float(sum(range(n)))] * 3
+    out = torch.empty(n * 2)
+    comm.all_gather(out, torch.full((2,), float(r))).wait()
+    assert out.tolist() == [float(i) for i in range(n) for _ in range(2)]
+    outs = [torch.empty(2) for _ in range(n)]
+    comm.all_gather(outs, torch.full((2,), float(r))).wait()
+    assert [o[0].item() for o in outs] == [float(i) for i in range(n)]
+    rs = torch.empty(1)
+    comm.reduce_scatter(rs, torch.arange(n, dtype=torch.float32)).wait()
+    assert rs.item() == float(r * n)
+    works = [comm.all_reduce(torch.ones(1000)) for _ in range(8)]
+    for w in works:
+        w.wait()
+        assert w.is_completed()
+    sub = comm.split(r % 2, r, f"parity{r % 2}")
+    assert sub.size == (n + 1 - r % 2) // 2 and sub.name == f"parity{r % 2}"
+    x = torch.ones(1)
+    sub.all_reduce(x).wait()
+    assert x.item() == sub.size
+    if n >= 2:
+        ps = torchloom.ParallelState(comm, tensor_parallel=2)
+        assert ps.tp_degree == 2 and ps.dp_degree == n // 2 and ps.tp_group.size == 2
+        groups = torchloom.make_parallel_groups(comm, 2)
+        assert groups.tp_rank == r % 2 and groups.dp_rank == r // 2
+
+
+def test_tensor_parallel_layers_equal_plain_layers(loom):
+    comm = loom.world_comm()
+    tp = comm.size if comm.size <= 2 else 2
+    ps = torchloom.ParallelState(comm, tensor_parallel=tp)
+    group = ps.tp_group
+    torch.manual_seed(5)
+    col = torchloom.ColumnParallelLinear(6, 8, group, init="master")
+    row = torchloom.RowParallelLinear(8, 6, group, init="master")
+    emb = torchloom.VocabParallelEmbedding(16, 6, group, init="master")
+    out = torchloom.ColumnParallelLinear(6, 16, group, bias=False, init="master")
+    torch.manual_seed(5)
+    p_col, p_row, p_emb, p_out = nn.Linear(6, 8), nn.Linear(8, 6), nn.Embedding(16, 6), nn.Linear(6, 16, bias=False)
+    ids = torch.randint(0, 16, (5,), generator=torch.Generator().manual_seed(9))
+    target = torch.randint(0, 16, (5,), generator=torch.Generator().manual_seed(10))
+    target[1] = -100
+
+    def forward(e, c, r, o, ce):
+        h = r(torch.nn.functional.gelu(c(e(ids))))
+        return ce(o(h))
+
+    loss = forward(emb, col, row, out, lambda z: torchloom.vocab_parallel_cross_entropy(z, target, group,
+                                                                                       label_smoothing=0.1))
+    ref = forward(p_emb, p_col, p_row, p_out, lambda z: torch.nn.functional.cross_entropy(z, target,
+                                                                                         label_smoothing=0.1))
+    torch.testing.assert_close(loss, ref, rtol=1e-5, atol=1e-6)
+    loss.backward()
+    ref.backward()
+    t, k = ps.tp_rank, tp
+    sl = lambda w, dim: w.chunk(k, dim)[t]  # noqa: E731
+    torch.testing.assert_close(col.weight.grad, sl(p_col.weight.grad, 0), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(col.bias.grad, sl(p_col.bias.grad, 0), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(row.weight.grad, sl(p_row.weight.grad, 1), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(row.bias.grad, p_row.bias.grad, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(emb.weight.grad, sl(p_emb.weight.grad, 0), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(out.weight.grad, sl(p_out.weight.grad, 0), rtol=1e-5, atol=1e-6)
+    assert col.shard_info()["weight"]["global_shape"] == [8, 6]
+    # the RNG tracker: per-TP-rank stream inside fork, default stream identical everywhere
+    ps.seed(1234)
+    tracker = torchloom.tensor_parallel.rng_tracker()
+    with tracker.fork():
+        inside = torch.rand(4)
+    outside = torch.rand(4)
+    both = torch.empty(2 * comm.size, 4)
+    comm.all_gather(both, torch.stack([inside, outside])).wait()
+    both = both.view(comm.size, 2, 4)
+    for r in range(comm.size):
+        assert torch.equal(both[r, 1], outside)
+        if r != comm.rank and r // tp == comm.rank // tp:
+            assert not torch.equal(both[r, 0], inside)
+
+
+def test_gradscaler_agrees_across_ranks(loom):
+    comm = loom.world_comm()
+    scaler = torchloom.GradScaler(init_scale=64.0, sync_groups=[comm])
+    model = nn.Linear(3, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    before = model.weight.detach().clone()
+    scaler.scale(model(torch.ones(2, 3)).sum()).backward()
+    if comm.rank == comm.size - 1:
+        model.weight.grad[0, 0] = float("inf")  # on one rank only: every rank skips
+    assert scaler.step(opt) is None
+    scaler.update()
+    assert scaler.get_scale() == 32.0
+    assert torch.equal(model.weight, before)
+
+
+def test_blocking_calls_release_the_gil(loom):
+    """While rank 0 waits in a collective that rank 1 joins late, another Python thread of rank 0 runs."""
+    import threading
+    import time
+    comm = loom.world_comm()
+    comm.barrier().wait()
+    if comm.rank != 0:
+        time.sleep(1.0)
+        comm.all_reduce(torch.ones(1)).wait()
+        comm.barrier().wait()
+        return
+    samples = []
+    stop = threading.Event()
+
+    def sample():  # a time stamp about every 5 ms, whenever this thread gets the GIL
+        while not stop.is_set():
+            samples.append(time.monotonic())
+            time.sleep(0.005)
+
+    t = threading.Thread(target=sample)
+    t.start()
+    time.sleep(0.05)
+    start = time.monotonic()
+    comm.all_reduce(torch.ones(1)).wait()     # about 1 s, waiting for rank 1
+    end = time.monotonic()
+    stop.set()
+    t.join()
+    comm.barrier().wait()
+    during = [x for x in samples if start + 0.05 < x < end - 0.05]
+    assert end - start > 0.5, end - start
+    assert len(during) > 0.3 * (end - start - 0.1) / 0.005, (len(during), end - start)
+
+
+def test_checkpoint_round_trip(loom):
+    import os
+    import shutil
+    comm = loom.world_comm()
+    token = torch.randint(0, 2**31 - 1, (1,), dtype=torch.int64)
+    comm.broadcast(token).wait()
+    directory = f"/tmp/torchloom-pytest-ckpt-{int(token)}"
+    try:
+        torch.manual_seed(4)
+        model = nn.Sequential(nn.Linear(4, 3), nn.BatchNorm1d(3))
+        scaler = torchloom.GradScaler(init_scale=128.0, growth_interval=5)
+        extra = torch.arange(5.0)
+        ckpt = torchloom.Checkpointer(comm, directory, keep_last=2)
+        ckpt.model(model).scaler(scaler).tensor("extra", extra)
+        assert ckpt.load_latest() is None  # nothing saved yet: start fresh
+        saved = {k: v.clone() for k, v in model.state_dict().items()}
+        ckpt.save(torchloom.TrainingProgress(step=3, epoch=1, sample=40), {"note": "python"})
+        info = ckpt.wait()
+        assert info.path.endswith("step_000003") or "3" in os.path.basename(info.path), info.path
+        assert torchloom.Checkpointer.find_latest(directory) == info.path
+        with torch.no_grad():
+            for p in model.parameters():
+                p.zero_()
+            model[1].running_mean.fill_(7)
+        extra.zero_()
+        scaler.update(8.0)
+        loaded = ckpt.load_latest()
+        assert loaded.progress.step == 3 and loaded.progress.epoch == 1 and loaded.progress.sample == 40
+        assert loaded.user["note"] == "python"
+        for k, v in model.state_dict().items():
+            assert torch.equal(v, saved[k]), k
+        assert torch.equal(extra, torch.arange(5.0))
+        assert scaler.get_scale() == 128.0
+        with pytest.raises(torchloom.CheckpointError):
+            ckpt.load(os.path.join(directory, "step_999999"))
+    finally:
+        comm.barrier().wait()
+        if comm.rank == 0:
+            shutil.rmtree(directory, ignore_errors=True)
