@@ -133,8 +133,11 @@ TEST(AsyncColumnLinear, InputGradientAllReduceOverlapsWeightGradient) {
   const int rank = test::world()->rank();
   bool overlapped = false;
   std::string seen;
-  // A loaded machine can starve the progress thread through one GEMM; not through five.
-  for (int attempt = 0; attempt < 5 && !overlapped; ++attempt) {
+  // A loaded machine can starve the progress thread through one GEMM; not through five. Every
+  // rank must run the same number of attempts (each is a collective), so the ranks agree after
+  // each one whether all of them have seen the overlap yet.
+  bool all_overlapped = false;
+  for (int attempt = 0; attempt < 5 && !all_overlapped; ++attempt) {
     trace::configure(prefix, rank);
     at::Tensor x = randn_seeded({tokens, in}, 12 + attempt).requires_grad_();
     col(x).sum().backward();
@@ -153,7 +156,10 @@ TEST(AsyncColumnLinear, InputGradientAllReduceOverlapsWeightGradient) {
     }
     ASSERT_GE(ar_start, 0) << "no all-reduce span in the timeline";
     ASSERT_GE(gemm_start, 0) << "no weight-gradient span in the timeline";
-    overlapped = ar_start < gemm_end && gemm_start < ar_end;
+    overlapped = overlapped || (ar_start < gemm_end && gemm_start < ar_end);
+    at::Tensor flag = at::full({1}, overlapped ? 1 : 0, at::kInt);
+    test::world()->all_reduce(flag, {ReduceOp::Min})->wait();
+    all_overlapped = flag.item<int>() == 1;
     seen += " [all_reduce " + std::to_string(ar_start) + ".." + std::to_string(ar_end) + ", wgrad " +
             std::to_string(gemm_start) + ".." + std::to_string(gemm_end) + "]";
   }
