@@ -113,16 +113,24 @@ int main(int argc, char** argv) {
       auto t0 = Clock::now();
       MPI_Allreduce(MPI_IN_PLACE, raw_buffer.data_ptr(), static_cast<int>(count), MPI_FLOAT, MPI_SUM, raw_comm);
       double raw_time = slowest(std::chrono::duration<double>(Clock::now() - t0).count());
-      MPI_Barrier(MPI_COMM_WORLD);
-      auto t1 = Clock::now();
-      comm->all_reduce(loom_buffer)->wait();
-      double loom_time = slowest(std::chrono::duration<double>(Clock::now() - t1).count());
-      // Right after the checked call, so both meet the machine in the same state.
+      // The checked and the unchecked call back to back, so both meet the machine in the same
+      // state, in alternating order: the second of two calls is faster by itself (0.3 us of
+      // 1.7 us at 4 B, measured with both unchecked), which would read as the check's cost.
       unchecked_buffer.fill_(rank + 1);
-      MPI_Barrier(MPI_COMM_WORLD);
-      auto t3 = Clock::now();
-      unchecked->all_reduce(unchecked_buffer)->wait();
-      double unchecked_time = slowest(std::chrono::duration<double>(Clock::now() - t3).count());
+      double loom_time = 0, unchecked_time = 0;
+      auto timed_call = [&](loom::Communicator& c, at::Tensor& buffer) {
+        MPI_Barrier(MPI_COMM_WORLD);
+        auto start = Clock::now();
+        c.all_reduce(buffer)->wait();
+        return slowest(std::chrono::duration<double>(Clock::now() - start).count());
+      };
+      if (it % 2 == 0) {
+        loom_time = timed_call(*comm, loom_buffer);
+        unchecked_time = timed_call(*unchecked, unchecked_buffer);
+      } else {
+        unchecked_time = timed_call(*unchecked, unchecked_buffer);
+        loom_time = timed_call(*comm, loom_buffer);
+      }
       MPI_Barrier(MPI_COMM_WORLD);
       auto t2 = Clock::now();
       auto async_work = comm->all_reduce(async_buffer);

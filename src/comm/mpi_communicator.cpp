@@ -102,15 +102,27 @@ class MpiCommunicator final : public Communicator {
     const bool inline_ok = collective && type != OpType::Split && on_error() == OnError::Abort;
     if (inline_ok) {
       std::weak_ptr<Communicator> weak = weak_from_this();
-      set_wait_assist(*work, [weak](Work* w) {
-        if (auto self = weak.lock()) static_cast<MpiCommunicator*>(self.get())->run_if_next(w);
+      set_assist(*work, [weak](Work* w, bool run_here) {
+        auto self = weak.lock();
+        if (!self) return;
+        auto* me = static_cast<MpiCommunicator*>(self.get());
+        if (run_here) me->run_if_next(w);
+        else me->hand_to_progress_thread(w);
       });
     }
+    bool notify;
     {
       std::lock_guard<std::mutex> lock(mutex_);
+      // Waking the progress thread costs the submitter a system call and, on a shared core, a
+      // context switch: most of what a small operation adds over raw MPI. When the caller's
+      // previous operation was run by its own waiter (submit, then wait), this one probably will
+      // be too, and the thread is left asleep, unless it sleeps without a deadline: a poll or a
+      // timed wait on the operation (hand_to_progress_thread), a second submission, or the
+      // thread's kSafetyTick starts it otherwise.
+      notify = deep_ || (sleeping_ && (!inline_ok || !waiter_runs_ || !queue_.empty()));
       queue_.push_back(Task{std::move(op), work, inline_ok, Clock::now()});
     }
-    wake_.notify_one();
+    if (notify) wake_.notify_one();
   }
 
  private:
@@ -129,6 +141,10 @@ class MpiCommunicator final : public Communicator {
   // Submit-then-wait is the common pattern: the progress thread gives the submitter this long to
   // claim the operation itself (run_if_next) before taking it.
   static constexpr std::chrono::microseconds kClaimGrace{20};
+  // How often a sleeping progress thread looks at the queue while submissions are left to their
+  // waiters (they are not woken for): bounds how late an operation nobody polls or waits on
+  // starts when that guess was wrong.
+  static constexpr std::chrono::milliseconds kSafetyTick{1};
   // While point-to-point operations are pending, the progress thread polls them this often.
   static constexpr std::chrono::microseconds kP2PPoll{50};
   // How long a destructor waits for a timed-out operation to complete late before detaching.
@@ -157,9 +173,27 @@ class MpiCommunicator final : public Communicator {
     {
       std::lock_guard<std::mutex> lock(mutex_);
       running_ = false;
+      waiter_runs_ = true;
       more = !queue_.empty();
     }
     if (more) wake_.notify_one();
+  }
+
+  // Someone polls `work` or waits with a timeout: no waiter will run it, so the progress thread
+  // takes it now, without leaving it the claim grace.
+  void hand_to_progress_thread(Work* work) {
+    bool notify = false;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      for (auto& task : queue_) {
+        if (task.work.get() != work) continue;
+        // Says nothing of the next submission (a caller polling this one may wait on that one).
+        task.inline_ok = false;
+        notify = sleeping_;
+        break;
+      }
+    }
+    if (notify) wake_.notify_one();
   }
 
   void progress_loop() {
@@ -169,8 +203,18 @@ class MpiCommunicator final : public Communicator {
         std::unique_lock<std::mutex> lock(mutex_);
         auto ready = [this] { return stop_ || (!queue_.empty() && !running_); };
         if (!ready()) {
-          if (pending_.empty()) wake_.wait(lock, ready);
-          else wake_.wait_for(lock, kP2PPoll, ready);  // poll them, but yield the core in between
+          sleeping_ = true;
+          if (!pending_.empty()) {
+            wake_.wait_for(lock, kP2PPoll, ready);  // poll them, yielding the core in between
+          } else if (waiter_runs_ && !quiet_) {
+            // A whole tick without submissions: sleep until the next one wakes the thread.
+            if (!wake_.wait_for(lock, kSafetyTick, ready)) quiet_ = queue_.empty();
+          } else {
+            deep_ = true;
+            wake_.wait(lock, ready);
+            deep_ = quiet_ = false;
+          }
+          sleeping_ = false;
         }
         if (stop_ && queue_.empty() && !running_) break;
         if (!queue_.empty() && !running_) {
@@ -183,6 +227,7 @@ class MpiCommunicator final : public Communicator {
           task.emplace(std::move(queue_.front()));
           queue_.pop_front();
           running_ = true;
+          if (task->inline_ok) waiter_runs_ = false;  // left past the grace: nobody was waiting on it
         }
       }
       if (task) {
@@ -412,6 +457,12 @@ class MpiCommunicator final : public Communicator {
   std::vector<PendingP2P> pending_;  // owned by the progress thread
   bool stop_ = false;
   bool running_ = false;  // an operation is executing (on the progress thread or a waiter)
+  bool sleeping_ = false;  // the progress thread waits on wake_
+  bool deep_ = false;      // ... without a deadline: every submission must wake it
+  bool quiet_ = false;     // its last tick found nothing to do
+  // The last operation that could have been run by its waiter was: submissions then leave the
+  // progress thread asleep.
+  bool waiter_runs_ = false;
   std::atomic<bool> busy_{false};
   std::atomic<uint64_t> ran_by_waiter_{0}, ran_by_progress_thread_{0};
   std::thread thread_;

@@ -16,8 +16,17 @@ Work::~Work() = default;
 
 Work::State Work::state() {
   if (completion_is_polled()) poll();
-  std::lock_guard<std::mutex> lock(mutex_);
-  return state_;
+  State s;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    s = state_;
+  }
+  if (s == State::Queued) nudge();
+  return s;
+}
+
+void Work::nudge() {
+  if (assist_ && !nudged_.exchange(true, std::memory_order_relaxed)) assist_(this, false);
 }
 
 bool Work::is_completed() {
@@ -107,7 +116,11 @@ void Work::wait(Timeout timeout) {
   const auto begin = Clock::now();
   // Not with an explicit timeout: that caller wants control back by then, and a thread inside a
   // blocking call cannot give up.
-  if (timeout == kDefaultTimeout && wait_assist_) wait_assist_(this);
+  if (timeout == kDefaultTimeout) {
+    if (assist_) assist_(this, true);
+  } else {
+    nudge();
+  }
   if (timeout != kDefaultTimeout || wait_blocks_host()) {
     const auto deadline = timeout == kDefaultTimeout ? Clock::time_point::max() : begin + timeout;
     if (!wait_until(deadline))
@@ -126,7 +139,7 @@ void Work::wait(Timeout timeout) {
 }
 
 void Work::synchronize() {
-  if (wait_assist_) wait_assist_(this);
+  if (assist_) assist_(this, true);
   wait_until(Clock::time_point::max());
   {
     std::lock_guard<std::mutex> lock(mutex_);

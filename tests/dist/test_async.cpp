@@ -90,3 +90,23 @@ TEST(Async, IndependentCommunicatorsProgressSeparately) {
   EXPECT_TRUE(at::all(a.eq(comm->size())).item<bool>());
   EXPECT_TRUE(at::all(b.eq(2.0f * comm->size())).item<bool>());
 }
+
+// After submit-then-wait (run by its waiter), the progress thread is not woken for the next
+// submission: it guesses the caller will wait on that one too. An operation nobody waits on or
+// polls must still run on its own (the thread's 1 ms safety tick starts it; the watchdog's poll
+// would, later), not at the next wait. finished_at_time() reads the state without asking the
+// backend to start the operation, as is_completed() does.
+TEST(Async, AnOperationNobodyWaitsOnOrPollsStillRuns) {
+  auto comm = test::world();
+  at::Tensor first = at::ones({16}, at::kFloat);
+  for (int k = 0; k < 3; ++k) comm->all_reduce(first)->wait();
+  at::Tensor t = at::ones({16}, at::kFloat);
+  auto work = comm->all_reduce(t);
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(2);
+  while (!work->finished_at_time() && std::chrono::steady_clock::now() < deadline)
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  EXPECT_TRUE(work->finished_at_time().has_value()) << "not run 2 s after its submission; state "
+                                                    << static_cast<int>(work->state());
+  work->wait();
+  EXPECT_TRUE(at::all(t.eq(comm->size())).item<bool>());
+}

@@ -117,9 +117,7 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
   // ---- What the core gives backends ----------------------------------------------------------
   static bool start(Work& work) { return work.start(); }
   static void finish(Work& work) { work.finish(); }
-  static void set_wait_assist(Work& work, std::function<void(Work*)> assist) {
-    work.set_wait_assist(std::move(assist));
-  }
+  static void set_assist(Work& work, Work::Assist assist) { work.set_assist(std::move(assist)); }
   // The one failure path: fails `work` (unless it finished just in time) and every operation
   // submitted after it, breaks the communicator, logs the error once with the flight record, and
   // applies the error policy (abort the job, or abort only this communicator's backend).

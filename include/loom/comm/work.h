@@ -16,6 +16,7 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <exception>
@@ -78,13 +79,19 @@ class Work {
   virtual bool wait_blocks_host() const { return true; }
   // After a successful wait: device works make the caller's current stream wait.
   virtual void after_wait() {}
-  // Set by backends that can run a queued operation on the waiting thread itself.
-  void set_wait_assist(std::function<void(Work*)> assist) { wait_assist_ = std::move(assist); }
+  // Set by backends that run operations on a thread of their own but let a waiter run a queued
+  // one itself: called with run_here = true by wait() without a timeout (the waiter may run it),
+  // and once with run_here = false when someone polls or waits with a timeout on a queued
+  // operation (nobody will run it inline: the backend's thread should start it now).
+  using Assist = std::function<void(Work*, bool run_here)>;
+  void set_assist(Assist assist) { assist_ = std::move(assist); }
 
  private:
   bool terminal() const { return state_ == State::Done || state_ == State::Failed; }
   // Blocks until the work is terminal or the deadline passes; true when terminal.
   bool wait_until(Clock::time_point deadline);
+  // Tells the backend (once) that this queued operation will not be run by a waiter.
+  void nudge();
 
   const OpInfo info_;
   std::vector<at::Tensor> tensors_;  // kept alive until the operation has finished
@@ -94,7 +101,8 @@ class Work {
   std::exception_ptr error_;
   Clock::time_point started_at_{};
   Clock::time_point finished_at_{};
-  std::function<void(Work*)> wait_assist_;
+  Assist assist_;
+  std::atomic<bool> nudged_{false};
 };
 
 using WorkPtr = std::shared_ptr<Work>;
