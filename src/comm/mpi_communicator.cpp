@@ -110,6 +110,8 @@ class MpiCommunicator final : public Communicator {
         else me->hand_to_progress_thread(w);
       });
     }
+    int64_t bytes = 0;
+    for (const auto& t : op.outputs) bytes += static_cast<int64_t>(t.nbytes());
     bool notify;
     {
       std::lock_guard<std::mutex> lock(mutex_);
@@ -118,8 +120,10 @@ class MpiCommunicator final : public Communicator {
       // previous operation was run by its own waiter (submit, then wait), this one probably will
       // be too, and the thread is left asleep, unless it sleeps without a deadline: a poll or a
       // timed wait on the operation (hand_to_progress_thread), a second submission, or the
-      // thread's kSafetyTick starts it otherwise.
-      notify = deep_ || (sleeping_ && (!inline_ok || !waiter_runs_ || !queue_.empty()));
+      // thread's kSafetyTick starts it otherwise. Large operations always wake it: there the
+      // wake-up is cheap next to the transfer, and a late start would cost overlap (DDP's
+      // buckets submitted from autograd hooks after a barrier or a logged all-reduce).
+      notify = deep_ || (sleeping_ && (!inline_ok || !waiter_runs_ || !queue_.empty() || bytes >= kAlwaysWakeBytes));
       queue_.push_back(Task{std::move(op), work, inline_ok, Clock::now()});
     }
     if (notify) wake_.notify_one();
@@ -145,6 +149,9 @@ class MpiCommunicator final : public Communicator {
   // waiters (they are not woken for): bounds how late an operation nobody polls or waits on
   // starts when that guess was wrong.
   static constexpr std::chrono::milliseconds kSafetyTick{1};
+  // Operations of at least this many bytes always wake the progress thread (about 5 us of a
+  // 1 MB all-reduce's 140 us on 2 ranks; PyTorch DDP's first bucket is 1 MB).
+  static constexpr int64_t kAlwaysWakeBytes = int64_t{1} << 20;
   // While point-to-point operations are pending, the progress thread polls them this often.
   static constexpr std::chrono::microseconds kP2PPoll{50};
   // How long a destructor waits for a timed-out operation to complete late before detaching.
