@@ -288,8 +288,13 @@ WorkPtr Communicator::enqueue_checked(detail::Op& op) {
   if (!p2p) {
     rolling_fingerprint_ = detail::fold_fingerprint(rolling_fingerprint_, op.info);
     op.fingerprint = rolling_fingerprint_;
-    int64_t bytes = 0;
-    for (const auto& t : op.inputs) bytes += static_cast<int64_t>(t.nbytes());
+    // The larger of what goes in and what comes out bounds every message the backend's algorithm
+    // sends (an all_gather's last round carries half its output), and so what a peer that passed
+    // another size could write past a buffer.
+    int64_t in_bytes = 0, out_bytes = 0;
+    for (const auto& t : op.inputs) in_bytes += static_cast<int64_t>(t.nbytes());
+    for (const auto& t : op.outputs) out_bytes += static_cast<int64_t>(t.nbytes());
+    const int64_t bytes = std::max(in_bytes, out_bytes);
     ++collectives_total_;
     op.precheck = size_ > 1 && op.info.type != OpType::Split &&
                   ((bytes > 0 && bytes >= size_check_bytes_) ||

@@ -6,6 +6,7 @@
 #include <ATen/ops/empty.h>
 #include <mpi.h>
 
+#include <algorithm>
 #include <climits>
 #include <condition_variable>
 #include <deque>
@@ -136,9 +137,19 @@ class MpiCommunicator final : public Communicator {
     bool inline_ok = false;  // a waiter may run it itself
     Clock::time_point submitted{};
   };
-  // Point-to-point operations in flight (a batch has several requests).
+  // One send or receive of a point-to-point operation in flight (a batch has several).
+  struct Leg {
+    bool send = false;
+    at::Tensor tensor;
+    int peer = 0;
+    int tag = 0;
+    // A send is posted at once. A receive is posted only once its message has been probed and
+    // found to be the tensor's size (see poll_p2p); until then it has no request.
+    MPI_Request request = MPI_REQUEST_NULL;
+    bool posted = false;
+  };
   struct PendingP2P {
-    std::vector<MPI_Request> requests;
+    std::vector<Leg> legs;
     std::shared_ptr<Work> work;
     detail::Op op;
   };
@@ -247,10 +258,10 @@ class MpiCommunicator final : public Communicator {
     }
     for (auto& p : pending_) {
       // Still unmatched at destruction: their works failed or nobody waits; release the requests.
-      for (auto& request : p.requests) {
-        if (request == MPI_REQUEST_NULL) continue;
-        MPI_Cancel(&request);
-        MPI_Request_free(&request);
+      for (auto& leg : p.legs) {
+        if (leg.request == MPI_REQUEST_NULL) continue;
+        MPI_Cancel(&leg.request);
+        MPI_Request_free(&leg.request);
       }
       fail(p.work, std::make_exception_ptr(CommError(p.op.info.describe() + ": communicator destroyed first")),
            p.op.info.describe() + ": communicator destroyed first");
@@ -267,6 +278,7 @@ class MpiCommunicator final : public Communicator {
     try {
       if (p2p) {
         pending_.push_back(PendingP2P{post_p2p(task.op), work, std::move(task.op)});
+        poll_p2p();  // receives whose message is already here start now
       } else {
         if (task.op.precheck) precheck(task.op);
         execute_collective(task.op);
@@ -294,17 +306,21 @@ class MpiCommunicator final : public Communicator {
   // passing different sizes would otherwise make MPI write past the smaller buffer (Open MPI's
   // segmented algorithms free their buffers on a truncation error while receives are posted).
   void precheck(detail::Op& op) {
-    const detail::PrecheckWords mine = detail::precheck_words(op.info, op.fingerprint);
+    // The library's own operations compare only themselves: the collective check's all_gather runs
+    // inside a user call whose (possibly different) signature is already in the rolling fingerprint,
+    // and must get through to report that difference.
+    const uint64_t fingerprint = op.info.internal ? detail::fold_fingerprint(0, op.info) : op.fingerprint;
+    const detail::PrecheckWords mine = detail::precheck_words(op.info, fingerprint);
     detail::PrecheckWords reduced{};
     check_mpi(MPI_Allreduce(mine.data(), reduced.data(), 4, MPI_INT64_T, MPI_MAX, comm_), op,
               "MPI_Allreduce (fingerprint check)");
     if (detail::precheck_agrees(mine, reduced)) return;
     // Every rank saw the same disagreement; all of them now learn who called what.
-    const detail::SignatureWords own = detail::signature_words(op.info, op.fingerprint);
+    const detail::SignatureWords own = detail::signature_words(op.info, fingerprint);
     std::vector<detail::SignatureWords> all(size());
     check_mpi(MPI_Allgather(own.data(), 8, MPI_INT64_T, all.data(), 8, MPI_INT64_T, comm_), op,
               "MPI_Allgather (fingerprint check)");
-    throw MismatchError(op.info.describe() + ": " + detail::mismatch_report(op.info, op.fingerprint, all));
+    throw MismatchError(op.info.describe() + ": " + detail::mismatch_report(op.info, fingerprint, all));
   }
 
   void execute_collective(detail::Op& op) {
@@ -380,63 +396,80 @@ class MpiCommunicator final : public Communicator {
     }
   }
 
-  MPI_Request post_one(const detail::Op& op, bool send, const at::Tensor& t, int peer, int tag) {
-    MPI_Request request = MPI_REQUEST_NULL;
-    if (send)
-      check_mpi(MPI_Isend(t.data_ptr(), element_count(t, op), detail::mpi_datatype(t.scalar_type()), peer, tag, comm_,
-                          &request),
-                op, "MPI_Isend");
-    else
-      check_mpi(MPI_Irecv(t.data_ptr(), element_count(t, op), detail::mpi_datatype(t.scalar_type()), peer, tag, comm_,
-                          &request),
-                op, "MPI_Irecv");
-    return request;
-  }
-
-  std::vector<MPI_Request> post_p2p(detail::Op& op) {
+  // Posts the sends; receives wait for their message to be probed (poll_p2p).
+  std::vector<Leg> post_p2p(detail::Op& op) {
+    std::vector<Leg> legs;
     switch (op.info.type) {
-      case OpType::Send: return {post_one(op, true, op.inputs[0], op.info.peer, op.tag)};
-      case OpType::Recv: return {post_one(op, false, op.outputs[0], op.info.peer, op.tag)};
-      default: {
-        std::vector<MPI_Request> requests;
-        for (const auto& p : op.batch)
-          requests.push_back(post_one(op, p.kind == P2POp::Kind::Send, p.tensor, p.peer, p.tag));
-        return requests;
-      }
+      case OpType::Send: legs.push_back({true, op.inputs[0], op.info.peer, op.tag}); break;
+      case OpType::Recv: legs.push_back({false, op.outputs[0], op.info.peer, op.tag}); break;
+      default:
+        for (const auto& p : op.batch) legs.push_back({p.kind == P2POp::Kind::Send, p.tensor, p.peer, p.tag});
     }
+    for (auto& leg : legs) {
+      if (!leg.send) continue;
+      check_mpi(MPI_Isend(leg.tensor.data_ptr(), element_count(leg.tensor, op), detail::mpi_datatype(leg.tensor.scalar_type()),
+                          leg.peer, leg.tag, comm_, &leg.request),
+                op, "MPI_Isend");
+      leg.posted = true;
+    }
+    return legs;
   }
 
-  // The receive that got fewer elements than its tensor holds, if any (a size mismatch).
-  std::optional<std::string> short_receive(const detail::Op& op, size_t index, const MPI_Status& status) {
-    const at::Tensor* t = nullptr;
-    if (op.info.type == OpType::Recv) t = &op.outputs[0];
-    if (op.info.type == OpType::SendRecvBatch && op.batch[index].kind == P2POp::Kind::Recv) t = &op.batch[index].tensor;
-    if (t == nullptr) return std::nullopt;
-    int received = 0;
-    MPI_Get_count(&status, detail::mpi_datatype(t->scalar_type()), &received);
-    if (received == t->numel()) return std::nullopt;
-    return "expected " + std::to_string(t->numel()) + " elements, received " + std::to_string(received);
+  // Receives a message only once it is known to be the tensor's size. Open MPI copies a message
+  // above the shared-memory eager limit (about 4 KB) whole into a smaller receive buffer
+  // (benchmarks/mpi_mismatch_probe.c), so a receive posted before its message is seen would let a
+  // peer that sent more write past the tensor. A probed message of another size is drained into
+  // scratch memory and the receive raises MismatchError naming both sizes. Returns false while
+  // the message has not arrived.
+  bool try_post_receive(Leg& leg, const detail::Op& op) {
+    int arrived = 0;
+    MPI_Message message = MPI_MESSAGE_NULL;
+    MPI_Status status;
+    check_mpi(MPI_Improbe(leg.peer, leg.tag, comm_, &arrived, &message, &status), op, "MPI_Improbe");
+    if (!arrived) return false;
+    int bytes = 0;
+    MPI_Get_count(&status, MPI_BYTE, &bytes);
+    const auto expected_bytes = static_cast<int64_t>(leg.tensor.nbytes());
+    if (bytes != expected_bytes) {
+      at::Tensor scratch = at::empty({std::max(bytes, 1)}, at::kByte);
+      MPI_Mrecv(scratch.data_ptr(), bytes, MPI_BYTE, &message, MPI_STATUS_IGNORE);
+      const auto element = static_cast<int64_t>(leg.tensor.element_size());
+      const std::string received = bytes % element == 0 ? std::to_string(bytes / element) + " elements"
+                                                        : std::to_string(bytes) + " bytes";
+      throw MismatchError(op.info.describe() + ": expected " + std::to_string(leg.tensor.numel()) + " elements, received " +
+                          received + " from rank " + std::to_string(leg.peer));
+    }
+    check_mpi(MPI_Imrecv(leg.tensor.data_ptr(), element_count(leg.tensor, op), detail::mpi_datatype(leg.tensor.scalar_type()),
+                         &message, &leg.request),
+              op, "MPI_Imrecv");
+    leg.posted = true;
+    return true;
   }
 
   void poll_p2p() {
+    // Receives from one peer with one tag match its messages in order: only the first receive of
+    // each (peer, tag) not yet posted may probe, or a later one could take an earlier one's message.
+    std::vector<std::pair<int, int>> waiting;
     for (auto it = pending_.begin(); it != pending_.end();) {
       std::exception_ptr error;
       bool all_done = true;
-      for (size_t i = 0; i < it->requests.size() && !error; ++i) {
-        if (it->requests[i] == MPI_REQUEST_NULL) continue;
-        int done = 0;
-        MPI_Status status;
-        const int rc = MPI_Test(&it->requests[i], &done, &status);
-        if (rc != MPI_SUCCESS) {
-          try {
-            check_mpi(rc, it->op, "MPI_Test");
-          } catch (const Error&) {
-            error = std::current_exception();
+      for (size_t i = 0; i < it->legs.size() && !error; ++i) {
+        Leg& leg = it->legs[i];
+        try {
+          if (!leg.posted) {
+            const std::pair<int, int> key{leg.peer, leg.tag};
+            if (std::find(waiting.begin(), waiting.end(), key) != waiting.end() || !try_post_receive(leg, it->op)) {
+              waiting.push_back(key);
+              all_done = false;
+              continue;
+            }
           }
-        } else if (!done) {
-          all_done = false;
-        } else if (auto mismatch = short_receive(it->op, i, status)) {
-          error = std::make_exception_ptr(MismatchError(it->op.info.describe() + ": " + *mismatch));
+          if (leg.request == MPI_REQUEST_NULL) continue;
+          int done = 0;
+          check_mpi(MPI_Test(&leg.request, &done, MPI_STATUS_IGNORE), it->op, "MPI_Test");
+          if (!done) all_done = false;
+        } catch (const Error&) {
+          error = std::current_exception();
         }
       }
       if (error) {

@@ -29,10 +29,11 @@ const std::vector<Variable>& all_variables() {
        "count, reduce op, root) and raise loom::MismatchError showing both sides when they differ. One small "
        "all-gather per collective: for debugging."},
       {"LOOM_SIZE_CHECK_BYTES", "256",
-       "Host (MPI) collectives of at least this many bytes first agree on the rolling fingerprint and element count "
-       "(one 32-byte all-reduce), so ranks that pass different sizes get loom::MismatchError naming both: Open MPI "
-       "writes past buffers when sizes differ from about 1 KB up, and is safe below (0 to 2^40; 0 checks every "
-       "collective)."},
+       "Host (MPI) collectives that move at least this many bytes (the larger of input and output) first agree on "
+       "the rolling fingerprint and element count (one 32-byte all-reduce), so ranks that pass different sizes get "
+       "loom::MismatchError naming both: Open MPI writes past the smaller rank's buffer once a peer's messages pass "
+       "its eager limit, even when that rank passed only 256 bytes; no write past a buffer was seen with every rank "
+       "below 256 bytes (0 to 2^40; 0 checks every collective)."},
       {"LOOM_FINGERPRINT_INTERVAL", "1024",
        "Every this many collectives on a communicator the ranks compare their rolling fingerprint of every earlier "
        "call (operation, dtype, element count, reduce op, root), so a divergence is reported near where it began "

@@ -2,6 +2,7 @@
 // rank computes on its own (test_util.h).
 #include <gtest/gtest.h>
 
+#include "loom/comm/mpi.h"
 #include "test_util.h"
 
 using namespace loom;
@@ -169,4 +170,70 @@ TEST(Collectives, WorkReportsInfoAndCompletion) {
   EXPECT_EQ(work->info().group, "world");
   EXPECT_EQ(work->info().shape, std::vector<int64_t>{10});
   EXPECT_NE(work->info().describe().find("all_reduce seq="), std::string::npos);
+}
+
+// Open MPI copies a rendezvous-sized message whole into a receive posted for fewer elements (it
+// wrote past the buffer in benchmarks/mpi_mismatch_probe.c's point-to-point check): the receive
+// must learn the message's size before any byte lands, raise MismatchError naming both sizes,
+// and leave the memory behind its tensor alone. Both directions, both below and above the
+// shared-memory transport's eager limit.
+TEST(PointToPoint, AReceiveOfAnotherSizeRaisesAndWritesNothingPastItsTensor) {
+  auto world = test::world();
+  if (world->size() < 2) GTEST_SKIP() << "needs a peer";
+  const int me = world->rank();
+  for (const int64_t expected : {int64_t{100}, int64_t{4096}, int64_t{65536}}) {
+    for (const int64_t sent : {expected / 2, expected * 4}) {
+      // A communicator for this case only (a failed receive breaks it) that raises rather than
+      // ending the job; ranks 0 and 1 use it.
+      CommunicatorOptions options;
+      options.on_error = OnError::Raise;
+      auto pair = mpi::world_communicator(options);
+      if (me > 1) continue;
+      if (me == 0) {
+        pair->send(at::full({sent}, 3.0f), 1)->wait();
+        continue;
+      }
+      constexpr int64_t kGuard = 1 << 18;
+      at::Tensor memory = at::full({expected + kGuard}, -7.0f);
+      at::Tensor target = memory.narrow(0, 0, expected);
+      std::string message;
+      try {
+        pair->recv(target, 0)->wait();
+      } catch (const MismatchError& e) {
+        message = e.what();
+      }
+      EXPECT_NE(message.find("expected " + std::to_string(expected) + " elements, received " + std::to_string(sent)),
+                std::string::npos)
+          << "expected " << expected << ", sent " << sent << ": " << message;
+      EXPECT_TRUE(at::equal(memory.narrow(0, expected, kGuard), at::full({kGuard}, -7.0f)))
+          << "expected " << expected << ", sent " << sent << ": the receive wrote past its tensor";
+    }
+  }
+  world->barrier()->wait();
+}
+
+// The size check covers what a collective moves, not only what a rank passes in: an all_gather of
+// 160-byte inputs fills a 160 * n byte output, and its algorithm's last round carries half of it,
+// well past where Open MPI writes past buffers when sizes differ. Ranks passing different sizes
+// get MismatchError naming both before any data moves.
+TEST(Collectives, AnAllGatherOfSmallInputsIsSizeCheckedByItsOutput) {
+  auto world = test::world();
+  const int n = world->size();
+  if (n < 2) GTEST_SKIP() << "needs a peer";
+  CommunicatorOptions options;
+  options.on_error = OnError::Raise;  // the failed call breaks this communicator only
+  options.fingerprint_interval = 0;   // only the size rule may check
+  auto comm = mpi::world_communicator(options);
+  const int64_t mine = comm->rank() == n - 1 ? 48 : 40;  // 160 or 192 bytes, below the 256-byte rule
+  at::Tensor in = at::ones({mine});
+  at::Tensor out = at::empty({mine * n});
+  std::string message;
+  try {
+    comm->all_gather(out, in)->wait();
+  } catch (const MismatchError& e) {
+    message = e.what();
+  }
+  EXPECT_NE(message.find("collective mismatch: this rank called all_gather"), std::string::npos) << message;
+  EXPECT_NE(message.find("numel=" + std::to_string(comm->rank() == n - 1 ? 40 : 48)), std::string::npos) << message;
+  world->barrier()->wait();
 }
