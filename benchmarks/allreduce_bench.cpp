@@ -5,8 +5,9 @@
 // the slowest rank's). The two are interleaved iteration by iteration so that machine noise
 // hits both alike; results are checked after every iteration.
 //
-// Three ways through loom are timed: "loom" is submit-then-wait (the waiting thread runs the
-// operation itself when it is next in line), "loom async" is submit, then poll is_completed()
+// All variants reduce one buffer, refilled before each call. Three ways through loom are timed:
+// "loom" is submit-then-wait (the waiting thread runs the operation itself when it is next in
+// line), "loom async" is submit, then poll is_completed()
 // while the communicator's progress thread runs it (the path that overlaps with computation),
 // and "unchecked" is "loom" on a communicator without the always-on fingerprint check (the
 // 32-byte agreement before collectives of LOOM_SIZE_CHECK_BYTES and more, and every
@@ -91,56 +92,55 @@ int main(int argc, char** argv) {
   bool all_correct = true;
   for (int64_t bytes = min_bytes; bytes <= max_bytes; bytes *= 4) {
     const int64_t count = std::max<int64_t>(1, bytes / 4);
-    at::Tensor loom_buffer = at::empty({count}, at::kFloat);
-    at::Tensor raw_buffer = at::empty({count}, at::kFloat);
+    // One buffer for every variant, refilled before each call: separate buffers of the same size
+    // were placed differently by the allocator (heap or mapping, page alignment), and with two
+    // communicators that did exactly the same work, one was 4-18% slower than the other at 1-4 MB.
+    at::Tensor buffer = at::empty({count}, at::kFloat);
     // Size the iteration count from one probe so each size takes about seconds_per_size.
-    raw_buffer.fill_(1);
+    buffer.fill_(1);
     auto probe_start = Clock::now();
-    MPI_Allreduce(MPI_IN_PLACE, raw_buffer.data_ptr(), static_cast<int>(count), MPI_FLOAT, MPI_SUM, raw_comm);
+    MPI_Allreduce(MPI_IN_PLACE, buffer.data_ptr(), static_cast<int>(count), MPI_FLOAT, MPI_SUM, raw_comm);
     double probe = slowest(std::chrono::duration<double>(Clock::now() - probe_start).count());
     int iters = static_cast<int>(std::clamp(seconds_per_size / (2 * std::max(probe, 1e-6)), 5.0, double(max_iters)));
     MPI_Bcast(&iters, 1, MPI_INT, 0, MPI_COMM_WORLD);
 
     std::vector<double> raw_times, loom_times, async_times, unchecked_times;
-    at::Tensor async_buffer = at::empty({count}, at::kFloat);
-    at::Tensor unchecked_buffer = at::empty({count}, at::kFloat);
+    const float expected = n * (n + 1) / 2.0f;
     bool correct = true;
-    for (int it = -warmup; it < iters; ++it) {
-      raw_buffer.fill_(rank + 1);
-      loom_buffer.fill_(rank + 1);
-      async_buffer.fill_(rank + 1);
+    // Each variant starts from a fresh buffer on ranks that start together, and its result is checked.
+    auto timed = [&](auto&& call) {
+      buffer.fill_(rank + 1);
       MPI_Barrier(MPI_COMM_WORLD);
-      auto t0 = Clock::now();
-      MPI_Allreduce(MPI_IN_PLACE, raw_buffer.data_ptr(), static_cast<int>(count), MPI_FLOAT, MPI_SUM, raw_comm);
-      double raw_time = slowest(std::chrono::duration<double>(Clock::now() - t0).count());
+      auto start = Clock::now();
+      call();
+      const double seconds = slowest(std::chrono::duration<double>(Clock::now() - start).count());
+      correct = correct && buffer[0].item<float>() == expected && buffer[count - 1].item<float>() == expected;
+      return seconds;
+    };
+    auto raw_call = [&] {
+      MPI_Allreduce(MPI_IN_PLACE, buffer.data_ptr(), static_cast<int>(count), MPI_FLOAT, MPI_SUM, raw_comm);
+    };
+    auto loom_call = [&] { comm->all_reduce(buffer)->wait(); };
+    auto unchecked_call = [&] { unchecked->all_reduce(buffer)->wait(); };
+    auto async_call = [&] {
+      auto work = comm->all_reduce(buffer);
+      while (!work->is_completed()) std::this_thread::yield();
+      work->wait();
+    };
+    for (int it = -warmup; it < iters; ++it) {
+      const double raw_time = timed(raw_call);
       // The checked and the unchecked call back to back, so both meet the machine in the same
       // state, in alternating order: the second of two calls is faster by itself (0.3 us of
       // 1.7 us at 4 B, measured with both unchecked), which would read as the check's cost.
-      unchecked_buffer.fill_(rank + 1);
       double loom_time = 0, unchecked_time = 0;
-      auto timed_call = [&](loom::Communicator& c, at::Tensor& buffer) {
-        MPI_Barrier(MPI_COMM_WORLD);
-        auto start = Clock::now();
-        c.all_reduce(buffer)->wait();
-        return slowest(std::chrono::duration<double>(Clock::now() - start).count());
-      };
       if (it % 2 == 0) {
-        loom_time = timed_call(*comm, loom_buffer);
-        unchecked_time = timed_call(*unchecked, unchecked_buffer);
+        loom_time = timed(loom_call);
+        unchecked_time = timed(unchecked_call);
       } else {
-        unchecked_time = timed_call(*unchecked, unchecked_buffer);
-        loom_time = timed_call(*comm, loom_buffer);
+        unchecked_time = timed(unchecked_call);
+        loom_time = timed(loom_call);
       }
-      MPI_Barrier(MPI_COMM_WORLD);
-      auto t2 = Clock::now();
-      auto async_work = comm->all_reduce(async_buffer);
-      while (!async_work->is_completed()) std::this_thread::yield();
-      async_work->wait();
-      double async_time = slowest(std::chrono::duration<double>(Clock::now() - t2).count());
-      const float expected = n * (n + 1) / 2.0f;
-      correct = correct && loom_buffer[0].item<float>() == expected && loom_buffer[count - 1].item<float>() == expected &&
-                raw_buffer[0].item<float>() == expected && async_buffer[count - 1].item<float>() == expected &&
-                unchecked_buffer[count - 1].item<float>() == expected;
+      const double async_time = timed(async_call);
       if (it >= 0) {
         raw_times.push_back(raw_time);
         loom_times.push_back(loom_time);
