@@ -47,6 +47,8 @@ void bind_comm(py::module_& m) {
            "timedelta), raises torchloom.TimeoutError when it is not done by then.")
       .def("is_completed", &loom::Work::is_completed, "True once finished, successfully or not. Never blocks.")
       .def("is_success", &loom::Work::is_success, "True once finished without error.")
+      .def("run_in_background", &loom::Work::run_in_background,
+           "Says the caller computes before it waits: the communicator starts the operation on its own thread now.")
       .def("synchronize", &loom::Work::synchronize, release_gil(), "Blocks the host until the operation is done.")
       .def("exception", [](loom::Work& w) { return python_exception(w.exception()); },
            "The operation's error as a torchloom exception (not raised), or None.")

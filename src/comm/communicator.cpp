@@ -365,7 +365,11 @@ void Communicator::apply_policy(const std::string& message) {
   auto self = weak_from_this().lock();
   if (!self) return;  // being destroyed (its waiter already has the error): nothing left to release
   if (backend_aborted_.exchange(true)) return;
-  std::thread([self, message] { self->abort_backend(message); }).detach();
+  // The helper takes the only reference this thread holds: were it kept here until return, and
+  // the owner and the helper dropped theirs meanwhile, the communicator would be destroyed on this
+  // thread, which may be its own progress thread (seen: std::system_error joining itself when a
+  // failed receive's owner dropped the communicator at once).
+  std::thread([self = std::move(self), message] { self->abort_backend(message); }).detach();
 }
 
 void Communicator::fail(const std::shared_ptr<Work>& work, std::exception_ptr error, const std::string& message) {

@@ -29,6 +29,15 @@ void Work::nudge() {
   if (assist_ && !nudged_.exchange(true, std::memory_order_relaxed)) assist_(this, false);
 }
 
+void Work::run_in_background() {
+  bool queued;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    queued = state_ == State::Queued;
+  }
+  if (queued) nudge();
+}
+
 bool Work::is_completed() {
   const State s = state();
   return s == State::Done || s == State::Failed;

@@ -241,6 +241,8 @@ struct GradientReducer::Impl : std::enable_shared_from_this<GradientReducer::Imp
       GradBucket handed{next_to_issue, bucket.buffer, bucket.members, group.get(), divisor};
       bucket.issued_at = trace::now();
       bucket.reduction = passthrough() ? PendingReduction{} : hook(handed);
+      // Nobody waits on a bucket before backward ends: it runs in the background from now on.
+      if (bucket.reduction.work) bucket.reduction.work->run_in_background();
       bucket.issued = true;
       // Counted only when a bucket really went to a communicator (alone in the group, none does).
       if (!passthrough()) {

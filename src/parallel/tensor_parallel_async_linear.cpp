@@ -56,6 +56,7 @@ struct LinearAsyncGradAllReduce : torch::autograd::Function<LinearAsyncGradAllRe
       grad_input = at::matmul(grad_output, weight.to(compute)).to(input.scalar_type());
     if (grad_input.defined() && group && group->size() > 1) {
       reduction = group->all_reduce(grad_input);
+      reduction->run_in_background();  // it travels while the weight gradient is computed
       detail::count_all_reduce(grad_input);
     }
     // dW and db while dX travels.

@@ -52,6 +52,16 @@ class Work {
   void wait(Timeout timeout = kDefaultTimeout);
   // Blocks the host until the operation has finished (same as wait() for host communicators).
   void synchronize();
+  // Says that the caller will compute before it waits (overlap): a host communicator then starts
+  // the operation on its own thread now instead of guessing from how the previous one ran (it may
+  // leave a submission to a waiter that comes right after). DDP's buckets and tensor parallelism's
+  // overlapped all-reduces call it; polling with is_completed() has the same effect. Never blocks.
+  //
+  //   auto work = comm->all_reduce(grad);
+  //   work->run_in_background();
+  //   compute_something_else();
+  //   work->wait();
+  void run_in_background();
   // The operation's error, or nullptr while it is running or when it succeeded.
   std::exception_ptr exception();
   State state();
