@@ -224,7 +224,7 @@ class MpiCommunicator final : public Communicator {
         auto ready = [this] { return stop_ || (!queue_.empty() && !running_); };
         if (!ready()) {
           sleeping_ = true;
-          if (!pending_.empty()) {
+          if (!pending_.empty() || !draining_.empty()) {
             wake_.wait_for(lock, kP2PPoll, ready);  // poll them, yielding the core in between
           } else if (waiter_runs_ && !quiet_) {
             // A whole tick without submissions: sleep until the next one wakes the thread.
@@ -256,7 +256,11 @@ class MpiCommunicator final : public Communicator {
         std::lock_guard<std::mutex> lock(mutex_);
         running_ = false;
       }
-      if (!pending_.empty()) poll_p2p();
+      if (!pending_.empty() || !draining_.empty()) poll_p2p();
+    }
+    for (auto& leg : draining_) {
+      MPI_Cancel(&leg.request);
+      MPI_Request_free(&leg.request);
     }
     for (auto& p : pending_) {
       // Still unmatched at destruction: their works failed or nobody waits; release the requests.
@@ -434,7 +438,7 @@ class MpiCommunicator final : public Communicator {
     const auto expected_bytes = static_cast<int64_t>(leg.tensor.nbytes());
     if (bytes != expected_bytes) {
       at::Tensor scratch = at::empty({std::max(bytes, 1)}, at::kByte);
-      MPI_Mrecv(scratch.data_ptr(), bytes, MPI_BYTE, &message, MPI_STATUS_IGNORE);
+      check_mpi(MPI_Mrecv(scratch.data_ptr(), bytes, MPI_BYTE, &message, MPI_STATUS_IGNORE), op, "MPI_Mrecv");
       const auto element = static_cast<int64_t>(leg.tensor.element_size());
       const std::string received = bytes % element == 0 ? std::to_string(bytes / element) + " elements"
                                                         : std::to_string(bytes) + " bytes";
@@ -449,6 +453,13 @@ class MpiCommunicator final : public Communicator {
   }
 
   void poll_p2p() {
+    // Legs of failed operations still in MPI's hands: their tensors stay alive until MPI is done.
+    draining_.erase(std::remove_if(draining_.begin(), draining_.end(),
+                                   [](Leg& leg) {
+                                     int done = 0;
+                                     return MPI_Test(&leg.request, &done, MPI_STATUS_IGNORE) != MPI_SUCCESS || done;
+                                   }),
+                    draining_.end());
     // Receives from one peer with one tag match its messages in order: only the first receive of
     // each (peer, tag) not yet posted may probe, or a later one could take an earlier one's message.
     std::vector<std::pair<int, int>> waiting;
@@ -482,6 +493,10 @@ class MpiCommunicator final : public Communicator {
           message = e.what();
         }
         fail(it->work, error, message);
+        // The operation failed, but a send it posted (or a receive of another leg) may still be
+        // reading or writing its tensor: MPI keeps it until done, and so must we.
+        for (auto& leg : it->legs)
+          if (leg.request != MPI_REQUEST_NULL) draining_.push_back(std::move(leg));
         it = pending_.erase(it);
       } else if (all_done) {
         finish(*it->work);
@@ -497,6 +512,7 @@ class MpiCommunicator final : public Communicator {
   std::condition_variable wake_;
   std::deque<Task> queue_;
   std::vector<PendingP2P> pending_;  // owned by the progress thread
+  std::vector<Leg> draining_;        // legs of failed operations MPI has not finished (same thread)
   bool stop_ = false;
   bool running_ = false;  // an operation is executing (on the progress thread or a waiter)
   bool sleeping_ = false;  // the progress thread waits on wake_

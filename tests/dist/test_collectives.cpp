@@ -2,6 +2,9 @@
 // rank computes on its own (test_util.h).
 #include <gtest/gtest.h>
 
+#include <chrono>
+#include <thread>
+
 #include "loom/comm/mpi.h"
 #include "test_util.h"
 
@@ -235,5 +238,42 @@ TEST(Collectives, AnAllGatherOfSmallInputsIsSizeCheckedByItsOutput) {
   }
   EXPECT_NE(message.find("collective mismatch: this rank called all_gather"), std::string::npos) << message;
   EXPECT_NE(message.find("numel=" + std::to_string(comm->rank() == n - 1 ? 40 : 48)), std::string::npos) << message;
+  world->barrier()->wait();
+}
+
+// A batch that fails on one receive may already have posted a large send, which MPI reads from the
+// tensor until the peer takes it. The send must still deliver the tensor's bytes when the caller
+// kept no reference to it (the batch held the only one) and the memory was wanted again meanwhile.
+TEST(PointToPoint, ASendOfAFailedBatchStillDeliversItsTensor) {
+  auto world = test::world();
+  if (world->size() < 2) GTEST_SKIP() << "needs a peer";
+  const int me = world->rank();
+  constexpr int64_t kLarge = int64_t{1} << 22;  // 16 MB: a rendezvous message, a mapping of its own
+  CommunicatorOptions options;
+  options.on_error = OnError::Raise;  // the failed batch breaks this communicator only
+  auto pair = mpi::world_communicator(options);
+  if (me == 0) {
+    std::string message;
+    try {
+      pair->batch_isend_irecv({{P2POp::Kind::Send, at::full({kLarge}, 5.0f), 1}, {P2POp::Kind::Recv, at::empty({10}), 1}})
+          ->wait();
+    } catch (const MismatchError& e) {
+      message = e.what();
+    }
+    EXPECT_NE(message.find("expected 10 elements, received 20"), std::string::npos) << message;
+    at::Tensor reuse = at::full({kLarge}, 7.0f);  // what a freed send buffer would now hold
+    world->barrier()->wait();
+    EXPECT_EQ(reuse[0].item<float>(), 7.0f);
+  } else if (me == 1) {
+    pair->send(at::ones({20}), 0)->wait();
+    // Take the large message only after rank 0's batch has failed.
+    std::this_thread::sleep_for(std::chrono::milliseconds(300));
+    at::Tensor large = at::zeros({kLarge});
+    pair->recv(large, 0)->wait();
+    EXPECT_TRUE(at::all(large.eq(5.0f)).item<bool>()) << "the failed batch's send delivered other bytes";
+    world->barrier()->wait();
+  } else {
+    world->barrier()->wait();
+  }
   world->barrier()->wait();
 }
