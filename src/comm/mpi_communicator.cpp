@@ -83,6 +83,7 @@ class MpiCommunicator final : public Communicator {
       // process's end. (A healthy communicator's thread always finishes its operation: join.)
       LOOM_LOG(warn, "communicator " << name() << " destroyed while an operation is stuck in MPI");
       detail::mpi_state::stuck_threads.fetch_add(1);
+      detail::mpi_state::end_at_exit_without_teardown();
       thread_.detach();
       return;
     }

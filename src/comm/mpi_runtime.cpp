@@ -2,6 +2,9 @@
 #include <mpi.h>
 
 #include <atomic>
+#include <cstdio>
+#include <cstdlib>
+#include <mutex>
 #include <string>
 
 #include "comm/abort.h"
@@ -65,6 +68,26 @@ void initialize() {
     }
   }
 }
+
+namespace {
+void exit_now_if_stuck(int status, void*) {
+  if (loom::detail::mpi_state::stuck_threads.load() == 0) return;
+  std::fflush(nullptr);  // what the program printed; the log writes to stderr unbuffered
+  std::_Exit(status);
+}
+}  // namespace
+
+}  // namespace loom::mpi
+
+namespace loom::detail::mpi_state {
+void end_at_exit_without_teardown() {
+  static std::once_flag once;
+  // glibc's on_exit, unlike atexit, passes the exit status on.
+  std::call_once(once, [] { on_exit(loom::mpi::exit_now_if_stuck, nullptr); });
+}
+}  // namespace loom::detail::mpi_state
+
+namespace loom::mpi {
 
 void finalize() {
   if (!initialized() || !g_we_initialized) return;

@@ -9,4 +9,10 @@ namespace loom::detail::mpi_state {
 // waiting for them, so loom::finalize() skips it while this is non-zero.
 inline std::atomic<int> stuck_threads{0};
 
+// Called when a thread is left stuck in MPI: from then on, a process that exits (returning from
+// main without loom::finalize(), or exit()) ends at once with its exit status, before the
+// handlers and destructors registered earlier run. They would tear down MPI's shared memory
+// under the stuck thread, which then crashed (exit 139 instead of the program's code).
+void end_at_exit_without_teardown();
+
 }  // namespace loom::detail::mpi_state
