@@ -10,8 +10,8 @@
 // line), "loom async" is submit, then poll is_completed()
 // while the communicator's progress thread runs it (the path that overlaps with computation),
 // and "unchecked" is "loom" on a communicator without the always-on fingerprint check (the
-// 32-byte agreement before collectives of LOOM_SIZE_CHECK_BYTES and more, and every
-// LOOM_FINGERPRINT_INTERVAL-th one): "check cost" is the checked time over the unchecked one.
+// agreement on collectives of LOOM_SIZE_CHECK_BYTES and more, and every
+// LOOM_FINGERPRINT_INTERVAL-th one: in band up to 32 KB, a 64-byte exchange first above): "check cost" is the checked time over the unchecked one.
 //
 //   mpirun -np 2 build/benchmarks/allreduce_bench --json allreduce_np2.json
 #include <ATen/ATen.h>

@@ -35,13 +35,6 @@ uint64_t fold_fingerprint(uint64_t rolling, const OpInfo& info) {
   return h;
 }
 
-PrecheckWords precheck_words(const OpInfo& info, uint64_t fingerprint) {
-  const auto fp = static_cast<int64_t>(fingerprint);
-  return {fp, ~fp, info.numel(), ~info.numel()};
-}
-
-bool precheck_agrees(const PrecheckWords& mine, const PrecheckWords& reduced) { return mine == reduced; }
-
 SignatureWords signature_words(const OpInfo& info, uint64_t fingerprint) {
   return {static_cast<int64_t>(info.type), static_cast<int64_t>(info.seq), info.internal ? 1 : 0,
           static_cast<int64_t>(info.dtype), info.numel(), reduce_of(info), root_of(info),

@@ -18,13 +18,6 @@ namespace loom::detail {
 // The rolling fingerprint after `info` is called (FNV-1a over the signature fields).
 uint64_t fold_fingerprint(uint64_t rolling, const OpInfo& info);
 
-// The precheck exchange: every rank contributes {fp, ~fp, numel, ~numel}; after an element-wise
-// MAX over the group, the ranks agree exactly when the result equals their own words (max of
-// ~x is ~min x, so this checks min == max for both values).
-using PrecheckWords = std::array<int64_t, 4>;
-PrecheckWords precheck_words(const OpInfo& info, uint64_t fingerprint);
-bool precheck_agrees(const PrecheckWords& mine, const PrecheckWords& reduced);
-
 // What ranks exchange to say what they called (type, seq, internal, dtype, numel, op, root, fp).
 using SignatureWords = std::array<int64_t, 8>;
 SignatureWords signature_words(const OpInfo& info, uint64_t fingerprint);

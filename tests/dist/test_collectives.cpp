@@ -38,15 +38,23 @@ class Reduction : public testing::TestWithParam<Case> {};
 
 }  // namespace
 
+// Three sizes, three paths on the MPI backend: below LOOM_SIZE_CHECK_BYTES (256 B) MPI_Allreduce
+// alone; up to 32 KB the in-band all-reduce, whose own messages carry the ranks' agreement
+// (src/comm/mpi_in_band.h; 1-8 KB here, in one message or in eager-sized pieces); above it the
+// agreement, then MPI_Allreduce.
 TEST_P(Reduction, AllReduceInPlace) {
   auto comm = test::world();
   const auto [dtype, op] = GetParam();
-  at::Tensor t = rank_input(comm->rank(), {3, 5}, dtype, op == ReduceOp::Product);
-  void* before = t.data_ptr();
-  comm->all_reduce(t, {op})->wait();
-  EXPECT_EQ(t.data_ptr(), before);
-  at::Tensor expected = expected_reduction(comm->size(), {3, 5}, dtype, op);
-  EXPECT_TRUE(at::equal(t, expected)) << "got\n" << t << "\nexpected\n" << expected;
+  for (const std::vector<int64_t>& shape : {std::vector<int64_t>{3, 5}, {16, 64}, {512, 513}}) {
+    SCOPED_TRACE("shape [" + std::to_string(shape[0]) + ", " + std::to_string(shape[1]) + "]");
+    at::Tensor t = rank_input(comm->rank(), shape, dtype, op == ReduceOp::Product);
+    void* before = t.data_ptr();
+    comm->all_reduce(t, {op})->wait();
+    EXPECT_EQ(t.data_ptr(), before);
+    at::Tensor expected = expected_reduction(comm->size(), shape, dtype, op);
+    EXPECT_TRUE(at::equal(t, expected)) << "got\n" << t.flatten().narrow(0, 0, 8) << "\nexpected\n"
+                                        << expected.flatten().narrow(0, 0, 8);
+  }
 }
 
 TEST_P(Reduction, ReduceScatter) {
@@ -239,6 +247,51 @@ TEST(Collectives, AnAllGatherOfSmallInputsIsSizeCheckedByItsOutput) {
   EXPECT_NE(message.find("collective mismatch: this rank called all_gather"), std::string::npos) << message;
   EXPECT_NE(message.find("numel=" + std::to_string(comm->rank() == n - 1 ? 40 : 48)), std::string::npos) << message;
   world->barrier()->wait();
+}
+
+// Ranks passing one all_reduce different sizes, whichever checked path each takes (in band up to
+// 32 KB, agreement then MPI_Allreduce above): every rank gets MismatchError naming the other
+// call, and nothing lands behind the smaller buffer. The culprit is the last rank; at 3 ranks it
+// is folded into rank 0 first (the exchange's non-power-of-two path).
+TEST(Collectives, AllReduceOfDifferentSizesIsAMismatchOnEveryRankWhicheverPathEachTakes) {
+  auto world = test::world();
+  const int n = world->size();
+  if (n < 2) GTEST_SKIP() << "needs a peer";
+  struct Sizes {
+    int64_t others, culprit;
+  };
+  // Elements of float: in band vs in band (1 KB vs 2 KB in one message; 8 KB in eager-sized
+  // pieces vs 32 KB in one; 4 KB vs 12 KB, both in pieces), agreement vs in band (64 KB vs
+  // 16 KB, 1 KB vs 1 MB), agreement vs agreement (1 MB vs 512 KB).
+  for (const Sizes sizes : {Sizes{256, 512}, Sizes{16384, 4096}, Sizes{2048, 8192}, Sizes{1024, 3000},
+                            Sizes{256, 262144}, Sizes{262144, 131072}}) {
+    CommunicatorOptions options;
+    options.on_error = OnError::Raise;  // the failed call breaks this communicator only
+    options.fingerprint_interval = 0;   // only the size rule may check
+    auto comm = mpi::world_communicator(options);
+    const bool culprit = comm->rank() == n - 1;
+    const int64_t mine = culprit ? sizes.culprit : sizes.others;
+    const int64_t theirs = culprit ? sizes.others : sizes.culprit;
+    constexpr int64_t kGuard = 1 << 19;
+    at::Tensor memory = at::full({mine + kGuard}, -7.0f);
+    at::Tensor t = memory.narrow(0, 0, mine);
+    t.fill_(1.0f);
+    std::string message;
+    try {
+      comm->all_reduce(t)->wait();
+    } catch (const MismatchError& e) {
+      message = e.what();
+    }
+    SCOPED_TRACE(std::to_string(sizes.others) + " vs " + std::to_string(sizes.culprit) + " elements");
+    EXPECT_NE(message.find("collective mismatch: this rank called all_reduce(seq=0, dtype=Float, numel=" +
+                           std::to_string(mine)),
+              std::string::npos)
+        << message;
+    EXPECT_NE(message.find("called all_reduce(seq=0, dtype=Float, numel=" + std::to_string(theirs)), std::string::npos)
+        << message;
+    EXPECT_TRUE(at::equal(memory.narrow(0, mine, kGuard), at::full({kGuard}, -7.0f))) << "written past the tensor";
+    world->barrier()->wait();
+  }
 }
 
 // A batch that fails on one receive may already have posted a large send, which MPI reads from the
