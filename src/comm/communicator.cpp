@@ -304,21 +304,17 @@ WorkPtr Communicator::enqueue_checked(detail::Op& op) {
 
   auto work = make_work(op);
   recorder_->record(work, op.fingerprint);
+  // Watched (through inflight_) before the backend is called: an issue that blocks (a device
+  // backend connecting to a peer that never comes) still ends at the deadline.
   {
     std::lock_guard<std::mutex> inflight_lock(inflight_mutex_);
-    // Operations complete in order: the completed ones gather at the front.
-    size_t done = 0;
-    while (done < inflight_.size()) {
-      auto w = inflight_[done].lock();
-      if (w && !w->is_completed()) break;
-      ++done;
-    }
-    inflight_.erase(inflight_.begin(), inflight_.begin() + static_cast<long>(done));
+    prune_finished_locked();
     inflight_.push_back(work);
   }
-  // Watched before the backend is called: an issue that blocks (a device backend connecting to a
-  // peer that never comes) still ends at the deadline.
-  detail::Watchdog::instance().watch(weak_from_this(), work);
+  if (!watched_) {
+    detail::Watchdog::instance().watch(weak_from_this());
+    watched_ = true;
+  }
   LOOM_LOG(trace, "enqueue " << op.info.describe());
   try {
     issue(op, work);
@@ -370,6 +366,26 @@ void Communicator::apply_policy(const std::string& message) {
   // thread, which may be its own progress thread (seen: std::system_error joining itself when a
   // failed receive's owner dropped the communicator at once).
   std::thread([self = std::move(self), message] { self->abort_backend(message); }).detach();
+}
+
+void Communicator::prune_finished_locked() {
+  // Operations complete in order: the completed ones gather at the front.
+  size_t done = 0;
+  while (done < inflight_.size()) {
+    auto w = inflight_[done].lock();
+    if (w && !w->is_completed()) break;
+    ++done;
+  }
+  inflight_.erase(inflight_.begin(), inflight_.begin() + static_cast<long>(done));
+}
+
+std::vector<std::shared_ptr<Work>> Communicator::unfinished_works() {
+  std::vector<std::shared_ptr<Work>> unfinished;
+  std::lock_guard<std::mutex> lock(inflight_mutex_);
+  prune_finished_locked();
+  for (const auto& w : inflight_)
+    if (auto p = w.lock(); p && !p->is_completed()) unfinished.push_back(std::move(p));
+  return unfinished;
 }
 
 void Communicator::fail(const std::shared_ptr<Work>& work, std::exception_ptr error, const std::string& message) {

@@ -1,6 +1,7 @@
 #include "comm/watchdog.h"
 
 #include <algorithm>
+#include <map>
 
 #include "loom/comm/communicator.h"
 #include "loom/config.h"
@@ -16,11 +17,9 @@ Watchdog& Watchdog::instance() {
 
 Watchdog::Watchdog() : thread_([this] { run(); }) {}
 
-void Watchdog::watch(std::weak_ptr<Communicator> comm, std::shared_ptr<Work> work) {
-  // No wake-up: the thread checks every poll interval anyway, and a notify per operation would
-  // cost a system call on the hot path. Detection is at most one interval late.
+void Watchdog::watch(std::weak_ptr<Communicator> comm) {
   std::lock_guard<std::mutex> lock(mutex_);
-  entries_.push_back({std::move(comm), std::move(work), 0});
+  watched_.push_back(std::move(comm));
 }
 
 void Watchdog::add_periodic(std::function<bool()> check) {
@@ -44,33 +43,41 @@ void Watchdog::run() {
       bool expired;
     };
     std::vector<Due> due;
-    std::vector<Entry> watching;
-    watching.swap(entries_);
+    // Drop the communicators that are gone; the others' unfinished works are read unlocked.
+    watched_.erase(std::remove_if(watched_.begin(), watched_.end(), [](const auto& c) { return c.expired(); }),
+                   watched_.end());
+    std::vector<std::weak_ptr<Communicator>> comms = watched_;
     auto periodic = periodic_;
     lock.unlock();
 
     // is_completed() may poll a device event or take the work's own lock; never ours.
-    std::vector<Entry> keep;
+    std::map<std::pair<const Work*, uint64_t>, int> warned;  // stall warnings of works still unfinished
     const auto now = Clock::now();
-    for (auto& e : watching) {
-      if (e.work->is_completed()) continue;
-      const auto started = e.work->started_at_time();
-      if (!started) {
-        keep.push_back(std::move(e));
-        continue;
+    for (const auto& weak : comms) {
+      std::vector<std::shared_ptr<Work>> unfinished;
+      if (auto comm = weak.lock()) unfinished = comm->unfinished_works();  // not held longer: its
+      else continue;                                                      // owner may be dropping it
+      for (auto& work : unfinished) {
+        const auto started = work->started_at_time();
+        if (!started) continue;  // the deadline runs from the start
+        const double elapsed = std::chrono::duration<double>(now - *started).count();
+        const double timeout = std::chrono::duration<double>(work->info().timeout).count();
+        if (elapsed >= timeout) {
+          due.push_back({weak, work, elapsed, true});
+          continue;
+        }
+        // The key has the sequence number too: a finished work's address may be reused.
+        const std::pair<const Work*, uint64_t> key{work.get(), work->info().seq};
+        auto it = warnings_.find(key);
+        int warnings = it == warnings_.end() ? 0 : it->second;
+        if (stall_fraction > 0 && warnings < 3 && elapsed >= stall_fraction * timeout * (warnings + 1)) {
+          ++warnings;
+          due.push_back({weak, work, elapsed, false});
+        }
+        if (warnings > 0) warned[key] = warnings;
       }
-      const double elapsed = std::chrono::duration<double>(now - *started).count();
-      const double timeout = std::chrono::duration<double>(e.work->info().timeout).count();
-      if (elapsed >= timeout) {
-        due.push_back({e.comm, e.work, elapsed, true});
-        continue;
-      }
-      if (stall_fraction > 0 && e.warnings < 3 && elapsed >= stall_fraction * timeout * (e.warnings + 1)) {
-        ++e.warnings;
-        due.push_back({e.comm, e.work, elapsed, false});
-      }
-      keep.push_back(std::move(e));
     }
+    warnings_.swap(warned);
     for (auto& d : due) {
       auto comm = d.comm.lock();
       if (!comm) continue;
@@ -92,9 +99,6 @@ void Watchdog::run() {
       if (!again) finished_checks.push_back(i);
     }
     lock.lock();
-    // Entries added while unlocked went to entries_; keep both.
-    keep.insert(keep.end(), std::make_move_iterator(entries_.begin()), std::make_move_iterator(entries_.end()));
-    entries_.swap(keep);
     // Periodic checks are only appended, so indices of the copy are still valid.
     for (auto it = finished_checks.rbegin(); it != finished_checks.rend(); ++it)
       periodic_.erase(periodic_.begin() + static_cast<long>(*it));

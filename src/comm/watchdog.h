@@ -9,6 +9,7 @@
 #include <chrono>
 #include <condition_variable>
 #include <functional>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <thread>
@@ -28,9 +29,11 @@ class Watchdog {
 
   static Watchdog& instance();
 
-  // Watches `work` of `comm` until it completes: Communicator::on_timeout once its timeout has
-  // passed since it started, Communicator::on_stall at each stall-warning fraction.
-  void watch(std::weak_ptr<Communicator> comm, std::shared_ptr<Work> work);
+  // Watches every operation of `comm` (its unfinished works, read at each poll) while it lives:
+  // Communicator::on_timeout once an operation's timeout has passed since it started,
+  // Communicator::on_stall at each stall-warning fraction. Called once per communicator, so
+  // submitting an operation costs the watchdog nothing.
+  void watch(std::weak_ptr<Communicator> comm);
   // Runs check() every poll interval until it returns false (the status channel's server,
   // device communicators' asynchronous-error polls).
   void add_periodic(std::function<bool()> check);
@@ -42,16 +45,11 @@ class Watchdog {
   Watchdog();
   void run();
 
-  struct Entry {
-    std::weak_ptr<Communicator> comm;
-    std::shared_ptr<Work> work;
-    int warnings = 0;  // stall warnings already given
-  };
-
   std::chrono::milliseconds poll_interval_{50};
   std::mutex mutex_;
   std::condition_variable wake_;
-  std::vector<Entry> entries_;
+  std::vector<std::weak_ptr<Communicator>> watched_;
+  std::map<std::pair<const Work*, uint64_t>, int> warnings_;  // stall warnings given (watchdog thread only)
   std::vector<std::function<bool()>> periodic_;
   std::thread thread_;
 };

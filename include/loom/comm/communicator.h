@@ -140,7 +140,9 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
   void check_fingerprint(detail::Op& op);
   void mark_broken(const std::string& reason);
   void apply_policy(const std::string& message);
+  void prune_finished_locked();  // drops completed works from inflight_'s front (inflight_mutex_ held)
   // Called by the watchdog.
+  std::vector<std::shared_ptr<Work>> unfinished_works();
   void on_timeout(const std::shared_ptr<Work>& work);
   void on_stall(const std::shared_ptr<Work>& work, double elapsed_seconds);
 
@@ -168,7 +170,10 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
   mutable std::mutex broken_mutex_;
   std::string broken_reason_;
   std::mutex inflight_mutex_;
-  std::vector<std::weak_ptr<Work>> inflight_;  // in submission order; completed ones pruned from the front
+  // In submission order; completed ones pruned from the front. The watchdog reads it (every
+  // operation is watched from here, with no per-operation registration on the hot path).
+  std::vector<std::weak_ptr<Work>> inflight_;
+  bool watched_ = false;  // registered with the watchdog (at the first submission; under submit_mutex_)
   std::shared_ptr<detail::FlightRecorder> recorder_;
   uint64_t peer_key_ = 0;  // this communicator's name in peer queries (detail::peers)
 };
