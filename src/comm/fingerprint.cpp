@@ -7,12 +7,12 @@ namespace {
 
 constexpr uint64_t kFnvPrime = 1099511628211ull;
 
+// FNV-1a a word at a time (a byte at a time was 2% of a 4-byte all_reduce's submission), with
+// the high half folded back after each multiply: a product carries a difference only upward,
+// and the in-band tags use the low bits.
 uint64_t fold(uint64_t h, int64_t value) {
-  for (int i = 0; i < 8; ++i) {
-    h ^= static_cast<uint64_t>(value >> (8 * i)) & 0xff;
-    h *= kFnvPrime;
-  }
-  return h;
+  h = (h ^ static_cast<uint64_t>(value)) * kFnvPrime;
+  return h ^ (h >> 32);
 }
 
 // A split's color is not compared: ranks pass different colors by design.
