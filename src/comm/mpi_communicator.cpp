@@ -60,7 +60,7 @@ class MpiCommunicator final : public Communicator {
       : Communicator(rank_of(comm), members_of(comm), std::move(name), at::Device(at::kCPU), options),
         comm_(comm),
         band_comm_(duplicate(comm)),
-        band_(band_comm_) {
+        band_(band_comm_, kInBandMaxBytes) {
     MPI_Comm_set_errhandler(comm_, MPI_ERRORS_RETURN);
     thread_ = std::thread([this] { progress_loop(); });
   }

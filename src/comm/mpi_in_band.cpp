@@ -21,7 +21,8 @@ constexpr int kMaxPieces = (kPiecesUpToBytes + kPieceBytes - 1) / kPieceBytes;
 
 }  // namespace
 
-InBandChannel::InBandChannel(MPI_Comm comm) : comm_(comm) {
+InBandChannel::InBandChannel(MPI_Comm comm, int64_t max_data_bytes)
+    : comm_(comm), max_message_bytes_(static_cast<int>(std::max<int64_t>({max_data_bytes, int64_t{kPieceBytes}, static_cast<int64_t>(sizeof(SignatureWords))}))) {
   MPI_Comm_rank(comm_, &rank_);
   MPI_Comm_size(comm_, &size_);
   int* tag_ub = nullptr;
@@ -68,16 +69,31 @@ bool InBandChannel::exchange(const Op& op, uint64_t fingerprint, void* data, int
   int type_size = 1;
   MPI_Type_size(type, &type_size);
   const int64_t expected_bytes = data ? int64_t{count} * type_size : static_cast<int64_t>(sizeof(mine));
+  if (expected_bytes > max_message_bytes_)
+    throw InvalidArgumentError(op.info.describe() + ": " + std::to_string(expected_bytes) +
+                               " bytes exceed the in-band channel's " + std::to_string(max_message_bytes_));
   const int my_tag = tag_of(fingerprint, kind);
-  // A message above the eager limit goes in pieces (see kPieceBytes); each piece is probed and
-  // must be the size this rank expects there.
+  // A message above the eager limit goes in pieces (see kPieceBytes), each of a whole number of
+  // elements (4000 is a multiple of every element size).
   const int64_t piece = data && expected_bytes <= kPiecesUpToBytes ? kPieceBytes : std::max<int64_t>(expected_bytes, 1);
   const int pieces = static_cast<int>(std::max<int64_t>((expected_bytes + piece - 1) / piece, 1));
   auto piece_bytes = [&](int i) { return static_cast<int>(std::min(piece, expected_bytes - i * piece)); };
   const char* payload = data ? static_cast<const char*>(data) : reinterpret_cast<const char*>(mine.data());
-  scratch_.resize(std::max<size_t>(scratch_.size(), static_cast<size_t>(expected_bytes)));
+  // One slot per piece, each the size of the largest message this channel ever carries: a
+  // receive is posted before its message is seen, and whatever arrives fits its slot.
+  slots_.resize(static_cast<size_t>(kMaxPieces) * static_cast<size_t>(max_message_bytes_));
+  auto slot = [&](int i) { return slots_.data() + static_cast<size_t>(i) * static_cast<size_t>(max_message_bytes_); };
   bool poisoned = false;
   for (const Round& round : schedule_) {
+    // Receives first, so that the peer's messages land directly in their slots.
+    std::array<MPI_Request, kMaxPieces> receives;
+    // A poisoned rank still takes one message from its peer, whatever it is: a large send (a
+    // rendezvous) completes only when received, and the peer waits for its sends. Pieces are all
+    // below the eager limit and complete without a receiver.
+    const int expected_messages = round.receive ? (poisoned ? 1 : pieces) : 0;
+    for (int i = 0; i < expected_messages; ++i)
+      check_mpi(MPI_Irecv(slot(i), max_message_bytes_, MPI_BYTE, round.peer, MPI_ANY_TAG, comm_, &receives[i]), op,
+                "MPI_Irecv (in-band agreement)");
     std::array<MPI_Request, kMaxPieces> sends;
     int posted = 0;
     if (round.send) {
@@ -93,45 +109,40 @@ bool InBandChannel::exchange(const Op& op, uint64_t fingerprint, void* data, int
                     op, "MPI_Isend (in-band agreement)");
       }
     }
-    bool combine = false;
-    if (round.receive) {
-      // The final result of a folded rank lands in its buffer; everything else in scratch memory.
-      char* target = data && round.replace ? static_cast<char*>(data) : scratch_.data();
-      // A poisoned rank still takes one message from its peer, whatever it is: a large send (a
-      // rendezvous) completes only when received, and the peer waits for its sends. Pieces are
-      // all below the eager limit and complete without a receiver.
-      const bool was_poisoned = poisoned;
-      for (int i = 0; i < pieces; ++i) {
-        MPI_Message message = MPI_MESSAGE_NULL;
-        MPI_Status status;
-        check_mpi(MPI_Mprobe(round.peer, MPI_ANY_TAG, comm_, &message, &status), op, "MPI_Mprobe (in-band agreement)");
-        int bytes = 0;
-        MPI_Get_count(&status, MPI_BYTE, &bytes);
-        if (!was_poisoned && status.MPI_TAG == my_tag && bytes == piece_bytes(i)) {
-          check_mpi(MPI_Mrecv(target + i * piece, bytes, MPI_BYTE, &message, MPI_STATUS_IGNORE), op,
-                    "MPI_Mrecv (in-band agreement)");
-          continue;
-        }
-        // Another call's message, or poison: drained, never written into the caller's buffer.
-        // (Further pieces of another call stay unreceived: the communicator is broken after this.)
-        std::vector<char> drain(static_cast<size_t>(std::max(bytes, 1)));
-        check_mpi(MPI_Mrecv(drain.data(), bytes, MPI_BYTE, &message, MPI_STATUS_IGNORE), op,
-                  "MPI_Mrecv (in-band agreement)");
-        poisoned = true;
-        break;
+    const bool was_poisoned = poisoned;
+    for (int i = 0; i < expected_messages; ++i) {
+      MPI_Status status;
+      check_mpi(MPI_Wait(&receives[i], &status), op, "MPI_Wait (in-band agreement)");
+      int bytes = 0;
+      MPI_Get_count(&status, MPI_BYTE, &bytes);
+      if (!was_poisoned && status.MPI_TAG == my_tag && bytes == piece_bytes(i)) continue;
+      // Another call's message, or poison. The peer sends no more pieces that this rank expects:
+      // withdraw their receives. (Pieces of another call may stay unreceived: the communicator
+      // is broken after this.)
+      poisoned = true;
+      for (int j = i + 1; j < expected_messages; ++j) {
+        MPI_Cancel(&receives[j]);
+        MPI_Wait(&receives[j], MPI_STATUS_IGNORE);
       }
-      if (!poisoned && !data) {
-        // The tag carries part of the fingerprint; the words carry all of it, and the count.
-        SignatureWords theirs;
-        std::memcpy(theirs.data(), scratch_.data(), sizeof(theirs));
-        poisoned = theirs[7] != mine[7] || theirs[4] != mine[4];
-      }
-      combine = !poisoned && data && !round.replace;
+      break;
+    }
+    if (round.receive && !poisoned && !data) {
+      // The tag carries part of the fingerprint; the words carry all of it, and the count.
+      SignatureWords theirs;
+      std::memcpy(theirs.data(), slot(0), sizeof(theirs));
+      poisoned = theirs[7] != mine[7] || theirs[4] != mine[4];
     }
     // The sends read `data`: only once they are done may the received values be combined into it.
     if (posted > 0)
       check_mpi(MPI_Waitall(posted, sends.data(), MPI_STATUSES_IGNORE), op, "MPI_Waitall (in-band agreement)");
-    if (combine) check_mpi(MPI_Reduce_local(scratch_.data(), data, count, type, reduce), op, "MPI_Reduce_local");
+    if (!round.receive || poisoned || !data) continue;
+    for (int i = 0; i < pieces; ++i) {
+      char* into = static_cast<char*>(data) + i * piece;
+      if (round.replace)  // the final result, to a folded rank
+        std::memcpy(into, slot(i), static_cast<size_t>(piece_bytes(i)));
+      else
+        check_mpi(MPI_Reduce_local(slot(i), into, piece_bytes(i) / type_size, type, reduce), op, "MPI_Reduce_local");
+    }
   }
   return !poisoned;
 }

@@ -5,8 +5,9 @@
 // sizes (benchmarks/report/mpi_mismatch_probe.txt), so ranks must agree before the data moves.
 // An agreement made as a separate collective costs a round trip: 20-30% of an all-reduce of
 // 256 B-1 KB, 5-15% at 4-16 KB. Here every message's tag carries the sender's signature (a hash
-// of the rolling fingerprint) and every receive is sized by a probe, so a message of another call
-// or size is drained into scratch memory, never into the caller's buffer.
+// of the rolling fingerprint) and lands in a slot of the channel's own that fits the largest
+// message the channel ever carries; only once its tag and size are checked is it combined into
+// the caller's buffer. A message of another call or size never touches that buffer.
 //
 // Messages follow recursive doubling (ranks beyond the largest power of two fold into a partner
 // first and get the result back last). A rank that finds a message it did not expect is
@@ -31,8 +32,8 @@ namespace loom::detail {
 class InBandChannel {
  public:
   // `comm` is the channel's own (a duplicate of the communicator's): nothing else is sent on it.
-  // The caller keeps ownership and frees it.
-  explicit InBandChannel(MPI_Comm comm);
+  // The caller keeps ownership and frees it. `max_data_bytes` bounds all_reduce's buffer.
+  InBandChannel(MPI_Comm comm, int64_t max_data_bytes);
 
   // Returns when every rank passed the same signature (rolling fingerprint and element count);
   // otherwise raises MismatchError, on every rank. `fingerprint` is the one the signature carries.
@@ -65,7 +66,8 @@ class InBandChannel {
   int size_ = 1;
   int hash_bits_ = 0;  // bits of the fingerprint a tag carries (MPI_TAG_UB, less the kind)
   std::vector<Round> schedule_;
-  std::vector<char> scratch_;  // what a round receives; drained messages too
+  int max_message_bytes_;    // no message on the channel is larger: the size of a receive slot
+  std::vector<char> slots_;  // receive slots, one per piece
 };
 
 }  // namespace loom::detail
