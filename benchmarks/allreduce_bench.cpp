@@ -9,9 +9,10 @@
 // "loom" is submit-then-wait (the waiting thread runs the operation itself when it is next in
 // line), "loom async" is submit, then poll is_completed()
 // while the communicator's progress thread runs it (the path that overlaps with computation),
-// and "unchecked" is "loom" on a communicator without the always-on fingerprint check (the
-// agreement on collectives of LOOM_SIZE_CHECK_BYTES and more, and every
-// LOOM_FINGERPRINT_INTERVAL-th one: in band up to 32 KB, a 64-byte exchange first above): "check cost" is the checked time over the unchecked one.
+// and "unchecked" is "loom" on a communicator without the always-on fingerprint check (every
+// all-reduce up to 32 KB agrees in band, in its own messages; larger ones exchange 64 bytes
+// first; the unchecked communicator raises LOOM_SIZE_CHECK_BYTES out of reach, so all of its
+// calls are plain MPI_Allreduce): "check cost" is the checked time over the unchecked one.
 //
 //   mpirun -np 2 build/benchmarks/allreduce_bench --json allreduce_np2.json
 #include <ATen/ATen.h>

@@ -30,11 +30,11 @@ const std::vector<Variable>& all_variables() {
        "all-gather per collective: for debugging."},
       {"LOOM_SIZE_CHECK_BYTES", "256",
        "Host (MPI) collectives that move at least this many bytes (the larger of input and output) first agree on "
-       "the rolling fingerprint and element count (all-reduces up to 32 KB in their own messages, others in a 64-byte "
-       "exchange first), so ranks that pass different sizes get "
+       "the rolling fingerprint and element count (a 64-byte exchange), so ranks that pass different sizes get "
        "loom::MismatchError naming both: Open MPI writes past the smaller rank's buffer once a peer's messages pass "
        "its eager limit, even when that rank passed only 256 bytes; no write past a buffer was seen with every rank "
-       "below 256 bytes (0 to 2^40; 0 checks every collective)."},
+       "below 256 bytes. All-reduces up to 32 KB are checked at any size, in their own messages (as quick as "
+       "unchecked), unless this is set above 32 KB (0 to 2^40; 0 checks every collective)."},
       {"LOOM_FINGERPRINT_INTERVAL", "1024",
        "Every this many collectives on a communicator the ranks compare their rolling fingerprint of every earlier "
        "call (operation, dtype, element count, reduce op, root), so a divergence is reported near where it began "

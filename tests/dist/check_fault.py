@@ -67,11 +67,17 @@ SCENARIOS = {
         env={"LOOM_ON_ERROR": "raise"}, success=True,
         survivors=lambda r, n: expect("MismatchError", 0, 1.0, f"but rank {n - 1} called all_reduce(seq=0, "
                                                                "dtype=Float, numel=1024, op=max)")),
-    # Below the check: MPI truncates; every rank must end with a typed error, none may crash. (A
-    # progress thread stays stuck in MPI, so the ranks leave without MPI_Finalize: mpirun says 1.)
+    # 16 vs 64 bytes, below LOOM_SIZE_CHECK_BYTES: all-reduces up to 32 KB are checked in band at
+    # any size, so every rank gets MismatchError naming both sides at once. (The program leaves
+    # with _Exit, without MPI_Finalize: mpirun says 1.)
     "small_size_mismatch": dict(
         env={"LOOM_ON_ERROR": "raise"}, success=False, exit_code=1,
-        all=lambda r, n: expect(("CommError", "TimeoutError", "MismatchError"), 0, 2 * T + 1)),
+        survivors=lambda r, n: expect("MismatchError", 0, 1.0,
+                                      "this rank called all_reduce(seq=0, dtype=Float, numel=4, op=sum) but rank "
+                                      f"{n - 1} called all_reduce(seq=0, dtype=Float, numel=16, op=sum)"),
+        victim=lambda v, n: expect("MismatchError", 0, 1.0,
+                                   "this rank called all_reduce(seq=0, dtype=Float, numel=16, op=sum) but rank 0 "
+                                   "called all_reduce(seq=0, dtype=Float, numel=4, op=sum)")),
     # A device communicator demanded where there is no GPU: a clear error on every rank at init.
     "nccl_on_without_gpu": dict(
         env={"LOOM_NCCL": "on"}, success=True,

@@ -156,8 +156,8 @@ int main(int argc, char** argv) {
     }
     run_and_report(rank, [&] { comm->all_reduce(mine, {op})->wait(); });
   } else if (scenario == "small_size_mismatch") {
-    // Below the check's threshold (16 vs 64 bytes): MPI truncates (safe at these sizes); every rank
-    // ends with a typed error within the timeout, and none crashes.
+    // Below LOOM_SIZE_CHECK_BYTES (16 vs 64 bytes), but an all-reduce that small is checked in band
+    // anyway: every rank ends with MismatchError at once, and none crashes.
     at::Tensor mine = at::ones({rank == victim ? 16 : 4});
     run_and_report(rank, [&] {
       comm->all_reduce(mine)->wait();

@@ -38,10 +38,10 @@ class Reduction : public testing::TestWithParam<Case> {};
 
 }  // namespace
 
-// Three sizes, three paths on the MPI backend: below LOOM_SIZE_CHECK_BYTES (256 B) MPI_Allreduce
-// alone; up to 32 KB the in-band all-reduce, whose own messages carry the ranks' agreement
-// (src/comm/mpi_in_band.h; 1-8 KB here, in one message or in eager-sized pieces); above it the
-// agreement, then MPI_Allreduce.
+// Three sizes on the MPI backend: up to 32 KB the in-band all-reduce, whose own messages carry the
+// ranks' agreement (src/comm/mpi_in_band.h; 15 elements and 1-8 KB here, in one message or in
+// eager-sized pieces); above it the agreement, then MPI_Allreduce. (MPI_Allreduce alone, with
+// LOOM_SIZE_CHECK_BYTES above 32 KB: AllReduceWithoutTheCheck.)
 TEST_P(Reduction, AllReduceInPlace) {
   auto comm = test::world();
   const auto [dtype, op] = GetParam();
@@ -54,6 +54,20 @@ TEST_P(Reduction, AllReduceInPlace) {
     at::Tensor expected = expected_reduction(comm->size(), shape, dtype, op);
     EXPECT_TRUE(at::equal(t, expected)) << "got\n" << t.flatten().narrow(0, 0, 8) << "\nexpected\n"
                                         << expected.flatten().narrow(0, 0, 8);
+  }
+}
+
+// With the size rule raised above the in-band range, small all-reduces are plain MPI_Allreduce.
+TEST_P(Reduction, AllReduceWithoutTheCheck) {
+  CommunicatorOptions options;
+  options.size_check_bytes = int64_t{1} << 40;
+  options.fingerprint_interval = 0;
+  auto comm = mpi::world_communicator(options);
+  const auto [dtype, op] = GetParam();
+  for (const std::vector<int64_t>& shape : {std::vector<int64_t>{3, 5}, {16, 64}}) {
+    at::Tensor t = rank_input(comm->rank(), shape, dtype, op == ReduceOp::Product);
+    comm->all_reduce(t, {op})->wait();
+    EXPECT_TRUE(at::equal(t, expected_reduction(comm->size(), shape, dtype, op))) << "shape[1] " << shape[1];
   }
 }
 

@@ -62,6 +62,8 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
   c10::DeviceType device_type() const { return device_.type(); }
   Timeout default_timeout() const { return timeout_; }
   OnError on_error() const { return on_error_; }
+  // Collectives that move at least this many bytes are size-checked across ranks (LOOM_SIZE_CHECK_BYTES).
+  int64_t size_check_bytes() const { return size_check_bytes_; }
   // "mpi" or "nccl".
   virtual const char* backend() const = 0;
   // "[rank J] what group=NAME (rank r of n)": the prefix of this communicator's messages.
