@@ -22,7 +22,9 @@ constexpr int kMaxPieces = (kPiecesUpToBytes + kPieceBytes - 1) / kPieceBytes;
 }  // namespace
 
 InBandChannel::InBandChannel(MPI_Comm comm, int64_t max_data_bytes)
-    : comm_(comm), max_message_bytes_(static_cast<int>(std::max<int64_t>({max_data_bytes, int64_t{kPieceBytes}, static_cast<int64_t>(sizeof(SignatureWords))}))) {
+    : comm_(comm),
+      max_message_bytes_(static_cast<int>(
+          std::max<int64_t>({max_data_bytes, int64_t{kPieceBytes}, static_cast<int64_t>(sizeof(SignatureWords))}))) {
   MPI_Comm_rank(comm_, &rank_);
   MPI_Comm_size(comm_, &size_);
   int* tag_ub = nullptr;

@@ -14,9 +14,9 @@
 // "poisoned": it sends poison instead of data in its remaining rounds. Every rank's result
 // depends on every other rank through a chain of later rounds, so a disagreement anywhere
 // reaches every rank; all of them then gather each other's signature and raise the same
-// MismatchError naming who called what. A rank making an unchecked call meanwhile (a small
-// collective below LOOM_SIZE_CHECK_BYTES) is not part of the exchange: the others wait for it
-// until the operation's timeout, whose report compares fingerprints.
+// MismatchError naming who called what. A rank making an unchecked call meanwhile (a collective
+// other than all-reduce below LOOM_SIZE_CHECK_BYTES) is not part of the exchange: the others wait
+// for it until the operation's timeout, whose warnings and report compare fingerprints.
 #pragma once
 
 #include <mpi.h>
@@ -67,7 +67,7 @@ class InBandChannel {
   int hash_bits_ = 0;  // bits of the fingerprint a tag carries (MPI_TAG_UB, less the kind)
   std::vector<Round> schedule_;
   int max_message_bytes_;    // no message on the channel is larger: the size of a receive slot
-  std::vector<char> slots_;  // receive slots, one per piece
+  std::vector<char> slots_;  // receive slots, one per piece (4 x 32 KB, allocated at first use)
 };
 
 }  // namespace loom::detail
