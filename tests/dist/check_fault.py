@@ -23,6 +23,18 @@ def expect(kind, low, high, *parts):
     return {"kind": kind, "low": low, "high": high, "parts": list(parts)}
 
 
+def size_mismatch(others, victim):
+    """Ranks pass an all_reduce `others` floats, the victim `victim`: every rank names both."""
+    def call(numel):
+        return f"all_reduce(seq=0, dtype=Float, numel={numel}, op=sum)"
+    return dict(
+        env={"LOOM_ON_ERROR": "raise"}, success=True,
+        survivors=lambda r, n: expect("MismatchError", 0, 1.0,
+                                      f"this rank called {call(others)} but rank {n - 1} called {call(victim)}"),
+        victim=lambda v, n: expect("MismatchError", 0, 1.0,
+                                   f"this rank called {call(victim)} but rank 0 called {call(others)}"))
+
+
 # Each scenario: env, whether the job must exit 0, expectations for "victim" / "survivors" / "all"
 # (a dict or a function of (rank, n) returning one), extra output checks, and a wall-clock bound.
 SCENARIOS = {
@@ -51,14 +63,7 @@ SCENARIOS = {
                                    "collective mismatch: this rank called broadcast(seq=0, dtype=Double, numel=12, "
                                    "root=0) but rank 0 called all_reduce(seq=0, dtype=Float, numel=24, op=sum)")),
     # Without LOOM_CHECK_COLLECTIVES: the always-on check before host collectives of >= 256 bytes.
-    "size_mismatch": dict(
-        env={"LOOM_ON_ERROR": "raise"}, success=True,
-        survivors=lambda r, n: expect("MismatchError", 0, 1.0,
-                                      "this rank called all_reduce(seq=0, dtype=Float, numel=1024, op=sum) but rank "
-                                      f"{n - 1} called all_reduce(seq=0, dtype=Float, numel=2048, op=sum)"),
-        victim=lambda v, n: expect("MismatchError", 0, 1.0,
-                                   "this rank called all_reduce(seq=0, dtype=Float, numel=2048, op=sum) but rank 0 "
-                                   "called all_reduce(seq=0, dtype=Float, numel=1024, op=sum)")),
+    "size_mismatch": size_mismatch(1024, 2048),
     "dtype_mismatch": dict(
         env={"LOOM_ON_ERROR": "raise"}, success=True,
         survivors=lambda r, n: expect("MismatchError", 0, 1.0, f"but rank {n - 1} called all_reduce(seq=0, "
@@ -68,16 +73,8 @@ SCENARIOS = {
         survivors=lambda r, n: expect("MismatchError", 0, 1.0, f"but rank {n - 1} called all_reduce(seq=0, "
                                                                "dtype=Float, numel=1024, op=max)")),
     # 16 vs 64 bytes, below LOOM_SIZE_CHECK_BYTES: all-reduces up to 32 KB are checked in band at
-    # any size, so every rank gets MismatchError naming both sides at once. (The program leaves
-    # with _Exit, without MPI_Finalize: mpirun says 1.)
-    "small_size_mismatch": dict(
-        env={"LOOM_ON_ERROR": "raise"}, success=False, exit_code=1,
-        survivors=lambda r, n: expect("MismatchError", 0, 1.0,
-                                      "this rank called all_reduce(seq=0, dtype=Float, numel=4, op=sum) but rank "
-                                      f"{n - 1} called all_reduce(seq=0, dtype=Float, numel=16, op=sum)"),
-        victim=lambda v, n: expect("MismatchError", 0, 1.0,
-                                   "this rank called all_reduce(seq=0, dtype=Float, numel=16, op=sum) but rank 0 "
-                                   "called all_reduce(seq=0, dtype=Float, numel=4, op=sum)")),
+    # any size, so every rank gets MismatchError naming both sides at once.
+    "small_size_mismatch": size_mismatch(4, 16),
     # A device communicator demanded where there is no GPU: a clear error on every rank at init.
     "nccl_on_without_gpu": dict(
         env={"LOOM_NCCL": "on"}, success=True,

@@ -144,27 +144,21 @@ int main(int argc, char** argv) {
       at::Tensor other = at::ones({12}, at::kDouble);
       run_and_report(rank, [&] { comm->broadcast(other, {0})->wait(); });
     }
-  } else if (scenario == "size_mismatch" || scenario == "dtype_mismatch" || scenario == "op_mismatch") {
-    // No LOOM_CHECK_COLLECTIVES: the always-on check before host collectives of 256 bytes and more
-    // ends the call on every rank, naming both sides, before MPI could write past a buffer.
-    at::Tensor mine = at::ones({1024});
+  } else if (scenario == "size_mismatch" || scenario == "small_size_mismatch" || scenario == "dtype_mismatch" ||
+             scenario == "op_mismatch") {
+    // No LOOM_CHECK_COLLECTIVES: the always-on check (host collectives of 256 bytes and more, and
+    // all-reduces of any size up to 32 KB, in band) ends the call on every rank, naming both
+    // sides, before MPI could write past a buffer. small_size_mismatch: 16 vs 64 bytes.
+    const bool small = scenario == "small_size_mismatch";
+    at::Tensor mine = at::ones({small ? 4 : 1024});
     loom::ReduceOp op = loom::ReduceOp::Sum;
     if (rank == victim) {
       if (scenario == "size_mismatch") mine = at::ones({2048});
+      if (small) mine = at::ones({16});
       if (scenario == "dtype_mismatch") mine = at::ones({1024}, at::kDouble);
       if (scenario == "op_mismatch") op = loom::ReduceOp::Max;
     }
     run_and_report(rank, [&] { comm->all_reduce(mine, {op})->wait(); });
-  } else if (scenario == "small_size_mismatch") {
-    // Below LOOM_SIZE_CHECK_BYTES (16 vs 64 bytes), but an all-reduce that small is checked in band
-    // anyway: every rank ends with MismatchError at once, and none crashes.
-    at::Tensor mine = at::ones({rank == victim ? 16 : 4});
-    run_and_report(rank, [&] {
-      comm->all_reduce(mine)->wait();
-      comm->all_reduce(t)->wait();  // the next step: the group is broken or a peer never comes
-    });
-    control->barrier({std::chrono::seconds(30)})->wait();
-    std::_Exit(0);  // a progress thread may be stuck inside MPI: end without finalizing
   } else if (scenario == "sigkill_rank" || scenario == "sigstop_rank") {
     comm->all_reduce(t)->wait();  // a healthy collective first
     if (rank == victim) {

@@ -41,7 +41,7 @@ class Reduction : public testing::TestWithParam<Case> {};
 // Three sizes on the MPI backend: up to 32 KB the in-band all-reduce, whose own messages carry the
 // ranks' agreement (src/comm/mpi_in_band.h; 15 elements and 1-8 KB here, in one message or in
 // eager-sized pieces); above it the agreement, then MPI_Allreduce. (MPI_Allreduce alone, with
-// LOOM_SIZE_CHECK_BYTES above 32 KB: AllReduceWithoutTheCheck.)
+// LOOM_SIZE_CHECK_BYTES above 32 KB: AllReduceWithTheSizeRuleRaisedAboveTheInBandRange.)
 TEST_P(Reduction, AllReduceInPlace) {
   auto comm = test::world();
   const auto [dtype, op] = GetParam();
@@ -58,7 +58,7 @@ TEST_P(Reduction, AllReduceInPlace) {
 }
 
 // With the size rule raised above the in-band range, small all-reduces are plain MPI_Allreduce.
-TEST_P(Reduction, AllReduceWithoutTheCheck) {
+TEST_P(Reduction, AllReduceWithTheSizeRuleRaisedAboveTheInBandRange) {
   CommunicatorOptions options;
   options.size_check_bytes = int64_t{1} << 40;
   options.fingerprint_interval = 0;
