@@ -150,16 +150,14 @@ detail::Op make_op(OpType type, Timeout timeout, const at::Tensor* described) {
 WorkPtr Communicator::all_reduce(at::Tensor& tensor, const AllReduceOptions& options) {
   auto op = make_op(OpType::AllReduce, options.timeout, &tensor);
   op.info.reduce = options.op;
-  op.inputs = {tensor};
-  op.outputs = {tensor};
+  op.outputs = {tensor};  // in place: read and written, listed once
   return enqueue_checked(op);
 }
 
 WorkPtr Communicator::broadcast(at::Tensor& tensor, const BroadcastOptions& options) {
   auto op = make_op(OpType::Broadcast, options.timeout, &tensor);
   op.info.peer = options.root;
-  op.inputs = {tensor};
-  op.outputs = {tensor};
+  op.outputs = {tensor};  // in place
   return enqueue_checked(op);
 }
 
@@ -251,7 +249,9 @@ std::string Communicator::broken_reason() const {
 }
 
 std::shared_ptr<Work> Communicator::make_work(const detail::Op& op) {
-  std::vector<at::Tensor> keep_alive = op.inputs;
+  std::vector<at::Tensor> keep_alive;
+  keep_alive.reserve(op.inputs.size() + op.outputs.size());
+  keep_alive.insert(keep_alive.end(), op.inputs.begin(), op.inputs.end());
   keep_alive.insert(keep_alive.end(), op.outputs.begin(), op.outputs.end());
   return std::make_shared<Work>(op.info, std::move(keep_alive));
 }
@@ -372,8 +372,9 @@ void Communicator::prune_finished_locked() {
   // Operations complete in order: the completed ones gather at the front.
   size_t done = 0;
   while (done < inflight_.size()) {
+    // Not is_completed(): a look at a queued operation would hand it to the backend's thread.
     auto w = inflight_[done].lock();
-    if (w && !w->is_completed()) break;
+    if (w && !w->finished_quietly()) break;
     ++done;
   }
   inflight_.erase(inflight_.begin(), inflight_.begin() + static_cast<long>(done));

@@ -95,6 +95,11 @@ class MpiCommunicator final : public Communicator {
 
   const char* backend() const override { return "mpi"; }
 
+  void assist(Work* work, bool run_here) override {
+    if (run_here) run_if_next(work);
+    else hand_to_progress_thread(work);
+  }
+
  protected:
   void issue(detail::Op& op, const std::shared_ptr<Work>& work) override {
     for (const auto& t : op.inputs) element_count(t, op);
@@ -104,16 +109,7 @@ class MpiCommunicator final : public Communicator {
     // Only with LOOM_ON_ERROR=abort: a caller stuck inside MPI could not raise its timeout, but
     // the abort still ends the job.
     const bool inline_ok = collective && type != OpType::Split && on_error() == OnError::Abort;
-    if (inline_ok) {
-      std::weak_ptr<Communicator> weak = weak_from_this();
-      set_assist(*work, [weak](Work* w, bool run_here) {
-        auto self = weak.lock();
-        if (!self) return;
-        auto* me = static_cast<MpiCommunicator*>(self.get());
-        if (run_here) me->run_if_next(w);
-        else me->hand_to_progress_thread(w);
-      });
-    }
+    if (inline_ok) accept_assists(*work);
     int64_t bytes = 0;
     for (const auto& t : op.outputs) bytes += static_cast<int64_t>(t.nbytes());
     bool notify;

@@ -26,8 +26,8 @@ struct SplitRequest {
 
 struct Op {
   OpInfo info;
-  std::vector<at::Tensor> inputs;   // read by the operation
-  std::vector<at::Tensor> outputs;  // written by it (all_reduce and broadcast: the same tensor)
+  std::vector<at::Tensor> inputs;   // read by the operation (none for in-place all_reduce and broadcast)
+  std::vector<at::Tensor> outputs;  // written by it (all_reduce and broadcast: their one tensor, also read)
   std::vector<P2POp> batch;         // send/recv batch
   int tag = 0;                      // send/recv: matches a send with its receive (0..kMaxTag)
   bool list_output = false;         // all_gather into one tensor per rank rather than one flat tensor

@@ -6,6 +6,7 @@
 #include <thread>
 
 #include "comm/durations.h"
+#include "loom/comm/communicator.h"
 #include "loom/error.h"
 
 namespace loom {
@@ -16,17 +17,22 @@ Work::~Work() = default;
 
 Work::State Work::state() {
   if (completion_is_polled()) poll();
-  State s;
-  {
-    std::lock_guard<std::mutex> lock(mutex_);
-    s = state_;
-  }
+  const State s = state_.load(std::memory_order_acquire);
   if (s == State::Queued) nudge();
   return s;
 }
 
+bool Work::finished_quietly() {
+  if (completion_is_polled()) poll();
+  return terminal();
+}
+
+void Work::assist(bool run_here) {
+  if (auto communicator = assistant_.lock()) communicator->assist(this, run_here);
+}
+
 void Work::nudge() {
-  if (assist_ && !nudged_.exchange(true, std::memory_order_relaxed)) assist_(this, false);
+  if (!assistant_.expired() && !nudged_.exchange(true, std::memory_order_relaxed)) assist(false);
 }
 
 // A look at the state hands a queued operation to its backend's thread (nudge).
@@ -41,6 +47,7 @@ bool Work::is_success() { return state() == State::Done; }
 
 std::exception_ptr Work::exception() {
   if (completion_is_polled()) poll();
+  if (state_.load(std::memory_order_acquire) != State::Failed) return nullptr;
   std::lock_guard<std::mutex> lock(mutex_);
   return error_;
 }
@@ -122,7 +129,12 @@ void Work::wait(Timeout timeout) {
   // Not with an explicit timeout: that caller wants control back by then, and a thread inside a
   // blocking call cannot give up.
   if (timeout == kDefaultTimeout) {
-    if (assist_) assist_(this, true);
+    assist(true);
+    // Run here, or finished before the wait: nothing to block on, and no error to read.
+    if (state_.load(std::memory_order_acquire) == State::Done && !completion_is_polled()) {
+      after_wait();
+      return;
+    }
   } else {
     nudge();
   }
@@ -144,7 +156,7 @@ void Work::wait(Timeout timeout) {
 }
 
 void Work::synchronize() {
-  if (assist_) assist_(this, true);
+  assist(true);
   wait_until(Clock::time_point::max());
   {
     std::lock_guard<std::mutex> lock(mutex_);

@@ -119,7 +119,12 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
   // ---- What the core gives backends ----------------------------------------------------------
   static bool start(Work& work) { return work.start(); }
   static void finish(Work& work) { work.finish(); }
-  static void set_assist(Work& work, Work::Assist assist) { work.set_assist(std::move(assist)); }
+  // Lets waiters of `work` run it themselves or hand it on: see assist().
+  void accept_assists(Work& work) { work.set_assistant(weak_from_this()); }
+  // Backends that let a waiter run a queued operation itself (see Work::set_assistant): with
+  // run_here, the waiting thread may run `work` now; without, nobody will, so the backend's own
+  // thread should start it.
+  virtual void assist(Work* work, bool run_here) {}
   // The one failure path: fails `work` (unless it finished just in time) and every operation
   // submitted after it, breaks the communicator, logs the error once with the flight record, and
   // applies the error policy (abort the job, or abort only this communicator's backend).
@@ -138,6 +143,7 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
 
  private:
   friend class detail::Watchdog;
+  friend class Work;  // calls assist()
   WorkPtr enqueue_checked(detail::Op& op);
   void check_fingerprint(detail::Op& op);
   void mark_broken(const std::string& reason);

@@ -20,7 +20,6 @@
 #include <chrono>
 #include <condition_variable>
 #include <exception>
-#include <functional>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -90,14 +89,23 @@ class Work {
   // After a successful wait: device works make the caller's current stream wait.
   virtual void after_wait() {}
   // Set by backends that run operations on a thread of their own but let a waiter run a queued
-  // one itself: called with run_here = true by wait() without a timeout (the waiter may run it),
-  // and once with run_here = false when someone polls or waits with a timeout on a queued
-  // operation (nobody will run it inline: the backend's thread should start it now).
-  using Assist = std::function<void(Work*, bool run_here)>;
-  void set_assist(Assist assist) { assist_ = std::move(assist); }
+  // one itself: the communicator's assist() is called with run_here = true by wait() without a
+  // timeout (the waiter may run it), and once with run_here = false when someone polls or waits
+  // with a timeout on a queued operation (nobody will run it inline: the backend's thread should
+  // start it now). Held weakly: a work may outlive its communicator.
+  void set_assistant(std::weak_ptr<Communicator> assistant) { assistant_ = std::move(assistant); }
 
  private:
-  bool terminal() const { return state_ == State::Done || state_ == State::Failed; }
+  // Read without the mutex (the state only moves forward; it is written under the mutex so that
+  // waiters on `finished_` see the change).
+  bool terminal() const {
+    const State s = state_.load(std::memory_order_acquire);
+    return s == State::Done || s == State::Failed;
+  }
+  // For the communicator's in-flight bookkeeping: finished or failed, polling a device work, but
+  // never nudging a queued one as state() does.
+  bool finished_quietly();
+  void assist(bool run_here);
   // Blocks until the work is terminal or the deadline passes; true when terminal.
   bool wait_until(Clock::time_point deadline);
   // Tells the backend (once) that this queued operation will not be run by a waiter.
@@ -107,11 +115,11 @@ class Work {
   std::vector<at::Tensor> tensors_;  // kept alive until the operation has finished
   std::mutex mutex_;
   std::condition_variable finished_;
-  State state_ = State::Queued;
-  std::exception_ptr error_;
+  std::atomic<State> state_{State::Queued};
+  std::exception_ptr error_;  // set before the state becomes Failed
   Clock::time_point started_at_{};
   Clock::time_point finished_at_{};
-  Assist assist_;
+  std::weak_ptr<Communicator> assistant_;
   std::atomic<bool> nudged_{false};
 };
 
