@@ -165,10 +165,10 @@ class MpiCommunicator final : public Communicator {
   // synchronous caller 8-16 us (allreduce_bench, 2 ranks): 7% of a 1 MB all-reduce, about 1% of
   // a 4 MB one.
   static constexpr int64_t kAlwaysWakeBytes = int64_t{4} << 20;
-  // The largest all-reduce that agrees in band (see in_band()). Above it Open MPI's own algorithms
-  // win: 2 ranks, checked over unchecked time, two runs each (allreduce_bench): 8 KB 0.70 in band
-  // vs 1.12 agreement first; 32 KB 0.95 vs 1.07; 128 KB 1.13-1.15 vs 1.04.
-  static constexpr size_t kInBandMaxBytes = size_t{32} << 10;
+  // The largest all-reduce that agrees in band (see in_band()); above it an agreement round trip
+  // costs under 1% of MPI_Allreduce (2 ranks: 2-4% at 64 KB, about 1% at 128-256 KB, less from
+  // 512 KB), and every rank's receive slots are this size (3 of them, allocated at first use).
+  static constexpr size_t kInBandMaxBytes = size_t{256} << 10;
   // While point-to-point operations are pending, the progress thread polls them this often.
   static constexpr std::chrono::microseconds kP2PPoll{50};
   // How long a destructor waits for a timed-out operation to complete late before detaching.
@@ -340,7 +340,7 @@ class MpiCommunicator final : public Communicator {
     return op.info.internal ? detail::fold_fingerprint(0, op.info) : op.fingerprint;
   }
 
-  // All-reduces up to kInBandMaxBytes agree in band, with their own messages: as quick as
+  // All-reduces up to kInBandMaxBytes agree in band, with their own messages: about as quick as
   // MPI_Allreduce alone (allreduce_bench, "check cost" 0.98-1.02 from 4 B to 4 KB), so they are
   // checked whatever their size, comparing the rolling fingerprint each time, unless the size
   // rule was raised above the in-band range (an explicit "do not check these").

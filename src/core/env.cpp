@@ -33,8 +33,8 @@ const std::vector<Variable>& all_variables() {
        "the rolling fingerprint and element count (a 64-byte exchange), so ranks that pass different sizes get "
        "loom::MismatchError naming both: Open MPI writes past the smaller rank's buffer once a peer's messages pass "
        "its eager limit, even when that rank passed only 256 bytes; no write past a buffer was seen with every rank "
-       "below 256 bytes. All-reduces up to 32 KB are checked at any size, in their own messages (as quick as "
-       "unchecked), unless this is set above 32 KB (0 to 2^40; 0 checks every collective)."},
+       "below 256 bytes. All-reduces up to 256 KB are checked at any size, in their own messages (as quick as "
+       "unchecked), unless this is set above 256 KB (0 to 2^40; 0 checks every collective)."},
       {"LOOM_FINGERPRINT_INTERVAL", "1024",
        "Every this many collectives on a communicator the ranks compare their rolling fingerprint of every earlier "
        "call (operation, dtype, element count, reduce op, root), so a divergence is reported near where it began "

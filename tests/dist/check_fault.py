@@ -72,7 +72,7 @@ SCENARIOS = {
         env={"LOOM_ON_ERROR": "raise"}, success=True,
         survivors=lambda r, n: expect("MismatchError", 0, 1.0, f"but rank {n - 1} called all_reduce(seq=0, "
                                                                "dtype=Float, numel=1024, op=max)")),
-    # 16 vs 64 bytes, below LOOM_SIZE_CHECK_BYTES: all-reduces up to 32 KB are checked in band at
+    # 16 vs 64 bytes, below LOOM_SIZE_CHECK_BYTES: all-reduces up to 256 KB are checked in band at
     # any size, so every rank gets MismatchError naming both sides at once.
     "small_size_mismatch": size_mismatch(4, 16),
     # A device communicator demanded where there is no GPU: a clear error on every rank at init.

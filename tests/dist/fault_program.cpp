@@ -147,7 +147,7 @@ int main(int argc, char** argv) {
   } else if (scenario == "size_mismatch" || scenario == "small_size_mismatch" || scenario == "dtype_mismatch" ||
              scenario == "op_mismatch") {
     // No LOOM_CHECK_COLLECTIVES: the always-on check (host collectives of 256 bytes and more, and
-    // all-reduces of any size up to 32 KB, in band) ends the call on every rank, naming both
+    // all-reduces of any size up to 256 KB, in band) ends the call on every rank, naming both
     // sides, before MPI could write past a buffer. small_size_mismatch: 16 vs 64 bytes.
     const bool small = scenario == "small_size_mismatch";
     at::Tensor mine = at::ones({small ? 4 : 1024});

@@ -38,21 +38,23 @@ class Reduction : public testing::TestWithParam<Case> {};
 
 }  // namespace
 
-// Three sizes on the MPI backend: up to 32 KB the in-band all-reduce, whose own messages carry the
-// ranks' agreement (src/comm/mpi_in_band.h; 15 elements and 1-8 KB here, in one message or in
-// eager-sized pieces); above it the agreement, then MPI_Allreduce. (MPI_Allreduce alone, with
-// LOOM_SIZE_CHECK_BYTES above 32 KB: AllReduceWithTheSizeRuleRaisedAboveTheInBandRange.)
+// Four sizes on the MPI backend: up to 256 KB the in-band all-reduce, whose own messages carry the
+// ranks' agreement (src/comm/mpi_in_band.h; 15 elements and 1-8 KB here, by recursive doubling in
+// one message or in eager-sized pieces; 32039 elements, 32-256 KB, by recursive halving except in
+// bytes, in uneven halves); above it the agreement, then MPI_Allreduce. (MPI_Allreduce alone, with
+// LOOM_SIZE_CHECK_BYTES above 256 KB: AllReduceWithTheSizeRuleRaisedAboveTheInBandRange.)
 TEST_P(Reduction, AllReduceInPlace) {
   auto comm = test::world();
   const auto [dtype, op] = GetParam();
-  for (const std::vector<int64_t>& shape : {std::vector<int64_t>{3, 5}, {16, 64}, {512, 513}}) {
+  for (const std::vector<int64_t>& shape : {std::vector<int64_t>{3, 5}, {16, 64}, {161, 199}, {512, 513}}) {
     SCOPED_TRACE("shape [" + std::to_string(shape[0]) + ", " + std::to_string(shape[1]) + "]");
     at::Tensor t = rank_input(comm->rank(), shape, dtype, op == ReduceOp::Product);
     void* before = t.data_ptr();
     comm->all_reduce(t, {op})->wait();
     EXPECT_EQ(t.data_ptr(), before);
     at::Tensor expected = expected_reduction(comm->size(), shape, dtype, op);
-    EXPECT_TRUE(at::equal(t, expected)) << "got\n" << t.flatten().narrow(0, 0, 8) << "\nexpected\n"
+    EXPECT_TRUE(at::equal(t, expected)) << "got\n"
+                                        << t.flatten().narrow(0, 0, 8) << "\nexpected\n"
                                         << expected.flatten().narrow(0, 0, 8);
   }
 }
@@ -264,9 +266,10 @@ TEST(Collectives, AnAllGatherOfSmallInputsIsSizeCheckedByItsOutput) {
 }
 
 // Ranks passing one all_reduce different sizes, whichever checked path each takes (in band up to
-// 32 KB, agreement then MPI_Allreduce above): every rank gets MismatchError naming the other
-// call, and nothing lands behind the smaller buffer. The culprit is the last rank; at 3 ranks it
-// is folded into rank 0 first (the exchange's non-power-of-two path).
+// 256 KB: recursive doubling up to 32 KB, halving above; agreement then MPI_Allreduce above 256
+// KB): every rank gets MismatchError naming the other call, and nothing lands behind the smaller
+// buffer. The culprit is the last rank; at 3 ranks it is folded into rank 0 first (the exchange's
+// non-power-of-two path).
 TEST(Collectives, AllReduceOfDifferentSizesIsAMismatchOnEveryRankWhicheverPathEachTakes) {
   auto world = test::world();
   const int n = world->size();
@@ -274,11 +277,14 @@ TEST(Collectives, AllReduceOfDifferentSizesIsAMismatchOnEveryRankWhicheverPathEa
   struct Sizes {
     int64_t others, culprit;
   };
-  // Elements of float: in band vs in band (1 KB vs 2 KB in one message; 8 KB in eager-sized
-  // pieces vs 32 KB in one; 4 KB vs 12 KB, both in pieces), agreement vs in band (64 KB vs
-  // 16 KB, 1 KB vs 1 MB), agreement vs agreement (1 MB vs 512 KB).
-  for (const Sizes sizes : {Sizes{256, 512}, Sizes{16384, 4096}, Sizes{2048, 8192}, Sizes{1024, 3000},
-                            Sizes{256, 262144}, Sizes{262144, 131072}}) {
+  // Elements of float. Doubling vs doubling: 1 KB vs 2 KB in one message; 8 KB in eager-sized
+  // pieces vs 32 KB in one; 4 KB vs 12 KB, both in pieces. Halving vs doubling: 64 KB vs 16 KB,
+  // 128 KB vs 32000 B. Halving vs halving: 64 KB vs 4 bytes more (at 2 ranks rank 0's halves are
+  // the same size: only the signature differs), 128 KB vs 64 KB. Halving vs agreement: 256 KB vs
+  // 4 bytes more. Doubling vs agreement: 1 KB vs 1 MB. Agreement vs agreement: 1 MB vs 512 KB.
+  for (const Sizes sizes :
+       {Sizes{256, 512}, Sizes{2048, 8192}, Sizes{1024, 3000}, Sizes{16384, 4096}, Sizes{32768, 8000},
+        Sizes{16384, 16385}, Sizes{32768, 16384}, Sizes{65536, 65537}, Sizes{256, 262144}, Sizes{262144, 131072}}) {
     CommunicatorOptions options;
     options.on_error = OnError::Raise;  // the failed call breaks this communicator only
     options.fingerprint_interval = 0;   // only the size rule may check
@@ -322,7 +328,8 @@ TEST(PointToPoint, ASendOfAFailedBatchStillDeliversItsTensor) {
   if (me == 0) {
     std::string message;
     try {
-      pair->batch_isend_irecv({{P2POp::Kind::Send, at::full({kLarge}, 5.0f), 1}, {P2POp::Kind::Recv, at::empty({10}), 1}})
+      pair->batch_isend_irecv(
+              {{P2POp::Kind::Send, at::full({kLarge}, 5.0f), 1}, {P2POp::Kind::Recv, at::empty({10}), 1}})
           ->wait();
     } catch (const MismatchError& e) {
       message = e.what();
