@@ -95,6 +95,10 @@ class MpiCommunicator final : public Communicator {
 
   const char* backend() const override { return "mpi"; }
 
+  ProgressCounters counters() const {
+    return {ran_by_waiter_.load(), ran_by_progress_thread_.load(), submission_wakeups_.load()};
+  }
+
   void assist(Work* work, bool run_here) override {
     if (run_here) run_if_next(work);
     else hand_to_progress_thread(work);
@@ -128,7 +132,10 @@ class MpiCommunicator final : public Communicator {
       queue_.push_back(Task{std::move(op), work, inline_ok, Clock::now()});
       ++submissions_;
     }
-    if (notify) wake_.notify_one();
+    if (notify) {
+      submission_wakeups_.fetch_add(1, std::memory_order_relaxed);
+      wake_.notify_one();
+    }
   }
 
  private:
@@ -552,7 +559,7 @@ class MpiCommunicator final : public Communicator {
   // progress thread asleep.
   bool waiter_runs_ = false;
   std::atomic<bool> busy_{false};
-  std::atomic<uint64_t> ran_by_waiter_{0}, ran_by_progress_thread_{0};
+  std::atomic<uint64_t> ran_by_waiter_{0}, ran_by_progress_thread_{0}, submission_wakeups_{0};
   std::thread thread_;
 };
 
@@ -563,6 +570,14 @@ std::shared_ptr<Communicator> world_communicator(const CommunicatorOptions& opti
   MPI_Comm comm;
   MPI_Comm_dup(MPI_COMM_WORLD, &comm);
   return std::make_shared<MpiCommunicator>(comm, "world", options);
+}
+
+ProgressCounters progress_counters(const Communicator& communicator) {
+  const auto* mpi = dynamic_cast<const MpiCommunicator*>(&communicator);
+  if (mpi == nullptr)
+    throw InvalidArgumentError(communicator.context("progress_counters")(
+        std::string("expected a communicator of the mpi backend, found ") + communicator.backend()));
+  return mpi->counters();
 }
 
 }  // namespace loom::mpi

@@ -31,6 +31,21 @@ void finalize();
 // A communicator over every process of the job.
 std::shared_ptr<Communicator> world_communicator(const CommunicatorOptions& options = {});
 
+// How an MPI communicator's operations were run, since it was made: for tuning, and for tests of
+// its progress thread. Submit-then-wait callers should see their operations run by their waiter
+// and the thread left asleep; overlapping callers (run_in_background) by the thread.
+//
+//   auto before = loom::mpi::progress_counters(*comm);
+//   for (int i = 0; i < 1000; ++i) comm->all_reduce(t)->wait();
+//   auto after = loom::mpi::progress_counters(*comm);  // after.run_by_waiter - before.run_by_waiter
+struct ProgressCounters {
+  uint64_t run_by_waiter = 0;           // operations the waiting thread ran itself
+  uint64_t run_by_progress_thread = 0;  // operations the communicator's own thread ran
+  uint64_t submission_wakeups = 0;      // submissions that woke the sleeping progress thread (a system call each)
+};
+// Throws loom::InvalidArgumentError for a communicator of another backend.
+ProgressCounters progress_counters(const Communicator& communicator);
+
 // The job's layout as MPI sees it (collective over all processes).
 struct Layout {
   int rank = 0;
