@@ -10,9 +10,15 @@
 // line), "loom async" is submit, then poll is_completed()
 // while the communicator's progress thread runs it (the path that overlaps with computation),
 // and "unchecked" is "loom" on a communicator without the always-on fingerprint check (every
-// all-reduce up to 32 KB agrees in band, in its own messages; larger ones exchange 64 bytes
+// all-reduce up to 256 KB agrees in band, in its own messages; larger ones exchange 64 bytes
 // first; the unchecked communicator raises LOOM_SIZE_CHECK_BYTES out of reach, so all of its
 // calls are plain MPI_Allreduce): "check cost" is the checked time over the unchecked one.
+//
+// Then back-to-back calls (--stream-calls per block, blocks of raw, loom and unchecked in turn):
+// a training loop's small all-reduces come one after another, not after a barrier each, and a
+// block's mean per call does not carry the barrier's skew between ranks that a single call's
+// time does. "added" is loom's time per call less raw MPI's in the same round; the median and
+// range are over the rounds.
 //
 //   mpirun -np 2 build/benchmarks/allreduce_bench --json allreduce_np2.json
 #include <ATen/ATen.h>
@@ -69,6 +75,12 @@ int main(int argc, char** argv) {
   app.add_option("--warmup", warmup, "untimed iterations per size");
   app.add_option("--max-iters", max_iters, "timed iterations per size at most (at least 5)");
   app.add_option("--seconds-per-size", seconds_per_size, "time budget per size, both variants together");
+  int stream_calls = 10000;
+  int stream_rounds = 9;
+  std::vector<int64_t> stream_sizes = {4, 64 << 10};
+  app.add_option("--stream-calls", stream_calls, "back-to-back calls per block (0: skip that part)");
+  app.add_option("--stream-rounds", stream_rounds, "rounds of raw, loom and unchecked blocks");
+  app.add_option("--stream-bytes", stream_sizes, "message sizes of the back-to-back part");
   app.add_option("--json", json_path, "write the results here");
   CLI11_PARSE(app, argc, argv);
 
@@ -176,8 +188,58 @@ int main(int argc, char** argv) {
                        {"check_cost_ratio", loom_s / unchecked_s},
                        {"correct", correct}});
   }
+  nlohmann::json stream_results = nlohmann::json::array();
+  if (rank == 0 && stream_calls > 0)
+    std::printf("back-to-back calls, %d per block, %d rounds of raw, loom and unchecked blocks; per call, median over "
+                "rounds [range]\n%9s %10s %10s %24s %12s %18s\n",
+                stream_calls, stream_rounds, "size", "mpi us", "loom us", "added us", "unchecked us", "check cost");
+  for (const int64_t bytes : stream_calls > 0 ? stream_sizes : std::vector<int64_t>{}) {
+    const int64_t count = std::max<int64_t>(1, bytes / 4);
+    at::Tensor buffer = at::zeros({count}, at::kFloat);  // zeros: a sum of zeros stays in range
+    auto block = [&](auto&& call) {
+      MPI_Barrier(MPI_COMM_WORLD);
+      const auto start = Clock::now();
+      for (int i = 0; i < stream_calls; ++i) call();
+      return slowest(std::chrono::duration<double>(Clock::now() - start).count()) / stream_calls;
+    };
+    std::vector<double> raw_times, loom_times, unchecked_times, added, check_cost;
+    for (int round = 0; round < stream_rounds; ++round) {
+      raw_times.push_back(block([&] {
+        MPI_Allreduce(MPI_IN_PLACE, buffer.data_ptr(), static_cast<int>(count), MPI_FLOAT, MPI_SUM, raw_comm);
+      }));
+      loom_times.push_back(block([&] { comm->all_reduce(buffer)->wait(); }));
+      unchecked_times.push_back(block([&] { unchecked->all_reduce(buffer)->wait(); }));
+      added.push_back((loom_times.back() - raw_times.back()) * 1e6);
+      check_cost.push_back(loom_times.back() / unchecked_times.back());
+    }
+    const bool correct = buffer.abs().max().item<float>() == 0.0f;
+    all_correct = all_correct && correct;
+    const auto [added_min, added_max] = std::minmax_element(added.begin(), added.end());
+    const auto [cost_min, cost_max] = std::minmax_element(check_cost.begin(), check_cost.end());
+    if (rank == 0) {
+      char range[64], cost_range[64];
+      std::snprintf(range, sizeof(range), "%+.2f [%+.2f..%+.2f]", median(added), *added_min, *added_max);
+      std::snprintf(cost_range, sizeof(cost_range), "%.3f [%.3f..%.3f]", median(check_cost), *cost_min, *cost_max);
+      std::printf("%9s %10.2f %10.2f %24s %12.2f %18s%s\n", human(bytes).c_str(), median(raw_times) * 1e6,
+                  median(loom_times) * 1e6, range, median(unchecked_times) * 1e6, cost_range,
+                  correct ? "" : "  WRONG RESULT");
+      std::fflush(stdout);
+    }
+    stream_results.push_back({{"bytes", count * 4},
+                              {"calls_per_block", stream_calls},
+                              {"rounds", stream_rounds},
+                              {"mpi_us", median(raw_times) * 1e6},
+                              {"loom_us", median(loom_times) * 1e6},
+                              {"loom_unchecked_us", median(unchecked_times) * 1e6},
+                              {"added_latency_us", median(added)},
+                              {"added_latency_us_min", *added_min},
+                              {"added_latency_us_max", *added_max},
+                              {"check_cost_ratio", median(check_cost)},
+                              {"correct", correct}});
+  }
   if (rank == 0 && !json_path.empty()) {
-    nlohmann::json doc = {{"benchmark", "allreduce"}, {"ranks", n}, {"dtype", "float32"}, {"results", results}};
+    nlohmann::json doc = {{"benchmark", "allreduce"}, {"ranks", n},       {"dtype", "float32"},
+                          {"results", results},       {"back_to_back", stream_results}};
     if (!loom::bench::write_json(json_path, doc, "allreduce_bench")) return 1;
   }
   MPI_Comm_free(&raw_comm);

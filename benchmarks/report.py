@@ -291,6 +291,17 @@ class Report:
             text += (f"\n**{n} ranks**" + ("" if gloo else " (no Gloo results for this rank count)") + "\n\n")
             text += table(["size", "MPI us", "loom us", "Gloo us", "loom GB/s", "MPI GB/s", "Gloo GB/s",
                            "loom/MPI bw", "loom/Gloo bw", "check cost", "correct"], rows)
+            stream = d.get("back_to_back", [])
+            if stream:
+                text += (f"\nBack-to-back calls, {n} ranks ({stream[0]['calls_per_block']} per block, "
+                         f"{stream[0]['rounds']} rounds of raw, loom and unchecked blocks; per call, median over "
+                         "rounds, added latency's range in brackets):\n\n")
+                text += table(["size", "MPI us", "loom us", "added us", "unchecked us", "check cost", "correct"],
+                              [[human_bytes(row["bytes"]), fmt(row["mpi_us"], 2), fmt(row["loom_us"], 2),
+                                f"{row['added_latency_us']:+.2f} [{row['added_latency_us_min']:+.2f}.."
+                                f"{row['added_latency_us_max']:+.2f}]", fmt(row["loom_unchecked_us"], 2),
+                                fmt(row["check_cost_ratio"]), "yes" if row["correct"] else "**NO**"]
+                               for row in stream])
         text += ("\n*check cost*: loom's time with its always-on fingerprint check over its time without "
                  "(> 1: the check costs that much).\n")
         return text
