@@ -14,7 +14,8 @@
 // first; the unchecked communicator raises LOOM_SIZE_CHECK_BYTES out of reach, so all of its
 // calls are plain MPI_Allreduce): "check cost" is the checked time over the unchecked one.
 //
-// Then back-to-back calls (--stream-calls per block, blocks of raw, loom and unchecked in turn):
+// Then back-to-back calls (--stream-calls per block; in each round a raw block, then loom's and
+// the unchecked one's in alternating order):
 // a training loop's small all-reduces come one after another, not after a barrier each, and a
 // block's mean per call does not carry the barrier's skew between ranks that a single call's
 // time does. "added" is loom's time per call less raw MPI's in the same round; the median and
@@ -207,8 +208,16 @@ int main(int argc, char** argv) {
       raw_times.push_back(block([&] {
         MPI_Allreduce(MPI_IN_PLACE, buffer.data_ptr(), static_cast<int>(count), MPI_FLOAT, MPI_SUM, raw_comm);
       }));
-      loom_times.push_back(block([&] { comm->all_reduce(buffer)->wait(); }));
-      unchecked_times.push_back(block([&] { unchecked->all_reduce(buffer)->wait(); }));
+      // Checked and unchecked in alternating order, as above.
+      auto checked_block = [&] { loom_times.push_back(block([&] { comm->all_reduce(buffer)->wait(); })); };
+      auto unchecked_block = [&] { unchecked_times.push_back(block([&] { unchecked->all_reduce(buffer)->wait(); })); };
+      if (round % 2 == 0) {
+        checked_block();
+        unchecked_block();
+      } else {
+        unchecked_block();
+        checked_block();
+      }
       added.push_back((loom_times.back() - raw_times.back()) * 1e6);
       check_cost.push_back(loom_times.back() / unchecked_times.back());
     }

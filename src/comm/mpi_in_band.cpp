@@ -61,6 +61,11 @@ int InBandChannel::tag_of(uint64_t fingerprint, Kind kind) const {
   return static_cast<int>(((folded & ((uint64_t{1} << hash_bits_) - 1)) << 2) | static_cast<uint64_t>(kind));
 }
 
+char* InBandChannel::slots() {
+  slots_.resize(static_cast<size_t>(kMaxPieces) * static_cast<size_t>(max_message_bytes_));
+  return slots_.data();
+}
+
 void InBandChannel::agree(const Op& op, uint64_t fingerprint) {
   if (!exchange(op, fingerprint, nullptr, 0, MPI_BYTE, MPI_OP_NULL)) report(op, fingerprint);
 }
@@ -86,8 +91,7 @@ bool InBandChannel::halve(const Op& op, uint64_t fingerprint, void* data, int co
   const int my_tag = tag_of(fingerprint, kData);
   const int poison_tag = tag_of(fingerprint, kPoison);
   char* bytes = static_cast<char*>(data);
-  slots_.resize(static_cast<size_t>(kMaxPieces) * static_cast<size_t>(max_message_bytes_));
-  char* slot = slots_.data();
+  char* slot = slots();
   bool poisoned = false;
   // Sends this rank's part, or its signature under the poison tag once poisoned; blocking: a
   // peer always takes one message from this rank in each round.
@@ -207,8 +211,8 @@ bool InBandChannel::exchange(const Op& op, uint64_t fingerprint, void* data, int
   const char* payload = data ? static_cast<const char*>(data) : reinterpret_cast<const char*>(mine.data());
   // One slot per piece, each the size of the largest message this channel ever carries: a
   // receive is posted before its message is seen, and whatever arrives fits its slot.
-  slots_.resize(static_cast<size_t>(kMaxPieces) * static_cast<size_t>(max_message_bytes_));
-  auto slot = [&](int i) { return slots_.data() + static_cast<size_t>(i) * static_cast<size_t>(max_message_bytes_); };
+  char* area = slots();
+  auto slot = [&](int i) { return area + static_cast<size_t>(i) * static_cast<size_t>(max_message_bytes_); };
   bool poisoned = false;
   for (const Round& round : schedule_) {
     const bool was_poisoned = poisoned;

@@ -6,15 +6,14 @@
 // An agreement made as a separate collective costs a round trip: 20-30% of an all-reduce of
 // 256 B-1 KB, 5-15% at 4-16 KB, 2-4% at 64 KB. Here every message's tag carries the sender's
 // signature (a hash of the rolling fingerprint) and lands in a slot of the channel's own that
-// fits the largest message the channel ever carries (or, probed first, in place: see halve()); only
-// once its tag and size are checked is it combined into the caller's buffer. A message of another call or size never
-// touches that buffer.
+// fits the largest message the channel ever carries (or, probed first, in place: see halve());
+// only once its tag and size are checked is it combined into the caller's buffer. A message of
+// another call or size never touches that buffer.
 //
 // Messages follow recursive doubling up to 32 KB, and above it recursive halving (a reduce-scatter
 // whose received halves land in the slot, then an all-gather whose halves are probed and received
 // in place); ranks beyond the largest power of two fold into a partner first and get the result
-// back last. A rank that finds a message it did not expect is
-// "poisoned": it sends poison instead of data in its remaining rounds. Every rank's result
+// back last. A rank that finds a message it did not expect is "poisoned": it sends poison instead of data in its remaining rounds. Every rank's result
 // depends on every other rank through a chain of later rounds, so a disagreement anywhere
 // reaches every rank; all of them then gather each other's signature and raise the same
 // MismatchError naming who called what. A rank making an unchecked call meanwhile (a collective
@@ -65,6 +64,8 @@ class InBandChannel {
   // when every rank agreed.
   bool halve(const Op& op, uint64_t fingerprint, void* data, int count, MPI_Datatype type, MPI_Op reduce);
   int tag_of(uint64_t fingerprint, Kind kind) const;
+  // The receive slots, allocated at first use: kMaxPieces of max_message_bytes_ each.
+  char* slots();
   [[noreturn]] void report(const Op& op, uint64_t fingerprint);
 
   MPI_Comm comm_;
