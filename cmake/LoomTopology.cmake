@@ -41,6 +41,7 @@ add_library(loom_topology OBJECT
   ${LOOM_TOPOLOGY_DIR}/src/topology/ordering.cpp
   ${LOOM_TOPOLOGY_DIR}/src/topology/grouping.cpp
   ${LOOM_TOPOLOGY_DIR}/src/topology/placement.cpp
+  ${LOOM_TOPOLOGY_DIR}/src/topology/cpu_share.cpp
   ${LOOM_TOPOLOGY_DIR}/src/topology/explain.cpp
   ${LOOM_TOPOLOGY_DIR}/src/topology/render.cpp
 )
@@ -88,6 +89,11 @@ if(LOOM_BUILD_TESTS)
   add_library(loom_fake_nvml SHARED ${LOOM_TOPOLOGY_DIR}/tests/unit/fake_nvml.cpp)
   set_target_properties(loom_fake_nvml PROPERTIES OUTPUT_NAME fake_nvidia_ml LIBRARY_OUTPUT_DIRECTORY
                         ${CMAKE_CURRENT_BINARY_DIR}/tests/fake_nvml)
+  # The same library under the driver's name, for whole programs that load "libnvidia-ml.so.1".
+  add_custom_command(TARGET loom_fake_nvml POST_BUILD
+    COMMAND ${CMAKE_COMMAND} -E make_directory ${CMAKE_BINARY_DIR}/tests/fake_nvml_as_driver
+    COMMAND ${CMAKE_COMMAND} -E create_symlink $<TARGET_FILE:loom_fake_nvml>
+            ${CMAKE_BINARY_DIR}/tests/fake_nvml_as_driver/libnvidia-ml.so.1)
 
   add_executable(loom_topology_tests
     ${LOOM_TOPOLOGY_DIR}/tests/unit/topology_test_util.cpp

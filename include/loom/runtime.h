@@ -26,12 +26,17 @@
 //
 // Teardown is safe on every exit path: finalize() destroys the communicators on the calling
 // thread (NCCL before MPI) and finalizes MPI; a program that leaves without it gets the same at
-// exit when nothing failed, and after an error has its NCCL communicators aborted (before the CUDA
-// runtime shuts down) and MPI left to mpirun, which ends the job with the program's exit code.
+// exit when nothing failed (exit status 0, no broken communicator). A rank that leaves after an
+// error (an uncaught exception, a non-zero exit status, a broken communicator) first tells the
+// other ranks why: their pending and later operations with it fail at once with loom::CommError
+// ("rank 1 exited with status 1 (RuntimeError: boom)") instead of waiting for their timeout; then
+// its NCCL communicators are aborted (before the CUDA runtime shuts down) and MPI is left to
+// mpirun, which ends the job with the program's exit status.
 #pragma once
 
 #include <memory>
 #include <optional>
+#include <string>
 
 #include "loom/comm/communicator.h"
 #include "loom/config.h"
@@ -86,5 +91,13 @@ std::shared_ptr<Runtime> init(const InitOptions& options = {});
 // Destroys the runtime's communicators and finalizes MPI. Idempotent; never throws (a timeline that
 // cannot be written is logged as an error).
 void finalize();
+
+// Tells the other ranks now that this process is about to exit after an error, with `status` and
+// `reason` (an exception's text): their operations with it fail at once, naming both (see above).
+// The exit path does the same by itself, with the exit status and the text of an exception that
+// reached std::terminate; the Python module's excepthook calls this before the interpreter's own,
+// slower, teardown, and a program with its own last-chance handler may too. Once per process:
+// later calls, and the exit path's own notice, do nothing. Waits at most 2 s for the others.
+void announce_exit(int status, const std::string& reason);
 
 }  // namespace loom

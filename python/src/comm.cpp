@@ -162,6 +162,7 @@ void bind_comm(py::module_& m) {
         return loom::init(options);
       }, py::arg("timeout") = py::none(), py::arg("on_error") = py::none());
   m.def("finalize", &loom::finalize, release_gil());
+  m.def("_announce_exit", &loom::announce_exit, py::arg("status"), py::arg("reason"), release_gil());
   // For benchmarks/python_ddp_bench.py: the same all_reduce + wait loop in C++, seconds per call, so
   // that the Python call's own overhead can be measured against it.
   m.def("_time_all_reduce_loop", [](loom::Communicator& c, at::Tensor tensor, int iterations) {

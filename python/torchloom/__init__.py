@@ -90,6 +90,22 @@ def explain_placement(message_bytes: float = 64 << 20) -> Optional[str]:
     return _C.explain_placement(message_bytes)
 
 
+def _excepthook_telling_the_other_ranks(exc_type, exc, traceback):
+    """An exception nobody caught ends this rank (exit status 1): the other ranks are told so now,
+    with its text, before the interpreter's teardown (they fail their operations with this rank at
+    once instead of waiting for it); then Python's own report as usual."""
+    try:
+        if _runtime is not None:
+            _C._announce_exit(1, f"{exc_type.__name__}: {exc}")
+    finally:
+        _previous_excepthook(exc_type, exc, traceback)
+
+
+import sys as _sys  # noqa: E402
+
+_previous_excepthook = _sys.excepthook
+_sys.excepthook = _excepthook_telling_the_other_ranks
+
 from .parallel import DistributedDataParallel  # noqa: E402
 from .amp import GradScaler  # noqa: E402
 from . import comm_hooks, tensor_parallel, checkpoint  # noqa: E402

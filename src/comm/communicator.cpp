@@ -13,6 +13,7 @@
 #include <thread>
 
 #include "comm/abort.h"
+#include "comm/departure.h"
 #include "comm/durations.h"
 #include "comm/fingerprint.h"
 #include "comm/flight_recorder.h"
@@ -281,6 +282,13 @@ WorkPtr Communicator::enqueue_checked(detail::Op& op) {
   if (is_broken())
     throw CommError(context(to_string(op.info.type))("communicator is broken by an earlier error: " +
                                                      broken_reason()));
+  if (auto gone = detail::departures::find(members_)) {
+    // A member left before this communicator's watchdog pass could fail it (or it was never used).
+    const std::string text = detail::departures::describe(*gone);
+    mark_broken(text);
+    apply_policy(text);
+    throw CommError(context(to_string(op.info.type))(text));
+  }
 
   std::lock_guard<std::recursive_mutex> lock(submit_mutex_);
   const bool p2p = is_p2p(op.info.type);
@@ -311,6 +319,7 @@ WorkPtr Communicator::enqueue_checked(detail::Op& op) {
     prune_finished_locked();
     inflight_.push_back(work);
   }
+  run_deferred_failures();
   if (!watched_) {
     detail::Watchdog::instance().watch(weak_from_this());
     watched_ = true;
@@ -382,15 +391,42 @@ void Communicator::prune_finished_locked() {
 
 std::vector<std::shared_ptr<Work>> Communicator::unfinished_works() {
   std::vector<std::shared_ptr<Work>> unfinished;
-  std::lock_guard<std::mutex> lock(inflight_mutex_);
-  prune_finished_locked();
-  for (const auto& w : inflight_)
-    if (auto p = w.lock(); p && !p->is_completed()) unfinished.push_back(std::move(p));
+  {
+    std::lock_guard<std::mutex> lock(inflight_mutex_);
+    prune_finished_locked();
+    for (const auto& w : inflight_)
+      if (auto p = w.lock(); p && !p->is_completed()) unfinished.push_back(std::move(p));
+  }
+  run_deferred_failures();
   return unfinished;
 }
 
 void Communicator::fail(const std::shared_ptr<Work>& work, std::exception_ptr error, const std::string& message) {
   if (!work->fail(std::move(error))) return;  // it completed just in time
+  break_after(work, message);
+}
+
+void Communicator::defer_failure(const std::shared_ptr<Work>& work, const std::string& message) {
+  std::lock_guard<std::mutex> lock(deferred_mutex_);
+  deferred_.emplace_back(work, message);
+  has_deferred_.store(true, std::memory_order_release);
+}
+
+void Communicator::run_deferred_failures() {
+  if (!has_deferred_.load(std::memory_order_acquire)) return;
+  std::vector<std::pair<std::shared_ptr<Work>, std::string>> due;
+  {
+    std::lock_guard<std::mutex> lock(deferred_mutex_);
+    due.swap(deferred_);
+    has_deferred_.store(false, std::memory_order_release);
+  }
+  // A sticky device error fails every pending work of the device: the first breaks the
+  // communicator (failing the rest, which have failed themselves already), the others add nothing.
+  for (auto& [work, message] : due)
+    if (!is_broken()) break_after(work, message);
+}
+
+void Communicator::break_after(const std::shared_ptr<Work>& work, const std::string& message) {
   mark_broken(message);
   std::vector<std::shared_ptr<Work>> later;
   {
@@ -418,8 +454,13 @@ void Communicator::fail_all(const std::string& message) {
     for (const auto& w : inflight_)
       if (auto p = w.lock()) pending.push_back(std::move(p));
   }
-  for (auto& w : pending) w->fail(std::make_exception_ptr(CommError(w->info().describe() + ": " + message)));
-  LOOM_LOG(error, message << "\n  flight record of group " << name_ << " (oldest first):" << recorder_->dump());
+  std::string first_failed;
+  for (auto& w : pending)
+    if (w->fail(std::make_exception_ptr(CommError(w->info().describe() + ": " + message))) && first_failed.empty())
+      first_failed = w->info().describe();
+  // Named by the operation it ended, when one was pending; else by the group.
+  LOOM_LOG(error, (first_failed.empty() ? "group " + name_ : first_failed)
+                      << ": " << message << "\n  flight record of group " << name_ << " (oldest first):" << recorder_->dump());
   apply_policy(message);
 }
 

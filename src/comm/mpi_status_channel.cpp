@@ -2,11 +2,13 @@
 
 #include <mpi.h>
 
+#include <algorithm>
 #include <array>
 #include <list>
 #include <mutex>
 #include <thread>
 
+#include "comm/departure.h"
 #include "comm/peer_status.h"
 #include "comm/watchdog.h"
 
@@ -15,6 +17,16 @@ namespace {
 
 constexpr int kQueryTag = 1;
 constexpr int kAnswerTag = 2;
+constexpr int kLeavingTag = 3;     // a rank leaves the job (departure.h)
+constexpr int kLeavingAckTag = 4;  // ... and a rank has taken note
+// {status, reason length, reason bytes}: small enough to be sent eagerly (it completes even when
+// the receiver never looks).
+struct LeavingWords {
+  int64_t status = 0;
+  int64_t length = 0;
+  char reason[departures::kMaxReasonBytes] = {};
+};
+constexpr int kLeavingBytes = static_cast<int>(sizeof(LeavingWords));
 // {id, key, internal, seq}
 using QueryWords = std::array<int64_t, 4>;
 // {id, known, last_called, has_called, called[8]}
@@ -33,6 +45,9 @@ struct Channel {
   };
   std::list<Outgoing> outgoing;  // answers being sent (their buffers must live until done)
   int64_t next_id = 1;
+  MPI_Request leaving = MPI_REQUEST_NULL;  // the next departure notice from any rank
+  LeavingWords notice{};
+  std::list<std::pair<MPI_Request, int64_t>> acks;  // acknowledgements being sent
 };
 
 Channel& channel() {
@@ -66,8 +81,34 @@ peers::Query to_query(const QueryWords& q) {
   return {static_cast<uint64_t>(q[1]), q[2] != 0, static_cast<uint64_t>(q[3])};
 }
 
+// Takes note of the departure notices that have arrived (failing the communicators with that rank)
+// and acknowledges each; the caller holds the channel's mutex.
+void serve_departures_locked(Channel& c) {
+  for (auto it = c.acks.begin(); it != c.acks.end();) {
+    int done = 0;
+    MPI_Test(&it->first, &done, MPI_STATUS_IGNORE);
+    it = done ? c.acks.erase(it) : std::next(it);
+  }
+  for (;;) {
+    if (c.leaving == MPI_REQUEST_NULL)
+      MPI_Irecv(&c.notice, kLeavingBytes, MPI_BYTE, MPI_ANY_SOURCE, kLeavingTag, c.comm, &c.leaving);
+    int done = 0;
+    MPI_Status status;
+    MPI_Test(&c.leaving, &done, &status);
+    if (!done) return;
+    c.leaving = MPI_REQUEST_NULL;
+    const size_t length = std::min<size_t>(static_cast<size_t>(std::max<int64_t>(c.notice.length, 0)),
+                                           sizeof(c.notice.reason));
+    departures::record({status.MPI_SOURCE, static_cast<int>(c.notice.status), std::string(c.notice.reason, length)});
+    // Acknowledged only now, with the communicators failed and logged: the leaver may exit next.
+    c.acks.push_back({MPI_REQUEST_NULL, 1});
+    MPI_Isend(&c.acks.back().second, 1, MPI_INT64_T, status.MPI_SOURCE, kLeavingAckTag, c.comm, &c.acks.back().first);
+  }
+}
+
 // Answers the questions that have arrived; the caller holds the channel's mutex.
 void serve_locked(Channel& c) {
+  serve_departures_locked(c);
   for (auto it = c.outgoing.begin(); it != c.outgoing.end();) {
     int done = 0;
     MPI_Test(&it->request, &done, MPI_STATUS_IGNORE);
@@ -146,6 +187,62 @@ std::vector<std::optional<peers::Answer>> ask(const std::vector<int>& ranks, con
   return answers;
 }
 
+// This rank leaves: one notice to each of `ranks`, then serve (two ranks may leave at once) until
+// each has acknowledged or the deadline has passed.
+void announce(const std::vector<int>& ranks, const departures::Departure& departure,
+              departures::Clock::time_point deadline) {
+  Channel& c = channel();
+  std::unique_lock<std::mutex> lock(c.mutex);
+  if (!c.running) return;
+  LeavingWords notice;
+  notice.status = departure.status;
+  notice.length = static_cast<int64_t>(std::min(departure.reason.size(), sizeof(notice.reason)));
+  std::copy_n(departure.reason.data(), notice.length, notice.reason);
+  struct Pending {
+    int rank;
+    MPI_Request send = MPI_REQUEST_NULL;
+    MPI_Request ack = MPI_REQUEST_NULL;
+    int64_t word = 0;
+  };
+  std::vector<Pending> pending(ranks.size());
+  for (size_t i = 0; i < ranks.size(); ++i) {
+    pending[i].rank = ranks[i];
+    MPI_Irecv(&pending[i].word, 1, MPI_INT64_T, ranks[i], kLeavingAckTag, c.comm, &pending[i].ack);
+    MPI_Isend(&notice, kLeavingBytes, MPI_BYTE, ranks[i], kLeavingTag, c.comm, &pending[i].send);
+  }
+  size_t open = pending.size();
+  while (open > 0 && departures::Clock::now() < deadline) {
+    serve_locked(c);
+    for (auto& p : pending) {
+      if (p.ack == MPI_REQUEST_NULL) continue;
+      int done = 0;
+      MPI_Test(&p.ack, &done, MPI_STATUS_IGNORE);
+      if (done) --open;
+    }
+    if (open == 0) break;
+    lock.unlock();
+    std::this_thread::sleep_for(std::chrono::microseconds(500));
+    lock.lock();
+    if (!c.running) return;
+  }
+  for (auto& p : pending) {
+    if (p.ack != MPI_REQUEST_NULL) {
+      MPI_Cancel(&p.ack);
+      MPI_Wait(&p.ack, MPI_STATUS_IGNORE);
+    }
+    // Sent eagerly: complete locally even when the peer is gone (the notice buffer is this frame's,
+    // so wait for it rather than free the request).
+    if (p.send != MPI_REQUEST_NULL) {
+      int done = 0;
+      MPI_Test(&p.send, &done, MPI_STATUS_IGNORE);
+      if (!done) {
+        MPI_Cancel(&p.send);
+        MPI_Wait(&p.send, MPI_STATUS_IGNORE);
+      }
+    }
+  }
+}
+
 }  // namespace
 
 void start() {
@@ -157,6 +254,9 @@ void start() {
   MPI_Comm_rank(c.comm, &c.rank);
   c.running = true;
   peers::set_transport(ask);
+  int size = 0;
+  MPI_Comm_size(c.comm, &size);
+  departures::set_announcer(announce, c.rank, size);
   Watchdog::instance().add_periodic([] {
     Channel& c = channel();
     std::lock_guard<std::mutex> lock(c.mutex);
@@ -169,15 +269,19 @@ void start() {
 void stop() {
   Channel& c = channel();
   peers::clear_transport();
+  departures::clear_announcer();
   std::lock_guard<std::mutex> lock(c.mutex);
   if (!c.running) return;
   c.running = false;
-  if (c.incoming != MPI_REQUEST_NULL) {
-    MPI_Cancel(&c.incoming);
-    MPI_Wait(&c.incoming, MPI_STATUS_IGNORE);
-  }
+  for (MPI_Request* request : {&c.incoming, &c.leaving})
+    if (*request != MPI_REQUEST_NULL) {
+      MPI_Cancel(request);
+      MPI_Wait(request, MPI_STATUS_IGNORE);
+    }
   for (auto& out : c.outgoing) MPI_Request_free(&out.request);
   c.outgoing.clear();
+  for (auto& ack : c.acks) MPI_Request_free(&ack.first);
+  c.acks.clear();
   MPI_Comm_free(&c.comm);
 }
 

@@ -18,6 +18,8 @@ int device_count() {
   return 0;
 }
 
+std::string device_pci_bus_id(int /*device_index*/) { return ""; }
+
 void use_device(int /*device_index*/) {}
 
 int built_version() { return 0; }

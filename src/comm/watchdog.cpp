@@ -27,6 +27,25 @@ void Watchdog::add_periodic(std::function<bool()> check) {
   periodic_.push_back(std::move(check));
 }
 
+void Watchdog::fail_members_of(int job_rank, const std::string& message) {
+  std::vector<std::weak_ptr<Communicator>> comms;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    comms = watched_;
+  }
+  for (const auto& weak : comms) {
+    auto comm = weak.lock();
+    if (!comm || comm->is_broken()) continue;
+    const auto& members = comm->members();
+    if (std::find(members.begin(), members.end(), job_rank) == members.end()) continue;
+    try {
+      comm->fail_all(message);
+    } catch (const std::exception& e) {
+      LOOM_LOG(error, "watchdog: failing group " << comm->name() << " failed: " << e.what());
+    }
+  }
+}
+
 void Watchdog::run() {
   std::unique_lock<std::mutex> lock(mutex_);
   for (;;) {

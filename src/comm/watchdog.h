@@ -12,6 +12,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -37,6 +38,9 @@ class Watchdog {
   // Runs check() every poll interval until it returns false (the status channel's server,
   // device communicators' asynchronous-error polls).
   void add_periodic(std::function<bool()> check);
+  // Fails at once every watched communicator that has `job_rank` as a member and is not broken
+  // yet (Communicator::fail_all with `message`): that rank has left the job (departure.h).
+  void fail_members_of(int job_rank, const std::string& message);
 
   std::chrono::milliseconds poll_interval() const { return poll_interval_; }
   bool on_watchdog_thread() const { return std::this_thread::get_id() == thread_.get_id(); }

@@ -53,8 +53,11 @@ const std::vector<Variable>& all_variables() {
        "rank can use a GPU of its own, on always (loom::ConfigError on every rank when one cannot), off never. The "
        "log says why it was or was not built."},
       {"LOOM_DEVICE", "",
-       "CUDA device index of this process (0 to 1023). Unset: 0 when the process sees one GPU (CUDA_VISIBLE_DEVICES "
-       "per rank, Slurm --gpus-per-task=1), else the local rank."},
+       "CUDA device index of this process (0 to 1023); may differ between ranks, and ranks given the same GPU share "
+       "it. Unset: 0 when the process sees one GPU (CUDA_VISIBLE_DEVICES per rank, Slurm --gpus-per-task=1), else "
+       "the GPU the placement plan gives the rank, else its local rank; ranks on a node with fewer GPUs than ranks "
+       "run on the CPU.",
+       /*per_process=*/true},
       {"LOOM_TOPOLOGY", "",
        "A topology file (JSON, nvidia-smi topo -m text or NCCL XML; docs/topology.md) describing the machine(s): "
        "loom::init() plans placement with it where NVML sees no GPU (on a machine without GPUs the ranks stand in "

@@ -16,6 +16,9 @@ struct Variable {
   const char* name;
   const char* default_value;  // "" when the default is "unset"
   const char* description;
+  // Set for each process on its own (a device index): exempt from the agreement that every rank
+  // sees the same value.
+  bool per_process = false;
 };
 
 // Every variable the library reads.

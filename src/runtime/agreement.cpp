@@ -42,7 +42,8 @@ void agree_on_configuration(Communicator& world, const Environment& env) {
   std::vector<std::optional<std::string>> mine;
   at::Tensor hashes = at::empty({v}, at::kLong);
   for (int64_t i = 0; i < v; ++i) {
-    mine.push_back(env::raw(env, variables[i].name));
+    // A per-process variable counts as unset everywhere: its values may differ.
+    mine.push_back(variables[i].per_process ? std::nullopt : env::raw(env, variables[i].name));
     hashes.data_ptr<int64_t>()[i] = hash_of(mine.back());
   }
   at::Tensor all = at::empty({n * v}, at::kLong);
@@ -93,6 +94,25 @@ void agree_on_configuration(Communicator& world, const Environment& env) {
   text += " (set every LOOM_ variable on every rank: with mpirun pass -x NAME, or start with loomrun, which forwards "
           "them)";
   throw ConfigError(ErrorContext("init")(text));
+}
+
+std::vector<std::string> gather_strings(Communicator& world, const std::string& mine, const char* purpose) {
+  const int n = world.size();
+  InternalOperations internal(purpose);
+  at::Tensor length = at::full({1}, static_cast<int64_t>(mine.size()), at::kLong);
+  at::Tensor lengths = at::empty({n}, at::kLong);
+  world.all_gather(lengths, length)->wait();
+  int64_t longest = 1;
+  for (int r = 0; r < n; ++r) longest = std::max(longest, lengths.data_ptr<int64_t>()[r]);
+  at::Tensor text = at::zeros({longest}, at::kByte);
+  std::memcpy(text.data_ptr(), mine.data(), mine.size());
+  at::Tensor all = at::empty({n * longest}, at::kByte);
+  world.all_gather(all, text)->wait();
+  std::vector<std::string> out;
+  for (int r = 0; r < n; ++r)
+    out.emplace_back(reinterpret_cast<const char*>(all.data_ptr<uint8_t>()) + r * longest,
+                     static_cast<size_t>(lengths.data_ptr<int64_t>()[r]));
+  return out;
 }
 
 void agree_all_ok(Communicator& world, const std::string& my_problem, const std::string& what) {

@@ -3,15 +3,20 @@
 #pragma once
 
 #include <string>
+#include <vector>
 
 #include "loom/comm/communicator.h"
 #include "loom/world.h"
 
 namespace loom::detail {
 
-// Every LOOM_* variable must have the same value on every rank. Throws loom::ConfigError on every
+// Every LOOM_* variable must have the same value on every rank (but those set per process,
+// LOOM_DEVICE). Throws loom::ConfigError on every
 // rank naming each variable that differs and which ranks hold which value.
 void agree_on_configuration(Communicator& world, const Environment& env);
+
+// Every rank's string, in rank order (two internal all-gathers named `purpose`).
+std::vector<std::string> gather_strings(Communicator& world, const std::string& mine, const char* purpose);
 
 // Every rank contributes its own problem ("" when none); when any rank has one, every rank throws
 // loom::ConfigError naming the ranks (and this rank's problem, when it has one).

@@ -13,31 +13,9 @@
 
 #include "loom/error.h"
 #include "loom/topology/detect.h"
+#include "runtime/agreement.h"
 
 namespace loom::detail {
-namespace {
-
-// Every rank's string (empty for most), in rank order: two internal all-gathers.
-std::vector<std::string> gather_strings(Communicator& world, const std::string& mine) {
-  const int n = world.size();
-  InternalOperations internal("topology gather");
-  at::Tensor length = at::full({1}, static_cast<int64_t>(mine.size()), at::kLong);
-  at::Tensor lengths = at::empty({n}, at::kLong);
-  world.all_gather(lengths, length)->wait();
-  int64_t longest = 1;
-  for (int r = 0; r < n; ++r) longest = std::max(longest, lengths.data_ptr<int64_t>()[r]);
-  at::Tensor text = at::zeros({longest}, at::kByte);
-  std::memcpy(text.data_ptr(), mine.data(), mine.size());
-  at::Tensor all = at::empty({n * longest}, at::kByte);
-  world.all_gather(all, text)->wait();
-  std::vector<std::string> out;
-  for (int r = 0; r < n; ++r)
-    out.emplace_back(reinterpret_cast<const char*>(all.data_ptr<uint8_t>()) + r * longest,
-                     static_cast<size_t>(lengths.data_ptr<int64_t>()[r]));
-  return out;
-}
-
-}  // namespace
 
 Placement plan_placement(Communicator& world, const World& w, const Config& config) {
   Placement p;
@@ -54,7 +32,7 @@ Placement plan_placement(Communicator& world, const World& w, const Config& conf
       problem = e.what();
     }
   }
-  const std::vector<std::string> described = gather_strings(world, problem.empty() ? mine : "!" + problem);
+  const std::vector<std::string> described = gather_strings(world, problem.empty() ? mine : "!" + problem, "topology gather");
   std::vector<topo::Topology> nodes;
   for (const auto& text : described) {
     if (text.empty()) continue;
@@ -81,28 +59,60 @@ Placement plan_placement(Communicator& world, const World& w, const Config& conf
     request.ranks_per_node = config.ranks_per_node;
   else if (static_cast<int>(p.topology.nodes.size()) == w.num_nodes && w.size == w.num_nodes * w.local_size)
     request.ranks_per_node = w.local_size;  // the ranks MPI put on each node
+  // A machine the user described (a topology file, ranks per node) must serve the job; the GPUs
+  // found on the machine need not: a job with more ranks than GPUs runs on the CPU.
+  const bool described_by_user = !config.topology.empty() || config.ranks_per_node > 0;
   try {
     p.plan = topo::plan(p.topology, request);  // deterministic: the same on every rank
   } catch (const std::exception& e) {
-    throw ConfigError(ErrorContext("init")(std::string("no placement for this job: ") + e.what()));
+    if (described_by_user) throw ConfigError(ErrorContext("init")(std::string("no placement for this job: ") + e.what()));
+    p.skipped = std::string("the GPUs found do not fit the job: ") + e.what();
+    return p;
+  }
+  // The plan numbers ranks node by node. Found on the machines (not read from a file standing in
+  // for them), it holds only where every rank runs on the node it gives the rank: ranks placed
+  // round-robin (mpirun --map-by node) would drive another node's GPU and form TP groups across nodes.
+  if (p.source.rfind("file ", 0) != 0) {
+    const topo::RankPlacement& mine = p.plan->layout.ranks[w.rank];
+    const bool here = mine.node == w.node_index &&
+                      (p.topology.nodes[mine.node].hostname.empty() || w.hostname.empty() ||
+                       p.topology.nodes[mine.node].hostname == w.hostname);
+    std::vector<int> elsewhere;
+    const auto answers = gather_strings(world, here ? "" : "x", "placement check");
+    for (int r = 0; r < w.size; ++r)
+      if (!answers[r].empty()) elsewhere.push_back(r);
+    if (!elsewhere.empty()) {
+      std::string ranks;
+      for (int r : elsewhere) ranks += (ranks.empty() ? "" : ", ") + std::to_string(r);
+      p.plan.reset();
+      p.skipped = "the plan numbers ranks node by node, but rank(s) " + ranks +
+                  " run on another node than it gives them (ranks placed round-robin?)";
+    }
   }
   return p;
 }
 
-std::string bind_to_planned_cpus(const topo::RankPlacement& rank) {
-  if (rank.cpus.empty()) return "no CPUs planned: not bound";
+std::optional<topo::CpuList> cpu_share_without_plan(const topo::Topology& topology, const World& w) {
+  if (w.node_index < 0 || w.node_index >= static_cast<int>(topology.nodes.size())) return std::nullopt;
+  topo::CpuList cpus = topo::cpu_only_share(topology.nodes[w.node_index], w.local_rank, w.local_size);
+  if (cpus.empty()) return std::nullopt;
+  return cpus;
+}
+
+std::string bind_to_planned_cpus(const topo::CpuList& cpus) {
+  if (cpus.empty()) return "no CPUs planned: not bound";
   cpu_set_t allowed;
   CPU_ZERO(&allowed);
   if (sched_getaffinity(0, sizeof(allowed), &allowed) != 0) return "cannot read this process's CPUs: not bound";
-  for (int cpu : rank.cpus)
+  for (int cpu : cpus)
     if (cpu >= CPU_SETSIZE || !CPU_ISSET(cpu, &allowed))
-      return "planned CPUs " + topo::format_cpu_list(rank.cpus) +
+      return "planned CPUs " + topo::format_cpu_list(cpus) +
              " are not all available here (the topology describes another machine, or a launcher bound the rank "
              "already): not bound";
-  if (CPU_COUNT(&allowed) == static_cast<int>(rank.cpus.size())) return "already bound to the planned CPUs";
+  if (CPU_COUNT(&allowed) == static_cast<int>(cpus.size())) return "already bound to the planned CPUs";
   cpu_set_t planned;
   CPU_ZERO(&planned);
-  for (int cpu : rank.cpus) CPU_SET(cpu, &planned);
+  for (int cpu : cpus) CPU_SET(cpu, &planned);
   // Every thread: MPI's and the library's were started before the plan existed.
   int failures = 0;
   if (DIR* tasks = opendir("/proc/self/task")) {
@@ -113,9 +123,9 @@ std::string bind_to_planned_cpus(const topo::RankPlacement& rank) {
     }
     closedir(tasks);
   }
-  if (failures > 0) return "binding to CPUs " + topo::format_cpu_list(rank.cpus) + " was refused (" +
+  if (failures > 0) return "binding to CPUs " + topo::format_cpu_list(cpus) + " was refused (" +
                            std::strerror(errno) + "): not bound";
-  return "bound to CPUs " + topo::format_cpu_list(rank.cpus);
+  return "bound to CPUs " + topo::format_cpu_list(cpus);
 }
 
 }  // namespace loom::detail

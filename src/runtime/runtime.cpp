@@ -3,26 +3,38 @@
 
 #include <ATen/ops/full.h>
 
+#include <atomic>
+#include <chrono>
 #include <cstdlib>
+#include <exception>
 #include <mutex>
 
 #include "comm/abort.h"
+#include "comm/departure.h"
 #include "loom/comm/mpi.h"
 #include "loom/comm/nccl.h"
 #include "loom/error.h"
 #include "loom/log.h"
 #include "loom/trace.h"
 #include "runtime/agreement.h"
+#include "runtime/device_choice.h"
 #include "runtime/placement.h"
+#include "topology/pcie_path.h"
 
 namespace loom {
 namespace {
+
+using detail::choose_device;
+using detail::DeviceChoice;
+using detail::DeviceRequest;
+using detail::RankDevice;
+using detail::shared_gpu_problems;
 
 std::mutex g_mutex;
 // Never destroyed by static destruction: the logger, the CUDA runtime and MPI it depends on may
 // already be gone by then. finalize() (or the exit handler) tears it down explicitly.
 Runtime* g_runtime = nullptr;
-bool g_finalized = false;
+std::atomic<bool> g_finalized{false};  // read without g_mutex by the terminate handler
 
 // The environment told us what the launcher intended; MPI tells us what happened. They must agree.
 void reconcile(World& world, const mpi::Layout& layout) {
@@ -54,58 +66,84 @@ void reconcile(World& world, const mpi::Layout& layout) {
   }
 }
 
-// Decides this rank's CUDA device and whether it can drive one. Returns the problem ("" if none).
-std::string choose_device(const Config& config, const World& world, const topo::Plan* plan, int& device,
-                          std::string& why) {
-  if (!nccl::compiled()) return "torchloom was built without NCCL";
+// What this rank sees: LOOM_DEVICE, the visible CUDA devices by bus id, and the plan's GPU for it.
+DeviceRequest device_request(const Config& config, const World& world, const topo::Topology& topology,
+                             const topo::Plan* plan) {
+  DeviceRequest in;
+  in.requested = config.device;
+  in.local_rank = world.local_rank;
   const int visible = nccl::device_count();
-  if (visible == 0) return "no CUDA device is visible";
-  // LOOM_DEVICE first; then the placement plan (when it describes the devices this process sees);
-  // a process that sees one GPU (CUDA_VISIBLE_DEVICES per rank, Slurm --gpus-per-task=1) uses it;
-  // else its local rank.
-  if (config.device) {
-    device = *config.device;
-    why = "LOOM_DEVICE";
-  } else if (plan && visible > 1) {
-    device = plan->layout.ranks[world.rank].device;
-    why = "the placement plan";
-  } else {
-    device = visible == 1 ? 0 : world.local_rank;
-    why = visible == 1 ? "the one GPU this process sees" : "the local rank";
+  for (int i = 0; i < visible; ++i) {
+    std::string bus = nccl::device_pci_bus_id(i);
+    in.visible_bus_ids.push_back(bus.empty() ? "cuda:" + std::to_string(i) : bus);
   }
-  if (device >= visible)
-    return "device " + std::to_string(device) + " (" + why + ") is not among the " + std::to_string(visible) +
-           " visible";
-  return "";
+  if (plan) {
+    const topo::RankPlacement& mine = plan->layout.ranks[world.rank];
+    const auto& gpus = topology.nodes[mine.node].gpus;
+    if (mine.device < static_cast<int>(gpus.size()) && !gpus[mine.device].pci_bus_id.empty()) {
+      in.planned_bus_id = topo::detail::normalize_bus_id(gpus[mine.device].pci_bus_id);
+      in.planned_index = mine.device;
+    }
+  }
+  return in;
 }
 
+// Every rank's device choice, checked together: either every rank drives a GPU of its own (or one it
+// shares on purpose) and the device communicator is built, or none does and the job runs on the
+// CPU (LOOM_NCCL=auto) or every rank raises (LOOM_NCCL=on). The log says what was chosen and why.
 void build_device_communicator(Runtime& rt, World& world, const Config& config, const InitOptions& options,
                                std::shared_ptr<Communicator>& device_comm, std::optional<int>& cuda_device) {
   if (config.nccl == DeviceCommMode::Off) {
     LOOM_LOG(info, "no device communicator: LOOM_NCCL=off");
     return;
   }
-  int device = -1;
-  std::string why;
-  const std::string problem = choose_device(config, world, rt.plan(), device, why);
-  // Making the communicator is collective: every rank learns first whether every rank can.
-  auto& comm = *rt.world_comm();
-  at::Tensor fits = at::full({1}, problem.empty() ? 1 : 0, at::kInt);
-  {
-    detail::InternalOperations internal("device agreement");
-    comm.all_reduce(fits, {ReduceOp::Min})->wait();
+  DeviceChoice choice;
+  if (!nccl::compiled())
+    choice.problem = "torchloom was built without NCCL";
+  else
+    choice = choose_device(device_request(config, world, rt.topology(), rt.plan()));
+  const std::string gpu = choice.device ? nccl::device_pci_bus_id(*choice.device) : "";
+  // node \n requested \n GPU (bus id, else the device number) \n problem
+  const std::string mine = std::to_string(world.node_index) + "\n" + (choice.requested ? "1" : "0") + "\n" +
+                           (choice.device ? (gpu.empty() ? "cuda:" + std::to_string(*choice.device) : gpu) : "") +
+                           "\n" + choice.problem;
+  const std::vector<std::string> all = detail::gather_strings(*rt.world_comm(), mine, "device agreement");
+  std::vector<RankDevice> ranks;
+  std::vector<std::string> problems;
+  for (const auto& text : all) {
+    std::vector<std::string> field;
+    size_t from = 0;
+    for (int i = 0; i < 3; ++i) {
+      const size_t to = text.find('\n', from);
+      field.push_back(text.substr(from, to - from));
+      from = to + 1;
+    }
+    ranks.push_back({std::stoi(field[0]), field[2], field[1] == "1"});
+    problems.push_back(text.substr(from));
   }
-  const bool everyone = fits.item<int>() == 1;
-  if (!everyone) {
-    const std::string why = problem.empty() ? "another rank cannot use a CUDA device" : "this rank: " + problem;
-    if (config.nccl == DeviceCommMode::On) throw ConfigError(ErrorContext("init")("LOOM_NCCL=on but " + why));
-    LOOM_LOG(info, "no device communicator (LOOM_NCCL=auto): " << why);
+  const std::vector<std::string> shared = shared_gpu_problems(ranks);
+  std::string why_not;
+  int without = 0;
+  bool some_had_one = false;
+  for (size_t r = 0; r < ranks.size(); ++r) {
+    const std::string& problem = problems[r].empty() ? shared[r] : problems[r];
+    some_had_one = some_had_one || !ranks[r].gpu.empty();
+    if (problem.empty()) continue;
+    if (++without <= 4) why_not += (why_not.empty() ? "" : "; ") + std::string("rank ") + std::to_string(r) + ": " + problem;
+  }
+  if (without > 4) why_not += "; and " + std::to_string(without - 4) + " more rank(s)";
+  if (without > 0) {
+    if (config.nccl == DeviceCommMode::On) throw ConfigError(ErrorContext("init")("LOOM_NCCL=on but " + why_not));
+    const std::string text = "no device communicator (LOOM_NCCL=auto), every rank runs on the CPU: " + why_not;
+    // A GPU machine that ends up training on the CPU deserves a warning (once per job).
+    if (some_had_one && world.rank == 0) LOOM_LOG(warn, text);
+    else LOOM_LOG(info, text);
     return;
   }
-  nccl::use_device(device);
-  cuda_device = device;
-  device_comm = nccl::make_communicator(rt.world_comm(), device, "world-gpu", options.comm);
-  LOOM_LOG(info, "device communicator world-gpu on cuda:" << device << " (" << why << ")");
+  nccl::use_device(*choice.device);
+  cuda_device = *choice.device;
+  device_comm = nccl::make_communicator(rt.world_comm(), *choice.device, "world-gpu", options.comm);
+  LOOM_LOG(info, "device communicator world-gpu on cuda:" << *choice.device << " (" << choice.why << ")");
 }
 
 }  // namespace
@@ -134,18 +172,34 @@ void teardown_locked() {
   g_finalized = true;
 }
 
-// At exit without finalize(): the same teardown when nothing failed; after an error, NCCL is
-// aborted (before the CUDA runtime's own exit handler, which was registered earlier and so runs
-// later) and MPI is left alone (a peer may never arrive), so the exit code reaches mpirun.
-void exit_without_finalize() {
+// How long a leaving rank waits for the others to take note of its departure notice (they do
+// within a watchdog poll unless stopped or dead): the job ends within seconds of an error.
+constexpr auto kDepartureBound = std::chrono::seconds(2);
+
+// Why this process is leaving after an error: what the program said (uncaught exception, Python's
+// excepthook), else the error that broke a runtime communicator; "" when nothing failed.
+std::string failure_locked() {
+  std::string reason = detail::departures::exit_reason();
+  for (const auto& comm : {g_runtime->world_comm(), g_runtime->device_comm()})
+    if (reason.empty() && comm && comm->is_broken()) reason = comm->broken_reason();
+  return reason;
+}
+
+// At exit without finalize(), with the program's exit status (glibc's on_exit). When nothing
+// failed (status 0, no broken communicator) the same teardown as finalize(). Otherwise this rank
+// leaves the job: it tells the other ranks why (they fail their communicators with it at once,
+// instead of waiting for it until their timeout), aborts NCCL (before the CUDA runtime's own exit
+// handler, registered earlier and so run later), and leaves MPI alone: MPI_Finalize would wait
+// for peers that are still inside collectives, so the exit status reaches mpirun, which ends them.
+void exit_without_finalize(int status, void*) {
   std::lock_guard<std::mutex> lock(g_mutex);
   if (g_finalized || g_runtime == nullptr) return;
-  const bool failed = detail::abort_started() || (g_runtime->world_comm() && g_runtime->world_comm()->is_broken()) ||
-                      (g_runtime->device_comm() && g_runtime->device_comm()->is_broken());
-  if (!failed) {
+  const std::string failure = failure_locked();
+  if (status == 0 && failure.empty() && !detail::abort_started()) {
     teardown_locked();
     return;
   }
+  if (!detail::abort_started()) detail::departures::announce(status, failure, kDepartureBound);
   nccl::abort_all("the process exits after an error without loom::finalize()");
   try {
     trace::flush();
@@ -153,6 +207,28 @@ void exit_without_finalize() {
     LOOM_LOG(error, e.what());
   }
   g_finalized = true;
+}
+
+std::terminate_handler g_previous_terminate = nullptr;
+
+// An exception nobody caught: the other ranks learn its text before the process aborts (no exit
+// handler runs after std::terminate). Never takes g_mutex (terminate may come from under it).
+[[noreturn]] void terminate_after_telling_the_others() {
+  std::string what = "std::terminate called without an active exception";
+  if (auto error = std::current_exception()) {
+    try {
+      std::rethrow_exception(error);
+    } catch (const std::exception& e) {
+      what = e.what();
+    } catch (...) {
+      what = "an exception that is not a std::exception";
+    }
+  }
+  detail::departures::set_exit_reason(what);
+  if (!g_finalized.load() && !detail::abort_started())
+    detail::departures::announce(detail::departures::kUncaughtException, what, kDepartureBound);
+  if (g_previous_terminate) g_previous_terminate();
+  std::abort();
 }
 
 }  // namespace
@@ -185,7 +261,8 @@ std::shared_ptr<Runtime> init(const InitOptions& options) {
   log::set_rank(runtime->world_.rank, runtime->world_.size);
   runtime->world_comm_ = mpi::world_communicator(options.comm);
   detail::agree_on_configuration(*runtime->world_comm_, env);
-  if (!config_problem.empty()) throw ConfigError(config_problem);  // the same on every rank
+  // The same on every rank but for per-process variables (LOOM_DEVICE): all raise together.
+  detail::agree_all_ok(*runtime->world_comm_, config_problem, "reading the LOOM_ configuration");
 
   std::string timeline_problem;
   try {
@@ -200,7 +277,10 @@ std::shared_ptr<Runtime> init(const InitOptions& options) {
   runtime->plan_ = std::move(placement.plan);
   if (runtime->plan_) {
     LOOM_LOG(info, "placement (" << placement.source << "): "
-                                 << detail::bind_to_planned_cpus(runtime->plan_->layout.ranks[runtime->world_.rank]));
+                                 << detail::bind_to_planned_cpus(runtime->plan_->layout.ranks[runtime->world_.rank].cpus));
+  } else if (auto cpus = detail::cpu_share_without_plan(runtime->topology_, runtime->world_)) {
+    LOOM_LOG(info, "no placement plan (" << placement.skipped << "); CPU share of this node: "
+                                         << detail::bind_to_planned_cpus(*cpus));
   } else {
     LOOM_LOG(info, "no placement plan: " << placement.skipped);
   }
@@ -214,8 +294,10 @@ std::shared_ptr<Runtime> init(const InitOptions& options) {
   g_runtime = runtime.release();
   g_finalized = false;
   // Registered after MPI and CUDA started, so it runs before their own exit handlers.
-  static bool exit_handler = (std::atexit(exit_without_finalize), true);
+  static bool exit_handler = (on_exit(exit_without_finalize, nullptr), true);
   (void)exit_handler;
+  static bool terminate_handler = (g_previous_terminate = std::set_terminate(terminate_after_telling_the_others), true);
+  (void)terminate_handler;
   return std::shared_ptr<Runtime>(g_runtime, [](Runtime*) {});
 }
 
@@ -223,6 +305,11 @@ void finalize() {
   std::lock_guard<std::mutex> lock(g_mutex);
   if (g_finalized) return;
   teardown_locked();
+}
+
+void announce_exit(int status, const std::string& reason) {
+  detail::departures::set_exit_reason(reason);
+  if (!g_finalized.load() && !detail::abort_started()) detail::departures::announce(status, reason, kDepartureBound);
 }
 
 }  // namespace loom

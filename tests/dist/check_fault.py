@@ -108,9 +108,32 @@ SCENARIOS = {
         survivors=lambda r, n: expect("TimeoutError", T, 2 * T, "timed out after", f"no answer from rank {n - 1}")),
     # Leaving main without finalize after a timeout, with debug logging: no crash at exit, and the
     # exit code is the program's own (1), every time.
+    # At 4 ranks a survivor that reported its timeout and left first is named, with its timeout,
+    # in the others' error if theirs has not fired yet (a departure notice).
     "exit_without_finalize": dict(
         env={"LOOM_ON_ERROR": "raise", "LOOM_LOG_LEVEL": "debug"}, success=False, exit_code=1,
-        survivors=lambda r, n: expect("TimeoutError", T, 2 * T, "timed out after")),
+        survivors=lambda r, n: expect(("TimeoutError", "CommError"), T, 2 * T, "timed out after")),
+    # A rank that leaves with an ordinary error under the default configuration (600 s timeout,
+    # abort): the others fail at once naming it, its exit status and the exception's text, and the
+    # job ends within seconds (measured from the victim's "LEAVING" line), not at the timeout.
+    "rank_throws": dict(
+        env={}, keep_default_timeout=True, success=False, ends_within=5.0,
+        # The victim's own end: an uncaught exception terminates and aborts, as it should.
+        expected_crashes=["terminate called", "signal 6 (Aborted)"],
+        output=[lambda n: f"rank {n - 1} ended by an uncaught exception (the data loader found a corrupt record)"],
+        survivor_logs=lambda r, n: ["all_reduce seq=5", f"rank {n - 1} ended by an uncaught exception "
+                                    "(the data loader found a corrupt record)"]),
+    "rank_returns_error": dict(
+        env={}, keep_default_timeout=True, success=False, ends_within=5.0,
+        survivor_logs=lambda r, n: ["all_reduce seq=5", f"rank {n - 1} exited with status 3"]),
+    # The same from Python: the exception's text comes from torchloom's excepthook.
+    "py_rank_throws": dict(
+        env={}, keep_default_timeout=True, success=False, ends_within=5.0, python=True,
+        survivor_logs=lambda r, n: ["all_reduce seq=5", f"rank {n - 1} exited with status 1 "
+                                    "(RuntimeError: the data loader found a corrupt record)"]),
+    "py_rank_exits_3": dict(
+        env={}, keep_default_timeout=True, success=False, ends_within=5.0, python=True,
+        survivor_logs=lambda r, n: ["all_reduce seq=5", f"rank {n - 1} exited with status 3"]),
     "stall_warning": dict(
         env={"LOOM_TIMEOUT": "4", "LOOM_STALL_WARNING": "0.25"}, success=True,
         all=lambda r, n: expect("none", 0, 4.0),
@@ -144,9 +167,44 @@ def leftovers(program, scenario):
     found = []
     for line in ps.splitlines()[1:]:
         pid, stat, command = line.split(None, 2)
-        if command.startswith(program + " ") and command.rstrip().endswith(" " + scenario) and not stat.startswith("Z"):
+        if int(pid) == os.getpid():
+            continue  # this script names the program among its own arguments
+        if (program + " ") in command and command.rstrip().endswith(" " + scenario) and not stat.startswith("Z"):
             found.append(line)
     return found
+
+
+def run_watching(command, env, limit, marker):
+    """Runs the job, noting when a line containing `marker` first appears on its stdout. Returns
+    (CompletedProcess, marker time or None, end time), or (None, ..) when it ran past `limit`."""
+    import threading
+    proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    lines, seen = [], []
+
+    def read_stdout():
+        for line in proc.stdout:
+            if marker in line and not seen:
+                seen.append(time.monotonic())
+            lines.append(line)
+    reader = threading.Thread(target=read_stdout)
+    reader.start()
+    errors = []
+    err_reader = threading.Thread(target=lambda: errors.append(proc.stderr.read()))
+    err_reader.start()
+    try:
+        proc.wait(timeout=limit)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        reader.join()
+        err_reader.join()
+        print("".join(lines) + "".join(errors))
+        return None, None, time.monotonic()
+    ended = time.monotonic()
+    reader.join()
+    err_reader.join()
+    return (subprocess.CompletedProcess(command, proc.returncode, "".join(lines), "".join(errors)),
+            seen[0] if seen else None, ended)
 
 
 def main():
@@ -164,7 +222,7 @@ def main():
 
     env = dict(os.environ, LOOM_TIMEOUT=str(T), OMP_NUM_THREADS="1")
     for k in [k for k in env if k.startswith("LOOM_")]:
-        if k != "LOOM_TIMEOUT":
+        if k != "LOOM_TIMEOUT" or spec.get("keep_default_timeout"):
             del env[k]  # the scenario's environment only; the suite runs under the defaults
     extra = dict(spec["env"])
     workdir = None
@@ -180,21 +238,23 @@ def main():
         extra["LOOM_TIMELINE"] = os.path.join(workdir, "trace")
     env.update(extra)
     base = [args.mpirun, "--oversubscribe", "--bind-to", "none"]
+    program = [args.program]
+    if spec.get("python"):
+        program = [sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python",
+                                                "departure_program.py")]
     if "victim_env" in spec:
         # MPMD: the victim gets its own environment (mpirun -x sets it for that part only).
         exports = [x for k, v in spec["victim_env"].items() for x in ("-x", f"{k}={v}")]
-        command = base + ["-np", str(n - 1), args.program, args.scenario, ":", "-np", "1"] + exports + \
-            [args.program, args.scenario]
+        command = base + ["-np", str(n - 1)] + program + [args.scenario, ":", "-np", "1"] + exports + \
+            program + [args.scenario]
     else:
-        command = base + ["-np", str(n), args.program, args.scenario]
+        command = base + ["-np", str(n)] + program + [args.scenario]
     start = time.monotonic()
-    try:
-        proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=45)
-    except subprocess.TimeoutExpired as e:
+    proc, leaving_at, ended_at = run_watching(command, env, 45, "LEAVING")
+    if proc is None:
         print(f"FAIL {args.scenario}: the job hung (still running after 45 s)")
-        print((e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or ""))
         return 1
-    wall = time.monotonic() - start
+    wall = ended_at - start
     output = proc.stdout + proc.stderr
     print(f"--- {args.scenario} at {n} ranks: exit {proc.returncode} after {wall:.1f} s ---\n{output}\n---")
 
@@ -208,13 +268,28 @@ def main():
     if not spec["success"] and wall > 30:
         failures.append(f"the job took {wall:.1f} s to end; the ranks sleep 60 s, so it was not ended by the fault")
     for crash in CRASHES:
-        if crash in output:
+        # An expected one is the victim's own end: once, never a survivor's too.
+        if output.count(crash) > (1 if crash in spec.get("expected_crashes", []) else 0):
             failures.append(f"a rank crashed: the output contains '{crash}'")
     for make in spec.get("output", []):
         if make(n) not in output:
             failures.append(f"the output lacks '{make(n)}'")
+    if "ends_within" in spec:
+        # From the victim's departure to mpirun's exit, by the clock of this script: the victim's
+        # line is timestamped as it arrives.
+        if leaving_at is None:
+            failures.append("the victim never reached its departure")
+        elif ended_at - leaving_at > spec["ends_within"]:
+            failures.append(f"the job ended {ended_at - leaving_at:.1f} s after the victim left, expected at most "
+                            f"{spec['ends_within']} s")
+        else:
+            print(f"the job ended {ended_at - leaving_at:.2f} s after the victim left")
+    for r in range(n - 1):
+        for part in (spec["survivor_logs"](r, n) if "survivor_logs" in spec else []):
+            if not any(f"[rank {r}/{n}]" in line and part in line for line in output.splitlines()):
+                failures.append(f"rank {r} logged no line with '{part}'")
     time.sleep(0.5)
-    left = leftovers(args.program, args.scenario)
+    left = leftovers(program[-1], args.scenario)
     if left:
         failures.append("processes left behind:\n  " + "\n  ".join(left))
 

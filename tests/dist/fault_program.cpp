@@ -12,6 +12,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <map>
+#include <stdexcept>
 #include <string>
 #include <thread>
 
@@ -206,6 +207,19 @@ int main(int argc, char** argv) {
     // The victim leaves last, so mpirun does not end the others before they report.
     else std::this_thread::sleep_for(std::chrono::seconds(5));
     return 1;
+  } else if (scenario == "rank_throws" || scenario == "rank_returns_error") {
+    // The default configuration (LOOM_TIMEOUT 600 s, LOOM_ON_ERROR=abort): after five healthy
+    // all-reduces the victim leaves, with an exception nobody catches or by returning 3 from main
+    // without loom::finalize(), while the others go on to a sixth. They must learn why at once.
+    for (int i = 0; i < 5; ++i) comm->all_reduce(t)->wait();
+    if (rank == victim) {
+      std::printf("RANK %d LEAVING\n", rank);
+      std::fflush(stdout);
+      if (scenario == "rank_throws") throw std::runtime_error("the data loader found a corrupt record");
+      return 3;
+    }
+    run_and_report(rank, [&] { comm->all_reduce(t)->wait(); });
+    std::this_thread::sleep_for(std::chrono::seconds(60));  // the job must end before this does
   } else if (scenario == "stall_warning") {
     // The victim comes 2 s late to a collective with a 4 s timeout: the others log a warning
     // naming it at 1 s, and the call then completes.

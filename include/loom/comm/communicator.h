@@ -132,6 +132,11 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
   // A failure of the communicator as a whole (e.g. an asynchronous NCCL error): fails every
   // operation in flight with `message`.
   void fail_all(const std::string& message);
+  // For a backend that finds `work` failed where the in-flight lock may be held (a device work's
+  // poll, reached from the watchdog's or a submission's prune): the work has failed already; the
+  // rest of fail() (break, fail what follows, log, policy) runs once that lock is free, at the
+  // next submission or watchdog poll.
+  void defer_failure(const std::shared_ptr<Work>& work, const std::string& message);
   // Blocks until every submitted operation has finished or failed (each is bounded by its
   // timeout, which the watchdog enforces).
   void drain();
@@ -148,6 +153,9 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
   void check_fingerprint(detail::Op& op);
   void mark_broken(const std::string& reason);
   void apply_policy(const std::string& message);
+  // fail() once `work` has failed: break, fail what was submitted after it, log, policy.
+  void break_after(const std::shared_ptr<Work>& work, const std::string& message);
+  void run_deferred_failures();  // never with inflight_mutex_ held
   void prune_finished_locked();  // drops completed works from inflight_'s front (inflight_mutex_ held)
   // Called by the watchdog.
   std::vector<std::shared_ptr<Work>> unfinished_works();
@@ -181,6 +189,9 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
   // In submission order; completed ones pruned from the front. The watchdog reads it (every
   // operation is watched from here, with no per-operation registration on the hot path).
   std::vector<std::weak_ptr<Work>> inflight_;
+  std::mutex deferred_mutex_;
+  std::vector<std::pair<std::shared_ptr<Work>, std::string>> deferred_;  // see defer_failure
+  std::atomic<bool> has_deferred_{false};
   bool watched_ = false;  // registered with the watchdog (at the first submission; under submit_mutex_)
   std::shared_ptr<detail::FlightRecorder> recorder_;
   uint64_t peer_key_ = 0;  // this communicator's name in peer queries (detail::peers)

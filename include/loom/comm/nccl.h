@@ -49,6 +49,10 @@ bool compiled();
 bool device_available();
 // CUDA devices visible to this process (0 without NCCL).
 int device_count();
+// The PCI bus id of visible CUDA device `device_index` ("0000:07:00.0", lower case, as the
+// topology writes it), which names the physical GPU whatever CUDA_VISIBLE_DEVICES and
+// CUDA_DEVICE_ORDER did to the numbering; "" when it cannot be read.
+std::string device_pci_bus_id(int device_index);
 // NCCL's version codes: the headers this build was compiled with, and the library loaded (0
 // without NCCL). make_communicator refuses a library older than the headers.
 int built_version();

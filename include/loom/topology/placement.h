@@ -91,6 +91,14 @@ struct Plan {
 // topology (see validate()).
 Plan plan(const Topology& topology, const PlanRequest& request);
 
+// The CPUs of a rank that drives no GPU of the plan (a CPU job, or one whose GPUs do not fit):
+// its node's NUMA nodes shared out in blocks among the node's ranks (local ranks 0..k-1 on the
+// first NUMA node, and so on; with more NUMA nodes than ranks, each rank gets several), so that a
+// rank's memory and threads stay on one NUMA node. Empty (do not bind) when the node has fewer
+// than two NUMA nodes with known CPUs: there is nothing to choose between.
+//   cpu_only_share(two_socket_node, /*local_rank=*/3, /*local_size=*/4);   // the second socket's CPUs
+CpuList cpu_only_share(const Node& node, int local_rank, int local_size);
+
 // Cost model. time(ring, bytes) = latency_sum + 2(n-1)/n * bytes / bottleneck_bandwidth, where the
 // bottleneck is the slowest link between consecutive ring members and latency_sum adds the step
 // latency over the 2(n-1) steps of a ring all-reduce (each step waits for the ring's slowest-latency

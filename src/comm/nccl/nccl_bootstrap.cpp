@@ -14,6 +14,7 @@
 #include "comm/nccl/nccl_communicator.h"
 #include "loom/comm/nccl.h"
 #include "loom/log.h"
+#include "topology/pcie_path.h"
 
 namespace loom::nccl {
 namespace {
@@ -41,6 +42,15 @@ bool compiled() { return true; }
 bool device_available() { return c10::cuda::device_count() > 0; }
 
 int device_count() { return c10::cuda::device_count(); }
+
+std::string device_pci_bus_id(int device_index) {
+  char text[32] = {};
+  if (cudaDeviceGetPCIBusId(text, sizeof(text), device_index) != cudaSuccess) {
+    (void)cudaGetLastError();  // not sticky: clear it
+    return "";
+  }
+  return topo::detail::normalize_bus_id(text);
+}
 
 void use_device(int device_index) { c10::cuda::set_device(static_cast<c10::DeviceIndex>(device_index)); }
 

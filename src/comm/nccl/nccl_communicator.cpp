@@ -233,6 +233,15 @@ void NcclCommunicator::issue(loom::detail::Op& op, const std::shared_ptr<Work>& 
       fail(work, std::make_exception_ptr(TimeoutError(message)), message);
       return;
     }
+    // A device fault (a sticky CUDA error) fails the work; it must break the communicator too.
+    // Set before the work can be polled as launched.
+    std::weak_ptr<Communicator> weak_self = weak_from_this();
+    std::weak_ptr<Work> weak_work = work;
+    work->on_device_error([weak_self, weak_work](const std::string& message) {
+      auto self = std::static_pointer_cast<NcclCommunicator>(weak_self.lock());
+      auto w = weak_work.lock();
+      if (self && w) self->defer_failure(w, message);
+    });
     work->end_event().record(stream_);
     work->mark_launched();
   }
@@ -240,14 +249,6 @@ void NcclCommunicator::issue(loom::detail::Op& op, const std::shared_ptr<Work>& 
   // their memory out again before the NCCL stream is done with it.
   for (const auto* list : {&op.inputs, &op.outputs})
     for (const auto& t : *list) c10::cuda::CUDACachingAllocator::recordStream(t.storage().data_ptr(), stream_);
-  // A device fault (a sticky CUDA error) fails the work; it must break the communicator too.
-  std::weak_ptr<Communicator> weak_self = weak_from_this();
-  std::weak_ptr<Work> weak_work = work;
-  work->on_device_error([weak_self, weak_work](const std::string& message) {
-    auto self = std::static_pointer_cast<NcclCommunicator>(weak_self.lock());
-    auto w = weak_work.lock();
-    if (self && w) self->fail(w, std::make_exception_ptr(CommError(message)), message);
-  });
 }
 
 // Issues the NCCL call(s) of one operation on the NCCL stream, with the handle's mutex held.

@@ -27,11 +27,16 @@ void NcclWork::poll() {
     return;
   }
   const std::string message = info().describe() + ": failed on the device: " + cudaGetErrorString(result);
-  // The communicator's failure path (break it, fail what follows, apply the policy) when it is
-  // still there; else at least this work.
-  auto handler = std::exchange(device_error_, nullptr);
+  // This work fails here; the communicator's failure path (break it, fail what follows, apply the
+  // policy) is only handed the failure: poll() may run with the communicator's in-flight lock held.
+  if (!fail(std::make_exception_ptr(CommError(message)))) return;  // another poll was first
+  std::function<void(const std::string&)> handler;
+  {
+    std::lock_guard<std::mutex> lock(device_error_mutex_);
+    handler = std::move(device_error_);
+    device_error_ = nullptr;
+  }
   if (handler) handler(message);
-  fail(std::make_exception_ptr(CommError(message)));
 }
 
 void NcclWork::after_wait() {

@@ -4,6 +4,7 @@
 
 #include <atomic>
 #include <functional>
+#include <mutex>
 #include <memory>
 #include <string>
 
@@ -27,7 +28,10 @@ class NcclWork final : public Work {
   // Temporary device memory the operation needs (kept alive with the work).
   const at::Tensor& scratch() const { return scratch_; }
   // Called (once) when the device reports an error for this operation, with the message.
-  void on_device_error(std::function<void(const std::string&)> handler) { device_error_ = std::move(handler); }
+  void on_device_error(std::function<void(const std::string&)> handler) {
+    std::lock_guard<std::mutex> lock(device_error_mutex_);
+    device_error_ = std::move(handler);
+  }
 
   // Called by the communicator once the operation is on the stream (its end event recorded).
   void mark_launched() { launched_.store(true); }
@@ -46,6 +50,7 @@ class NcclWork final : public Work {
  private:
   const c10::DeviceIndex device_;
   const at::Tensor scratch_;
+  std::mutex device_error_mutex_;  // poll() runs on any thread that looks at the work
   std::function<void(const std::string&)> device_error_;
   std::shared_ptr<CudaEvent> end_;
   std::shared_ptr<CudaEvent> start_;  // with timing, only when a timeline is recorded
