@@ -1,147 +1,168 @@
 #!/usr/bin/env bash
-# The GPU check: on a machine with one GPU (or more), builds what the GPU tests need and runs them,
-# in a few minutes, then prints a PASS/FAIL table and the NCCL / CUDA runtime the tests loaded.
-# Exits non-zero when anything failed.
+# The GPU check: what only a GPU can show, on a machine with one GPU (an H200 with 16 cores here),
+# in at most 8 minutes from a prebuilt tree, each step under its own time limit. Prints a PASS/FAIL
+# table, what each row proves (at one rank NCCL enqueues nothing for some in-place calls and the
+# reducer short-circuits: those rows prove little, and say so), the NCCL and CUDA runtime loaded,
+# and the figures measured. Exits non-zero when a step failed.
 #
-# What runs (tests/gpu/):
-#   test_nccl           the NCCL communicator: every collective x dtype against the CPU, stream
-#                       ordering, c10d Work semantics, split, rejected input, timeouts; at two ranks
-#                       also raise-mode abort releasing the stream, a peer that never connects, and a
-#                       batched exchange that cannot deadlock
-#   test_cuda_training  DDP over NCCL against one process on the whole batch, the fp16 hook, the
-#                       GradScaler with float16 autocast (and a state loaded before the first scale),
-#                       the device loom::init() chooses, tensor-parallel layers over NCCL
-#   exit without finalize  test_cuda_training --exit-without-finalize: exit status 0, no crash
-# each at `mpirun -np 1`, and at `-np 2` on the same GPU: each rank gets its own NCCL_HOSTID, so
-# NCCL treats them as two hosts talking over loopback sockets (NCCL refuses two ranks on one device
-# of one host). At one rank NCCL skips in-place sum/min/max/product and broadcast entirely; the
-# two-rank run is what checks the dtype/op mapping and real communication.
-#   train_gpt   the flagship example for 80 steps on the GPU (fp16 autocast + GradScaler, NCCL)
-#   test_cuda_checkpoint  CUDA parameters, Adam state and GradScaler through an asynchronous
-#               checkpoint (pinned staging; weights changed right after save() must not reach it),
-#               the CUDA generator restored, the same checkpoint loaded on the CPU.
-#
-# Usage: bash benchmarks/gpu_check.sh [--no-setup] [--no-build]
+# Usage: bash benchmarks/gpu_check.sh [--no-setup] [--no-build] [--dry-run] [--only REGEX]
 #   --no-setup  skip scripts/setup.sh (a machine without network access, dependencies present)
-#   --no-build  use an existing build (GPU_BUILD_DIR, default build-gpu; or build/ if that has the tests)
-# Each run gets at most GPU_TEST_TIMEOUT seconds (default 180).
+#   --no-build  use the binaries in GPU_BUILD_DIR (default: build-gpu, else build) as they are;
+#               without it the four targets are built when missing or when their libraries do not
+#               resolve (binaries carried from another machine name its paths)
+#   --dry-run   list the steps and exit 0 (CI runs this, so the script cannot rot)
+#   --only      run only the steps whose name matches REGEX
+# Logs and the summary go to OUT (default: GPU_BUILD_DIR/gpu_check).
+#
+# Two ranks on the one GPU: LOOM_DEVICE=0 on each (sharing a GPU is refused unless asked for) and a
+# distinct NCCL_HOSTID per rank, so NCCL takes them for two hosts talking over loopback sockets.
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
 
-setup=1
-build=1
-for arg in "$@"; do
-  case "$arg" in
+setup=1 build=1 dry=0 only=""
+while (($#)); do
+  case "$1" in
     --no-setup) setup=0 ;;
     --no-build) build=0 ;;
-    *) echo "usage: $0 [--no-setup] [--no-build]" >&2; exit 2 ;;
+    --dry-run) dry=1 ;;
+    --only) only=${2:-}; shift ;;
+    *) echo "usage: $0 [--no-setup] [--no-build] [--dry-run] [--only REGEX]" >&2; exit 2 ;;
   esac
+  shift
 done
-BUILD_DIR=${GPU_BUILD_DIR:-build-gpu}
-if ((build == 0)) && [[ ! -x "$BUILD_DIR/tests/gpu/test_nccl" && -x build/tests/gpu/test_nccl ]]; then BUILD_DIR=build; fi
-TEST_TIMEOUT=${GPU_TEST_TIMEOUT:-180}
-LOG_DIR="$BUILD_DIR/gpu_check"
+B=${GPU_BUILD_DIR:-build-gpu}
+if [[ ! -d "$B" && -d build ]]; then B=build; fi
+OUT=${OUT:-$PWD/$B/gpu_check}
+BUDGET=${GPU_CHECK_BUDGET:-480}  # seconds for the whole check; steps that would start later are skipped
+TARGETS=(test_nccl test_cuda_training test_cuda_checkpoint train_gpt)
 start=$SECONDS
-phase() { echo "[gpu_check] $* (t=$((SECONDS - start)) s)"; }
 
-# Without a visible GPU every test would skip and the check would pass without checking anything.
+# ---- The steps: name, time limit (s), what a PASS proves, command (run with bash -c) ----------
+names=() limits=() proves=() commands=()
+step() { names+=("$1"); limits+=("$2"); proves+=("$3"); commands+=("$4"); }
+NP1="mpirun -np 1 \$LOOM_MPIRUN_FLAGS -x OMP_NUM_THREADS=1 -x NCCL_DEBUG=WARN -x LD_LIBRARY_PATH"
+NP2="mpirun -np 2 \$LOOM_MPIRUN_FLAGS -x OMP_NUM_THREADS=1 -x NCCL_DEBUG=WARN -x LD_LIBRARY_PATH -x LOOM_DEVICE=0 \
+-x NCCL_SOCKET_IFNAME=lo -x NCCL_IB_DISABLE=1"
+HOSTS="bash -c 'NCCL_HOSTID=loom-check-\$OMPI_COMM_WORLD_RANK exec \"\$@\"' bash"  # a host id per rank
+SKIP_ALONE="--gtest_filter=-NcclDeviceFault.*:Nccl.IssueCost"
+GPT="$B/examples/train_gpt --tp 1 --batch 16 --seq 64 --hidden 128 --heads 4 --layers 2 --progress lines --sample-bytes 0"
+
+step nccl.np1 120 "stream order, Work semantics, timeouts, split; not the dtype/op mapping (one rank: in-place sum, min, max, product and broadcast enqueue nothing)" \
+  "$NP1 $B/tests/gpu/test_nccl $SKIP_ALONE"
+step training.np1 120 "AMP + GradScaler in fp16 on the device, the device init() picks; DDP and TP math only (a group of one communicates nothing but the explicit Avg hook)" \
+  "$NP1 $B/tests/gpu/test_cuda_training"
+step checkpoint.np1 90 "CUDA parameters, Adam state, scaler and CUDA generator through an asynchronous checkpoint, staged before later writes" \
+  "$NP1 $B/tests/gpu/test_cuda_checkpoint"
+step exit_nofinalize.np1 60 "leaving main without finalize: NCCL torn down before the CUDA runtime, exit status 0, no crash" \
+  "$NP1 $B/tests/gpu/test_cuda_training --exit-without-finalize"
+step device_fault.np1 60 "a device-side assert while a collective is in flight ends in CommError and a broken communicator, not a hang" \
+  "$NP1 -x LOOM_TEST_DEVICE_FAULT=1 $B/tests/gpu/test_nccl --gtest_filter=NcclDeviceFault.*; grep -q 'PASSED  ] 1 test' \"\$LOG\" && grep -q 'device fault: failed' \"\$LOG\""
+step nccl.np2 180 "real two-rank NCCL: every collective x dtype x op against the CPU, p2p, raise-mode abort releasing the stream, a peer that never connects, batched exchange" \
+  "$NP2 $HOSTS $B/tests/gpu/test_nccl $SKIP_ALONE"
+step training.np2 150 "DDP over NCCL equal to one process on the whole batch, the fp16 hook, scaler found-inf agreed over two ranks, TP layers over NCCL" \
+  "$NP2 $HOSTS $B/tests/gpu/test_cuda_training"
+step exit_nofinalize.np2 60 "two ranks leave without finalize: no hang, no crash" \
+  "$NP2 $HOSTS $B/tests/gpu/test_cuda_training --exit-without-finalize"
+step issue_cost.np2 60 "host time to issue one small all_reduce, nonblocking communicators (the default)" \
+  "$NP2 $HOSTS $B/tests/gpu/test_nccl --gtest_filter=Nccl.IssueCost"
+step issue_cost_blocking.np2 60 "the same with blocking communicators (NCCL_COMM_BLOCKING=1): the comparison that chooses the mode" \
+  "$NP2 -x NCCL_COMM_BLOCKING=1 $HOSTS $B/tests/gpu/test_nccl --gtest_filter=Nccl.IssueCost"
+step gpt_resume.np1 180 "train_gpt in fp16 with loom::GradScaler and dropout, killed after a checkpoint and resumed: every later loss and checkpoint byte equal to the uninterrupted run (GPU RNG streams saved)" \
+  "python3 tests/dist/check_checkpoint_resume.py --mpirun mpirun --np 1 --program $B/examples/train_gpt -- --tp 1 --steps 30 --save-every 10 --accumulate 2 --batch 16 --seq 64 --hidden 128 --heads 4 --layers 2 --dropout 0.1 --deterministic"
+step gpt_metrics.np1 120 "NVML gauges of the rank's own GPU in the Prometheus file; ms per step with metrics written every step" \
+  "$NP1 -x LOOM_METRICS=file:\$OUT/metrics -x LOOM_METRICS_INTERVAL=0 $GPT --steps 60 --log-every 30 && grep -E '^loom_gpu_memory_used_bytes\{.*\} [1-9]' \$OUT/metrics/torchloom_rank0.prom"
+step gpt_plain.np1 120 "the same run without metrics: its ms per step beside gpt_metrics' is the cost of sampling NVML" \
+  "$NP1 $GPT --steps 60 --log-every 30"
+
+if ((dry)); then
+  echo "gpu_check steps (build dir $B, budget $BUDGET s):"
+  for i in "${!names[@]}"; do
+    printf '  %-24s limit %3d s  proves: %s\n      $ %s\n' "${names[$i]}" "${limits[$i]}" "${proves[$i]}" "${commands[$i]}"
+  done
+  exit 0
+fi
+
+# ---- Preflight -----------------------------------------------------------------------------------
 if ! command -v nvidia-smi >/dev/null || ! nvidia-smi -L | grep -q '^GPU '; then
   echo "[gpu_check] FAIL: no GPU visible (nvidia-smi -L lists none); this check needs one" >&2
   exit 1
 fi
-nvidia-smi -L
-nvidia-smi --query-gpu=driver_version --format=csv,noheader | sed 's/^/driver /'
-
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+python3 -c 'import torch; assert torch.cuda.is_available(), "torch sees no GPU"; print("torch", torch.__version__, "CUDA", torch.version.cuda)' ||
+  exit 1
 if ((setup)); then
-  phase "setup"
   bash scripts/setup.sh || { echo "[gpu_check] FAIL: scripts/setup.sh" >&2; exit 1; }
 fi
-if ((build)); then
-  phase "build ($BUILD_DIR: the library and the GPU tests only)"
-  PYTHON=${PYTHON:-python3}
-  if [[ ! -f "$BUILD_DIR/build.ninja" ]]; then
-    cmake -S . -B "$BUILD_DIR" -G Ninja -DCMAKE_BUILD_TYPE=Release -DLOOM_BUILD_EXAMPLES=ON \
-      -DLOOM_BUILD_BENCHMARKS=OFF -DLOOM_WITH_NCCL=ON \
-      -DCMAKE_PREFIX_PATH="$("$PYTHON" -c 'import torch; print(torch.utils.cmake_prefix_path)')" \
-      -DPython3_EXECUTABLE="$(command -v "$PYTHON")" >"$BUILD_DIR.configure.log" 2>&1 ||
-      { tail -n 30 "$BUILD_DIR.configure.log"; echo "[gpu_check] FAIL: configure" >&2; exit 1; }
+missing() {
+  local t
+  for t in "$B/tests/gpu/test_nccl" "$B/tests/gpu/test_cuda_training" "$B/tests/gpu/test_cuda_checkpoint" "$B/examples/train_gpt"; do
+    [[ -x $t ]] || return 0
+    ldd "$t" | grep -q 'not found' && return 0
+  done
+  return 1
+}
+if ((build)) && missing; then
+  B=build-gpu
+  echo "[gpu_check] building ${TARGETS[*]} in $B"
+  if [[ ! -f $B/build.ninja ]]; then
+    cmake -S . -B "$B" -G Ninja -DCMAKE_BUILD_TYPE=Release -DLOOM_WITH_NCCL=ON -DLOOM_BUILD_PYTHON=OFF \
+      -DLOOM_BUILD_BENCHMARKS=OFF -DCMAKE_PREFIX_PATH="$(python3 -c 'import torch; print(torch.utils.cmake_prefix_path)')" \
+      >"$B.configure.log" 2>&1 || { tail -n 30 "$B.configure.log"; echo "[gpu_check] FAIL: configure" >&2; exit 1; }
   fi
-  cmake --build "$BUILD_DIR" -j "$(nproc)" --target test_nccl test_cuda_training test_cuda_checkpoint train_gpt ||
-    { echo "[gpu_check] FAIL: build" >&2; exit 1; }
+  cmake --build "$B" -j "$(nproc)" --target "${TARGETS[@]}" >"$B.build.log" 2>&1 ||
+    { tail -n 40 "$B.build.log"; echo "[gpu_check] FAIL: build" >&2; exit 1; }
+  OUT=${GPU_CHECK_OUT:-$PWD/$B/gpu_check}
+  for i in "${!commands[@]}"; do commands[$i]=${commands[$i]//build\//$B/}; done
 fi
-if [[ ! -x "$BUILD_DIR/tests/gpu/test_nccl" || ! -x "$BUILD_DIR/tests/gpu/test_cuda_training" ]]; then
-  echo "[gpu_check] FAIL: $BUILD_DIR/tests/gpu has no test_nccl / test_cuda_training (NCCL found at configure time?)" >&2
-  exit 1
-fi
-
+if missing; then echo "[gpu_check] FAIL: the binaries in $B are missing or do not resolve their libraries" >&2; exit 1; fi
+mkdir -p "$OUT"
+export OUT
+# shellcheck disable=SC1091
 source scripts/mpi_env.sh
-mkdir -p "$LOG_DIR"
+export LOOM_MPIRUN_FLAGS
 echo "[gpu_check] libraries the tests load:"
-ldd "$BUILD_DIR/tests/gpu/test_nccl" | grep -E 'nccl|cudart|torchloom' | sed 's/^/    /'
+ldd "$B/tests/gpu/test_nccl" | grep -E 'libnccl|libcudart|libtorchloom' | sed 's/^/    /'
 
-names=()
-results=()
-failed=0
-# run NAME NP COMMAND...: one job under mpirun with NP ranks on this GPU.
-run() {
-  local name=$1 np=$2
-  shift 2
-  local log="$LOG_DIR/$name.log"
-  phase "run $name"
-  local t0=$SECONDS
-  local extra=()
-  if ((np > 1)); then
-    # Two "hosts" on one GPU: a host id per rank, sockets over loopback, no InfiniBand.
-    extra=(-x NCCL_SOCKET_IFNAME=lo -x NCCL_IB_DISABLE=1 -x NCCL_P2P_DISABLE=1 -x NCCL_SHM_DISABLE=1)
-  fi
-  # shellcheck disable=SC2086  # LOOM_MPIRUN_FLAGS is a list of flags
-  timeout --kill-after=10 "$TEST_TIMEOUT" mpirun -np "$np" ${LOOM_MPIRUN_FLAGS} -x OMP_NUM_THREADS=1 -x NCCL_DEBUG=WARN \
-    "${extra[@]}" bash -c 'NCCL_HOSTID=loom-check-$OMPI_COMM_WORLD_RANK exec "$@"' bash "$@" >"$log" 2>&1
-  local rc=$?
-  count() { sed -n "s/^\[  $1 *\] \([0-9][0-9]*\) tests*[,.].*/\1/p" "$log" | tail -n 1; }
-  local passed skipped failures verdict
-  passed=$(count PASSED)
-  skipped=$(count SKIPPED)
-  failures=$(count FAILED)
-  if grep -qE 'Segmentation fault|signal 11|core dumped' "$log"; then
+# ---- Run -----------------------------------------------------------------------------------------
+verdicts=() failed=0
+for i in "${!names[@]}"; do
+  name=${names[$i]}
+  if [[ -n $only && ! $name =~ $only ]]; then verdicts+=("skipped (--only)"); continue; fi
+  if ((SECONDS - start + limits[i] > BUDGET + 60)); then verdicts+=("SKIPPED (out of time)"); failed=1; continue; fi
+  log="$OUT/$name.log"
+  t0=$SECONDS
+  LOG=$log timeout -k 10 "${limits[$i]}" bash -c "${commands[$i]}" >"$log" 2>&1
+  rc=$?
+  took=$((SECONDS - t0))
+  if grep -qE 'Segmentation fault|signal 11 \(|core dumped' "$log"; then
     verdict="FAIL (crash)"
-    rc=1
   elif ((rc == 0)); then
     verdict="PASS"
   elif ((rc == 124 || rc == 137)); then
-    verdict="FAIL (timed out after ${TEST_TIMEOUT} s)"
+    verdict="FAIL (hung: limit ${limits[$i]} s)"
   else
     verdict="FAIL (exit $rc)"
   fi
-  names+=("$name")
-  results+=("$(printf '%-28s %4d passed %3d skipped %3d failed %4d s' "$verdict" "${passed:-0}" "${skipped:-0}" \
-    "${failures:-0}" $((SECONDS - t0)))")
-  if ((rc != 0)); then
-    failed=1
-    echo "---- last lines of $log ----"
-    tail -n 60 "$log"
-    echo "----"
-  fi
-}
-
-for np in 1 2; do
-  run "test_nccl.np$np" "$np" "$BUILD_DIR/tests/gpu/test_nccl"
-  run "test_cuda_training.np$np" "$np" "$BUILD_DIR/tests/gpu/test_cuda_training"
-  run "exit_without_finalize.np$np" "$np" "$BUILD_DIR/tests/gpu/test_cuda_training" --exit-without-finalize
+  [[ $verdict == PASS ]] || { failed=1; echo "---- $name: last lines of $log ----"; tail -n 40 "$log"; }
+  verdicts+=("$(printf '%-26s %4d s' "$verdict" "$took")")
+  echo "[gpu_check] $name: $verdict ($took s)"
 done
-run "test_cuda_checkpoint.np1" 1 "$BUILD_DIR/tests/gpu/test_cuda_checkpoint"
-# The flagship on the device: NCCL groups, sharded initialisation on the GPU, fp16 + GradScaler.
-run "train_gpt.np1" 1 "$BUILD_DIR/examples/train_gpt" --tp 1 --steps 80 --log-every 20 --progress lines
 
-echo
-echo "GPU check summary ($(nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1), $((SECONDS - start)) s)"
-grep -h "^NCCL loaded" "$LOG_DIR"/test_nccl.np1.log 2>/dev/null | head -n 1 | sed 's/^/  /'
-for i in "${!names[@]}"; do
-  printf '  %-28s %s\n' "${names[$i]}" "${results[$i]}"
-done
-echo "logs: $LOG_DIR/"
-if ((failed)); then
-  echo "GPU check: FAIL"
-  exit 1
-fi
-echo "GPU check: PASS"
+# ---- Summary -------------------------------------------------------------------------------------
+{
+  echo
+  echo "GPU check on $(nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1), $((SECONDS - start)) s"
+  grep -h '^NCCL loaded' "$OUT"/nccl.np*.log 2>/dev/null | head -n 1 | sed 's/^/  /'
+  for i in "${!names[@]}"; do
+    printf '  %-24s %s\n      %s\n' "${names[$i]}" "${verdicts[$i]:-}" "${proves[$i]}"
+  done
+  echo "figures:"
+  grep -h '^issue cost' "$OUT"/issue_cost*.log 2>/dev/null | sed 's/^/  /'
+  grep -h '^device fault' "$OUT"/device_fault.np1.log 2>/dev/null | sed 's/^/  /'
+  for f in gpt_metrics gpt_plain; do
+    grep -h 'ms per step' "$OUT/$f.np1.log" 2>/dev/null | sed "s/^/  $f: /"
+  done
+  echo "logs: $OUT/"
+  if ((failed)); then echo "GPU check: FAIL"; else echo "GPU check: PASS"; fi
+} | tee "$OUT/summary"
+exit "$failed"

@@ -71,6 +71,7 @@ target_compile_options(loom_launcher PRIVATE ${LOOM_TOPOLOGY_WARNINGS})
 add_executable(loomrun ${LOOM_TOPOLOGY_DIR}/src/launcher/loomrun.cpp)
 target_link_libraries(loomrun PRIVATE loom_launcher)
 target_compile_options(loomrun PRIVATE ${LOOM_TOPOLOGY_WARNINGS})
+set_target_properties(loomrun PROPERTIES INSTALL_RPATH "")  # system libraries only
 install(TARGETS loomrun RUNTIME DESTINATION ${CMAKE_INSTALL_BINDIR})
 
 if(LOOM_BUILD_BENCHMARKS)

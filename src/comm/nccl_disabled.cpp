@@ -26,6 +26,10 @@ int built_version() { return 0; }
 
 int loaded_version() { return 0; }
 
+int cuda_runtime_version() { return 0; }
+
+int torch_cuda_runtime_version() { return 0; }
+
 void shutdown_all() {}
 
 void abort_all(const std::string& /*reason*/) {}

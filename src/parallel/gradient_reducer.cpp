@@ -304,15 +304,21 @@ struct GradientReducer::Impl : std::enable_shared_from_this<GradientReducer::Imp
       error = s.str();
     }
     const auto waiting_since = trace::now();
+    bool host_waits = true;
     for (size_t b = 0; b < buckets.size(); ++b) {
       Bucket& bucket = buckets[b];
       if (!bucket.reduction.work) continue;
+      host_waits = host_waits && bucket.reduction.work->wait_blocks_the_host();
       bucket.reduction.work->wait();
       if (bucket.reduction.finish) bucket.reduction.finish();
       if (trace::enabled()) record_bucket(b);
     }
     // What backward did not hide: the wait for the last buckets (and any hook's finishing work).
-    stats.wait_seconds += std::chrono::duration<double>(trace::now() - waiting_since).count();
+    // A device wait returns at once (the stream waits): not a measurement.
+    if (host_waits)
+      stats.wait_seconds += std::chrono::duration<double>(trace::now() - waiting_since).count();
+    else
+      ++stats.unmeasured_iterations;
     size_t unused = 0;
     for (size_t i = 0; i < params.size(); ++i) {
       at::Tensor& grad = params[i].mutable_grad();

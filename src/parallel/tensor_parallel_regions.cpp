@@ -22,6 +22,7 @@ std::atomic<uint64_t> g_all_reduce_calls{0}, g_all_reduce_bytes{0};
 std::atomic<uint64_t> g_all_gather_calls{0}, g_all_gather_bytes{0};
 std::atomic<uint64_t> g_reduce_scatter_calls{0}, g_reduce_scatter_bytes{0};
 std::atomic<uint64_t> g_wait_nanoseconds{0};
+std::atomic<uint64_t> g_stream_waits{0};  // waits that only ordered a CUDA stream: not timed
 
 uint64_t bytes_of(const at::Tensor& t) { return static_cast<uint64_t>(t.numel()) * t.element_size(); }
 
@@ -221,12 +222,13 @@ CommStats comm_stats() {
   s.reduce_scatter_calls = g_reduce_scatter_calls;
   s.reduce_scatter_bytes = g_reduce_scatter_bytes;
   s.wait_seconds = static_cast<double>(g_wait_nanoseconds.load()) * 1e-9;
+  s.unmeasured_waits = g_stream_waits;
   return s;
 }
 
 void reset_comm_stats() {
   for (auto* c : {&g_all_reduce_calls, &g_all_reduce_bytes, &g_all_gather_calls, &g_all_gather_bytes,
-                  &g_reduce_scatter_calls, &g_reduce_scatter_bytes, &g_wait_nanoseconds})
+                  &g_reduce_scatter_calls, &g_reduce_scatter_bytes, &g_wait_nanoseconds, &g_stream_waits})
     c->store(0);
 }
 
@@ -248,6 +250,11 @@ void count_all_reduce(const at::Tensor& tensor) {
 }
 
 void wait_counted(Work& work) {
+  if (!work.wait_blocks_the_host()) {  // a device work: the host does not wait, the stream does
+    work.wait();
+    tp::g_stream_waits += 1;
+    return;
+  }
   const auto start = std::chrono::steady_clock::now();
   work.wait();
   tp::g_wait_nanoseconds += static_cast<uint64_t>(

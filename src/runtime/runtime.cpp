@@ -8,6 +8,7 @@
 #include <cstdlib>
 #include <exception>
 #include <mutex>
+#include <set>
 
 #include "comm/abort.h"
 #include "comm/departure.h"
@@ -66,6 +67,11 @@ void reconcile(World& world, const mpi::Layout& layout) {
   }
 }
 
+// 13020 -> "13.2"
+std::string cuda_version_text(int code) {
+  return std::to_string(code / 1000) + "." + std::to_string(code % 1000 / 10);
+}
+
 // What this rank sees: LOOM_DEVICE, the visible CUDA devices by bus id, and the plan's GPU for it.
 DeviceRequest device_request(const Config& config, const World& world, const topo::Topology& topology,
                              const topo::Plan* plan) {
@@ -100,6 +106,11 @@ void build_device_communicator(Runtime& rt, World& world, const Config& config, 
   DeviceChoice choice;
   if (!nccl::compiled())
     choice.problem = "torchloom was built without NCCL";
+  else if (nccl::cuda_runtime_version() < nccl::torch_cuda_runtime_version())
+    choice.problem = "the CUDA runtime loaded (" + cuda_version_text(nccl::cuda_runtime_version()) +
+                     ") is older than LibTorch's (" + cuda_version_text(nccl::torch_cuda_runtime_version()) +
+                     "): another libcudart comes first on the library path (LD_PRELOAD, or a build linked "
+                     "without torchloom's run path)";
   else
     choice = choose_device(device_request(config, world, rt.topology(), rt.plan()));
   const std::string gpu = choice.device ? nccl::device_pci_bus_id(*choice.device) : "";
@@ -140,6 +151,14 @@ void build_device_communicator(Runtime& rt, World& world, const Config& config, 
     else LOOM_LOG(info, text);
     return;
   }
+  // Ranks of a node that share a GPU on purpose (LOOM_DEVICE): NCCL 2.30 refuses two ranks on one
+  // GPU of one host unless told this is wanted (or each rank has its own NCCL_HOSTID).
+  std::set<std::pair<int, std::string>> seen;
+  bool sharing = false;
+  for (const auto& r : ranks) sharing = !seen.insert({r.node, r.gpu}).second || sharing;
+  if (sharing && nccl::loaded_version() >= 23000 && setenv("NCCL_MULTI_RANK_GPU_ENABLE", "1", /*overwrite=*/0) == 0)
+    LOOM_LOG(info, "ranks share a GPU as LOOM_DEVICE asks: NCCL_MULTI_RANK_GPU_ENABLE="
+                       << std::getenv("NCCL_MULTI_RANK_GPU_ENABLE"));
   nccl::use_device(*choice.device);
   cuda_device = *choice.device;
   device_comm = nccl::make_communicator(rt.world_comm(), *choice.device, "world-gpu", options.comm);

@@ -16,7 +16,10 @@
 #include <cuda_runtime_api.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstdio>
+#include <cstdlib>
+#include <thread>
 
 #include <chrono>
 #include <memory>
@@ -172,10 +175,12 @@ TEST_F(Nccl, DescribesItself) {
   // The NCCL loaded is not older than the headers (another libnccl.so.2 first on the library path
   // would be), and the CUDA runtime is the one LibTorch was built with or newer.
   EXPECT_GE(loom::nccl::loaded_version(), loom::nccl::built_version());
-  int runtime = 0;
-  cudaRuntimeGetVersion(&runtime);
-  std::printf("NCCL loaded %d, built with %d; CUDA runtime %d\n", loom::nccl::loaded_version(),
-              loom::nccl::built_version(), runtime);
+  const int runtime = loom::nccl::cuda_runtime_version();
+  const int torch_runtime = loom::nccl::torch_cuda_runtime_version();
+  std::printf("NCCL loaded %d, built with %d; CUDA runtime %d, LibTorch's %d\n", loom::nccl::loaded_version(),
+              loom::nccl::built_version(), runtime, torch_runtime);
+  EXPECT_GT(torch_runtime, 0);
+  EXPECT_GE(runtime, torch_runtime) << "an older libcudart than LibTorch's is loaded";
   EXPECT_STREQ(comm->backend(), "nccl");
   EXPECT_EQ(comm->device_type(), c10::DeviceType::CUDA);
   EXPECT_EQ(comm->size(), g_runtime->world_comm()->size());
@@ -366,18 +371,19 @@ TEST_F(Nccl, FreedInputsAreNotReusedWhileInUse) {
     at::Tensor one = at::ones({1}, on_gpu(at::kFloat));
     busy = comm->all_reduce(one, {ReduceOp::Avg});
   }
+  // The Works are dropped at once too (a Work keeps its tensors alive until the operation ends):
+  // only the caching allocator's record of the NCCL stream's use protects the inputs.
   std::vector<at::Tensor> outs, junk;
-  std::vector<loom::WorkPtr> works;
   for (int i = 0; i < 20; ++i) {
     {
       at::Tensor x = at::full({1 << 20}, static_cast<double>(i), on_gpu(at::kFloat));
       outs.push_back(at::empty({size() << 20}, on_gpu(at::kFloat)));
-      works.push_back(comm->all_gather(outs.back(), x));
+      comm->all_gather(outs.back(), x);
     }
     junk.push_back(at::full({1 << 20}, -1.0, on_gpu(at::kFloat)));
   }
   busy->wait();
-  for (auto& w : works) w->wait();
+  comm->barrier()->wait();  // after every all_gather on the NCCL stream; blocks the host
   for (int i = 0; i < 20; ++i) {
     EXPECT_EQ(outs[i].min().item<float>(), static_cast<float>(i)) << "op " << i;
     EXPECT_EQ(outs[i].max().item<float>(), static_cast<float>(i)) << "op " << i;
@@ -400,15 +406,30 @@ TEST_F(Nccl, WaitOrdersTheStreamNotTheHost) {
   EXPECT_EQ(t.sum().item<float>(), 1024.0f);
 }
 
+// Issued under a busy stream, waited for on another, idle one: wait() must order the stream that
+// is current at the wait (not the one current at the issue), or the idle stream reads the output
+// before the all_gather has written it (zeros).
 TEST_F(Nccl, ResultVisibleOnASideStreamAfterWait) {
-  c10::cuda::CUDAStream side = c10::cuda::getStreamFromPool(false, device.index());
-  c10::cuda::CUDAStreamGuard guard(side);
-  busy_current_stream(0.1);
-  at::Tensor t = at::full({1 << 20}, 3.0, on_gpu(at::kFloat));
-  comm->all_reduce(t, {ReduceOp::Avg})->wait();
-  at::Tensor doubled = t * 2;  // on the side stream, ordered after the all_reduce by wait()
-  EXPECT_EQ(doubled.min().item<float>(), 6.0f);
-  EXPECT_EQ(doubled.max().item<float>(), 6.0f);
+  c10::cuda::CUDAStream busy = c10::cuda::getStreamFromPool(false, device.index());
+  c10::cuda::CUDAStream idle = c10::cuda::getStreamFromPool(false, device.index());
+  ASSERT_NE(busy, idle);
+  at::Tensor out;
+  loom::WorkPtr work;
+  {
+    c10::cuda::CUDAStreamGuard guard(busy);
+    out = at::zeros({size() << 20}, on_gpu(at::kFloat));
+    busy_current_stream(0.5);
+    at::Tensor in = at::full({1 << 20}, static_cast<double>(rank() + 1), on_gpu(at::kFloat));
+    work = comm->all_gather(out, in);
+  }
+  c10::cuda::CUDAStreamGuard guard(idle);
+  work->wait();
+  at::Tensor copy = out.clone();  // on the idle stream
+  for (int r = 0; r < size(); ++r) {
+    at::Tensor part = copy.narrow(0, static_cast<int64_t>(r) << 20, 1 << 20);
+    EXPECT_EQ(part.min().item<float>(), static_cast<float>(r + 1)) << "rank " << r << "'s part";
+    EXPECT_EQ(part.max().item<float>(), static_cast<float>(r + 1)) << "rank " << r << "'s part";
+  }
 }
 
 TEST_F(Nccl, WaitWithTimeoutGivesUpButTheOperationGoesOn) {
@@ -553,16 +574,20 @@ TEST_F(Nccl, RaiseModeTimeoutReleasesTheStream) {
   if (size() < 2) GTEST_SKIP() << "needs a peer that can be missing";
   auto timed = fresh_communicator("gpu-raise", std::chrono::milliseconds(2000));
   at::Tensor t = at::ones({1 << 16}, on_gpu(at::kFloat));
+  // Connected on both ranks first (NCCL connects lazily): the lone call below is then a kernel
+  // spinning on the device for a peer that never comes, which only the abort releases; before it
+  // connected, it would fail inside the call instead, taking another path.
+  EXPECT_NO_THROW(timed->all_reduce(t, {ReduceOp::Avg})->synchronize());
   const auto start = Clock::now();
   if (rank() == 0) {
     auto work = timed->all_reduce(t, {ReduceOp::Avg, std::chrono::milliseconds(500)});
-    work->wait();                   // the stream waits, the host does not
-    (void)t.sum().item<float>();    // a host sync: returns once the aborted kernel has ended
+    EXPECT_NO_THROW(work->wait());                // the stream waits, the host does not
+    EXPECT_NO_THROW((void)t.sum().item<float>());  // a host sync: returns once the aborted kernel ended
     EXPECT_THROW(work->synchronize(), loom::TimeoutError);
     EXPECT_TRUE(timed->is_broken());
     EXPECT_LT(Clock::now() - start, std::chrono::seconds(30));
   }
-  g_runtime->world_comm()->barrier()->wait();
+  EXPECT_NO_THROW(g_runtime->world_comm()->barrier()->wait());
 }
 
 // A peer that never makes its matching call while NCCL connects lazily (the first send): the
@@ -598,6 +623,55 @@ TEST_F(Nccl, BatchedExchangeCannotDeadlock) {
   work->synchronize();
   EXPECT_EQ(theirs.min().item<float>(), static_cast<float>(partner + 1));
   EXPECT_EQ(theirs.max().item<float>(), static_cast<float>(partner + 1));
+}
+
+// Host time of issuing one small collective (launch plus the poll of a nonblocking communicator),
+// synchronizing between calls: printed for benchmarks/gpu_check.sh, which runs it with and without
+// NCCL_COMM_BLOCKING=1. At one rank NCCL takes a path without its launch thread: run it at two.
+TEST_F(Nccl, IssueCost) {
+  at::Tensor t = at::ones({1}, on_gpu(at::kFloat));
+  for (int i = 0; i < 20; ++i) comm->all_reduce(t, {ReduceOp::Avg})->synchronize();  // warm, connected
+  std::vector<double> us;
+  for (int i = 0; i < 200; ++i) {
+    const auto start = Clock::now();
+    auto work = comm->all_reduce(t, {ReduceOp::Avg});
+    us.push_back(std::chrono::duration<double, std::micro>(Clock::now() - start).count());
+    work->synchronize();
+  }
+  std::sort(us.begin(), us.end());
+  std::printf("issue cost: median %.1f us, p90 %.1f us over %zu all_reduce calls at %d ranks (NCCL_COMM_BLOCKING=%s)\n",
+              us[us.size() / 2], us[us.size() * 9 / 10], us.size(), size(),
+              std::getenv("NCCL_COMM_BLOCKING") ? std::getenv("NCCL_COMM_BLOCKING") : "unset");
+  EXPECT_FALSE(comm->is_broken());
+}
+
+// A device fault (a kernel reading far out of bounds, which asserts on the device) while a
+// collective is in flight: the operation fails with CommError and the communicator breaks, within
+// seconds; nothing hangs (the watchdog found the fault while holding the in-flight lock and once
+// deadlocked there). Run alone in a process of its own: a device assert poisons the CUDA context.
+TEST(NcclDeviceFault, FaultFailsWithoutHanging) {
+  if (!loom::nccl::device_available()) GTEST_SKIP() << "no CUDA device visible";
+  if (!std::getenv("LOOM_TEST_DEVICE_FAULT")) GTEST_SKIP() << "set LOOM_TEST_DEVICE_FAULT=1 (gpu_check.sh does)";
+  c10::cuda::set_device(static_cast<c10::DeviceIndex>(device_index()));
+  auto faulty = loom::nccl::make_communicator(g_runtime->world_comm(), device_index(), "gpu-fault", test_options());
+  const at::TensorOptions on_gpu = at::TensorOptions().device(at::kCUDA, static_cast<c10::DeviceIndex>(device_index()));
+  at::Tensor t = at::ones({1 << 16}, on_gpu);
+  faulty->all_reduce(t, {ReduceOp::Avg})->synchronize();
+  busy_current_stream(0.3);
+  at::Tensor bad = at::full({1}, int64_t{1} << 40, on_gpu.dtype(at::kLong));
+  at::Tensor read = t.index_select(0, bad);  // asserts on the device, later
+  auto work = faulty->all_reduce(t, {ReduceOp::Avg});
+  std::this_thread::sleep_for(std::chrono::milliseconds(600));
+  const auto start = Clock::now();
+  EXPECT_THROW(work->synchronize(), loom::CommError);
+  EXPECT_LT(Clock::now() - start, std::chrono::seconds(10));
+  const auto broken_by = Clock::now() + std::chrono::seconds(10);
+  while (!faulty->is_broken() && Clock::now() < broken_by) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  EXPECT_TRUE(faulty->is_broken());
+  EXPECT_THROW(faulty->all_reduce(t), loom::CommError);
+  faulty.reset();  // aborted (broken): must not hang either
+  std::printf("device fault: failed and broke the communicator in %.2f s\n",
+              std::chrono::duration<double>(Clock::now() - start).count());
 }
 
 // Where no GPU is visible (CI machines) the NCCL path must fail cleanly and together on every rank,

@@ -57,6 +57,11 @@ std::string device_pci_bus_id(int device_index);
 // without NCCL). make_communicator refuses a library older than the headers.
 int built_version();
 int loaded_version();
+// The CUDA runtime this process loaded, and the one LibTorch was built with (CUDA's version codes,
+// 13020 for 13.2; 0 without NCCL). loom::init() gives no rank a device when the loaded runtime is
+// older than LibTorch's (another libcudart.so first on the library path).
+int cuda_runtime_version();
+int torch_cuda_runtime_version();
 
 // Makes `device_index` the calling thread's current CUDA device (LibTorch's and the runtime's),
 // so that tensors created "on cuda" land there. loom::init() calls it for the device communicator.

@@ -64,6 +64,10 @@ class Work {
   // The operation's error, or nullptr while it is running or when it succeeded.
   std::exception_ptr exception();
   State state();
+  // True when wait() blocks the calling thread until the operation is done (host communicators,
+  // device barriers); false when it only makes the caller's CUDA stream wait, so that the time a
+  // wait() takes on the host says nothing about how long the operation held anyone up.
+  bool wait_blocks_the_host() const { return wait_blocks_host(); }
   // What was submitted: type, sequence number, group, shape, dtype.
   const OpInfo& info() const { return info_; }
   // When the operation started and finished; nullopt until then.

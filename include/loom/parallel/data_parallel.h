@@ -103,8 +103,11 @@ struct ReducerStats {
   uint64_t used_set_agreements = 0;                 // all-reduces of the used-parameter flags
   bool buckets_rebuilt = false;
   // Time synchronize() spent waiting for buckets after backward, all iterations: the data-parallel
-  // communication that backward did not hide (exposed).
+  // communication that backward did not hide (exposed). Host (MPI) buckets only: a device (NCCL)
+  // bucket's wait makes the CUDA stream wait and returns at once, so its host time would read as
+  // zero; such iterations are counted in unmeasured_iterations instead.
   double wait_seconds = 0;
+  uint64_t unmeasured_iterations = 0;
 };
 
 class GradientReducer {

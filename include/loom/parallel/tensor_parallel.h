@@ -98,8 +98,11 @@ struct CommStats {
   uint64_t reduce_scatter_calls = 0, reduce_scatter_bytes = 0;
   uint64_t total_bytes() const { return all_reduce_bytes + all_gather_bytes + reduce_scatter_bytes; }
   uint64_t total_calls() const { return all_reduce_calls + all_gather_calls + reduce_scatter_calls; }
-  // Time spent blocked waiting for these collectives: the layers' exposed communication.
+  // Time spent blocked waiting for these collectives: the layers' exposed communication. Only
+  // host (MPI) waits are timed: a device (NCCL) wait makes the CUDA stream wait and returns at once,
+  // so its host time would read as zero; those are counted in unmeasured_waits instead.
   double wait_seconds = 0;
+  uint64_t unmeasured_waits = 0;
 };
 CommStats comm_stats();
 void reset_comm_stats();

@@ -2,6 +2,7 @@
 // the CPU (MPI) bootstrap communicator, and ncclCommInitRankConfig (nonblocking) is polled to a
 // deadline. The ranks agree over the bootstrap after each step, so either every rank gets a
 // communicator or every rank raises: none is left waiting for the others.
+#include <ATen/detail/CUDAHooksInterface.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/full.h>
 #include <ATen/ops/zeros.h>
@@ -42,6 +43,14 @@ bool compiled() { return true; }
 bool device_available() { return c10::cuda::device_count() > 0; }
 
 int device_count() { return c10::cuda::device_count(); }
+
+int cuda_runtime_version() {
+  int version = 0;
+  if (cudaRuntimeGetVersion(&version) != cudaSuccess) return 0;
+  return version;
+}
+
+int torch_cuda_runtime_version() { return static_cast<int>(at::detail::getCUDAHooks().versionCUDART()); }
 
 std::string device_pci_bus_id(int device_index) {
   char text[32] = {};

@@ -126,7 +126,7 @@ void NcclCommunicator::shutdown() {
     const int previous = select_device_nothrow(device_index_);
     if (is_broken()) {
       LOOM_LOG(debug, "aborting NCCL communicator " << name() << " (broken)");
-      ncclCommAbort(handle_->comm);
+      handle_->abort_locked();
     } else {
       // Finalize flushes what NCCL still holds (nonblocking: poll it, bounded by the timeout).
       ncclResult_t result = handle_->await(ncclCommFinalize(handle_->comm), Clock::now() + default_timeout());
@@ -221,6 +221,11 @@ void NcclCommunicator::issue(loom::detail::Op& op, const std::shared_ptr<Work>& 
     // The NCCL stream must not read the inputs before the caller's stream has written them.
     ready_.record(caller);
     ready_.block(stream_);
+    // The caller may free its tensors as soon as this returns: the caching allocator must not hand
+    // their memory out again before the NCCL stream is done with it. Told before the NCCL call: a
+    // launch still in progress at the deadline may yet happen on NCCL's own thread.
+    for (const auto* list : {&op.inputs, &op.outputs})
+      for (const auto& t : *list) c10::cuda::CUDACachingAllocator::recordStream(t.storage().data_ptr(), stream_);
     if (work->start_event() != nullptr) work->start_event()->record(stream_);
     try {
       enqueue(op, scratch, deadline, [&] { return work->is_completed(); });
@@ -245,10 +250,6 @@ void NcclCommunicator::issue(loom::detail::Op& op, const std::shared_ptr<Work>& 
     work->end_event().record(stream_);
     work->mark_launched();
   }
-  // The caller may free its tensors as soon as this returns: the caching allocator must not hand
-  // their memory out again before the NCCL stream is done with it.
-  for (const auto* list : {&op.inputs, &op.outputs})
-    for (const auto& t : *list) c10::cuda::CUDACachingAllocator::recordStream(t.storage().data_ptr(), stream_);
 }
 
 // Issues the NCCL call(s) of one operation on the NCCL stream, with the handle's mutex held.
@@ -404,7 +405,9 @@ void NcclCommunicator::issue_split(loom::detail::Op& op, const std::shared_ptr<W
     if (std::get<1>(same_color[i]) == rank()) child_rank = static_cast<int>(i);
   }
 
-  ncclComm_t child = nullptr;
+  // NCCL keeps the child's address and writes it when the split's job ends (NCCL 2.30 sets it only
+  // then): heap storage, left with the parent's handle when the split times out.
+  auto slot = std::make_unique<ncclComm_t>(nullptr);
   ncclResult_t result;
   {
     c10::cuda::CUDAGuard guard(device_index_);
@@ -413,23 +416,27 @@ void NcclCommunicator::issue_split(loom::detail::Op& op, const std::shared_ptr<W
       throw CommError(op.info.describe() + ": the communicator was aborted: " + handle_->abort_reason);
     ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
     config.blocking = 0;
-    result = ncclCommSplit(handle_->comm, request.color < 0 ? NCCL_SPLIT_NOCOLOR : request.color, request.key, &child,
-                           &config);
+    result = ncclCommSplit(handle_->comm, request.color < 0 ? NCCL_SPLIT_NOCOLOR : request.color, request.key,
+                           slot.get(), &config);
     if (result == ncclInProgress) {
-      // The new communicator (or, for a rank joining none, the parent) reports the split's progress.
-      if (child != nullptr) {
-        NcclHandle pending(child, device_index_);
+      // The new communicator (or, before NCCL has made one, the parent) reports the split's progress.
+      if (*slot != nullptr) {
+        NcclHandle pending(*slot, device_index_);
         result = pending.await(result, deadline);
       } else {
         result = handle_->await(result, deadline);
       }
     }
+    if (result == ncclInProgress) {
+      // Aborting the parent (the error policy's abort, or its destruction) joins the split's job and
+      // then aborts the child it wrote.
+      handle_->unfinished_splits.push_back(std::move(slot));
+    }
   }
-  if (result == ncclInProgress) {
-    if (child != nullptr) ncclCommAbort(child);
+  if (result == ncclInProgress)
     throw TimeoutError(op.info.describe() + " timed out after " + loom::detail::seconds_text(op.info.timeout) +
                        " s in ncclCommSplit");
-  }
+  ncclComm_t child = *slot;
   if (result != ncclSuccess) {
     if (child != nullptr) ncclCommAbort(child);
     throw CommError(op.info.describe() + ": ncclCommSplit failed: " + nccl_error_text(result, handle_->comm));

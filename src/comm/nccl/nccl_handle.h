@@ -9,8 +9,10 @@
 
 #include <chrono>
 #include <functional>
+#include <memory>
 #include <mutex>
 #include <string>
+#include <vector>
 
 namespace loom::nccl::detail {
 
@@ -26,6 +28,10 @@ struct NcclHandle {
   ncclComm_t comm;           // null once destroyed or aborted; guarded by mutex
   std::string abort_reason;  // guarded by mutex
   const c10::DeviceIndex device;
+  // Where NCCL writes the children of splits that timed out: NCCL keeps the address and stores the
+  // new communicator when the split's job ends, so it must outlive the call (a stack slot would be
+  // gone). Aborted with this communicator. Guarded by mutex.
+  std::vector<std::unique_ptr<ncclComm_t>> unfinished_splits;
 
   // With the mutex held, after a call returned ncclInProgress: polls ncclCommGetAsyncError until
   // the communicator is no longer in progress (returns its state), or until the deadline passes or
@@ -35,6 +41,9 @@ struct NcclHandle {
   // ncclCommAbort (the job aborter's step, or the raise policy's helper thread; never the
   // watchdog). Waits at most a second for a thread inside an NCCL call on this communicator.
   void abort(const std::string& reason);
+  // ncclCommAbort of this communicator and of the children of its unfinished splits; with the
+  // mutex held.
+  void abort_locked();
 };
 
 }  // namespace loom::nccl::detail
