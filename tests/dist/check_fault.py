@@ -213,6 +213,7 @@ def main():
     parser.add_argument("--program", required=True)
     parser.add_argument("--scenario", required=True, choices=sorted(SCENARIOS))
     parser.add_argument("--np", type=int, default=2)
+    parser.add_argument("--loomrun", help="start the job with this loomrun instead of mpirun (its exit status too)")
     args = parser.parse_args()
     spec = SCENARIOS[args.scenario]
     n = args.np
@@ -247,6 +248,8 @@ def main():
         exports = [x for k, v in spec["victim_env"].items() for x in ("-x", f"{k}={v}")]
         command = base + ["-np", str(n - 1)] + program + [args.scenario, ":", "-np", "1"] + exports + \
             program + [args.scenario]
+    elif args.loomrun:
+        command = [args.loomrun, "-np", str(n), "--"] + program + [args.scenario]
     else:
         command = base + ["-np", str(n)] + program + [args.scenario]
     start = time.monotonic()
