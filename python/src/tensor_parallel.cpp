@@ -160,10 +160,20 @@ void bind_tensor_parallel(py::module_& m) {
            py::arg("name") = std::string(loom::kModelParallelRngStream), py::keep_alive<0, 1>())
       .def("get_states", &loom::RngTracker::get_states)
       .def("set_states", &loom::RngTracker::set_states, py::arg("states"));
-  tp.def("rng_tracker", &loom::rng_tracker, py::return_value_policy::reference,
-         "The process's CPU RNG tracker (the one the layers use).");
-  tp.def("model_parallel_seed", [](uint64_t seed, int tp_rank) { loom::model_parallel_seed(seed, tp_rank); },
-         py::arg("seed"), py::arg("tp_rank"));
+  tp.def(
+      "rng_tracker",
+      [](std::optional<c10::Device> device) -> loom::RngTracker& {
+        return loom::rng_tracker(device.value_or(c10::Device(c10::kCPU)));
+      },
+      py::arg("device") = py::none(), py::return_value_policy::reference,
+      "The process's RNG tracker for `device`'s default generator (CPU when None; the layers use the CPU "
+      "one unless given another). Fork the tracker of the device the random draws happen on.");
+  tp.def(
+      "model_parallel_seed",
+      [](uint64_t seed, int tp_rank, loom::RngTracker* tracker) {
+        loom::model_parallel_seed(seed, tp_rank, tracker ? *tracker : loom::rng_tracker());
+      },
+      py::arg("seed"), py::arg("tp_rank"), py::arg("tracker") = nullptr);
 
   py::class_<loom::ParallelState, std::shared_ptr<loom::ParallelState>>(m, "ParallelState",
                                                                         "TP and DP groups (loom::ParallelState).")
@@ -192,7 +202,12 @@ void bind_tensor_parallel(py::module_& m) {
       .def_property_readonly("tp_group", &loom::ParallelState::tp_group)
       .def_property_readonly("dp_group", &loom::ParallelState::dp_group)
       .def_property_readonly("from_placement_plan", &loom::ParallelState::from_placement_plan)
-      .def("seed", [](const loom::ParallelState& ps, uint64_t seed) { ps.seed(seed); }, py::arg("seed"))
+      .def(
+          "seed",
+          [](const loom::ParallelState& ps, uint64_t seed, loom::RngTracker* tracker) {
+            ps.seed(seed, tracker ? *tracker : loom::rng_tracker());
+          },
+          py::arg("seed"), py::arg("tracker") = nullptr)
       .def("require_divisible", &loom::ParallelState::require_divisible, py::arg("what"), py::arg("value"));
 }
 

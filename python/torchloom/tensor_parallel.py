@@ -25,9 +25,16 @@ import torch
 from . import _C
 from ._C import (RngTracker, copy_to_region, gather_from_region, gather_from_sequence_region,
                     model_parallel_seed, padded_vocab_size, reduce_from_region, reduce_scatter_to_sequence_region,
-                    rng_tracker, scatter_to_region, scatter_to_sequence_region)
+                    scatter_to_region, scatter_to_sequence_region)
 
 Group = Optional[_C.Communicator]
+
+
+def rng_tracker(device: Any = None) -> RngTracker:
+    """The process's RNG tracker for `device`'s default generator (a torch.device or a string such as
+    "cuda:0"; None: the CPU one, which the layers use unless given another). Fork the tracker of the
+    device the random draws happen on: forking the CPU tracker around a CUDA draw changes nothing."""
+    return _C.rng_tracker(None if device is None else torch.device(device))
 
 
 def _adopt(module: torch.nn.Module, impl: Any, name: str) -> None:

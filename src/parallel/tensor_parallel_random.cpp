@@ -5,6 +5,10 @@
 // stream without being told. The cost is two state copies per fork (a few KB on CPU).
 #include <ATen/Context.h>
 
+#include <map>
+#include <memory>
+#include <mutex>
+
 #include "loom/error.h"
 #include "loom/parallel/tensor_parallel.h"
 
@@ -116,9 +120,14 @@ void RngTracker::set_states(const std::map<std::string, at::Tensor>& states) {
   }
 }
 
-RngTracker& rng_tracker() {
-  static RngTracker tracker;
-  return tracker;
+RngTracker& rng_tracker(c10::Device device) {
+  static std::mutex mutex;
+  // Never destroyed: trackers hold generator states that may be used from exit handlers.
+  static auto* trackers = new std::map<std::string, std::unique_ptr<RngTracker>>();
+  std::lock_guard<std::mutex> lock(mutex);
+  auto& tracker = (*trackers)[device.str()];
+  if (!tracker) tracker = std::make_unique<RngTracker>(device);
+  return *tracker;
 }
 
 void model_parallel_seed(uint64_t seed, int tp_rank, RngTracker& tracker) {

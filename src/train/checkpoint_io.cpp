@@ -2,7 +2,6 @@
 
 #include <ATen/ops/empty.h>
 #include <ATen/ops/from_blob.h>
-#include <c10/core/impl/DeviceGuardImplInterface.h>
 
 #include <fcntl.h>
 #include <sys/mman.h>
@@ -72,35 +71,30 @@ ShardWritten write_shard(const ShardWrite& w, const std::string& where) {
 
 std::vector<Region> Staging::stage(const std::vector<at::Tensor>& tensors) {
   uint64_t total = 0;
-  bool any_cuda = false;
-  for (const auto& t : tensors) {
-    total += align_up(nbytes(t), 64);  // aligned, so each copy can be viewed in its own dtype
-    any_cuda = any_cuda || t.is_cuda();
-  }
-  const bool pinned_ok = !any_cuda || (buffer_.defined() && buffer_.is_pinned());
-  if (!buffer_.defined() || static_cast<uint64_t>(buffer_.numel()) < total || !pinned_ok)
-    buffer_ = host_empty({static_cast<int64_t>(std::max<uint64_t>(total, 1))}, at::kByte, any_cuda);
+  for (const auto& t : tensors) total += align_up(nbytes(t), 64);  // aligned: each copy viewable in its dtype
+  // Pageable: device bytes arrive through the ring's few pinned slots, never a pinned whole shard.
+  if (!buffer_.defined() || static_cast<uint64_t>(buffer_.numel()) < total)
+    buffer_ = host_empty({static_cast<int64_t>(std::max<uint64_t>(total, 1))}, at::kByte);
   std::vector<Region> regions;
-  std::set<c10::DeviceIndex> devices;
+  std::vector<std::pair<at::Tensor, void*>> from_devices;
   uint8_t* base = buffer_.data_ptr<uint8_t>();
   uint64_t offset = 0;
   for (const auto& t : tensors) {
     const size_t bytes = nbytes(t);
     uint8_t* dst = base + offset;
     if (bytes > 0) {
-      if (t.is_cpu() && t.is_contiguous()) {
+      if (!t.is_cpu()) {
+        from_devices.emplace_back(t, dst);
+      } else if (t.is_contiguous()) {
         std::memcpy(dst, t.data_ptr(), bytes);
       } else {
-        at::Tensor view = at::from_blob(dst, t.sizes(), at::TensorOptions().dtype(t.scalar_type()));
-        view.copy_(t, /*non_blocking=*/t.is_cuda());
-        if (t.is_cuda()) devices.insert(t.device().index());
+        at::from_blob(dst, t.sizes(), at::TensorOptions().dtype(t.scalar_type())).copy_(t);
       }
     }
     regions.push_back({dst, bytes});
     offset += align_up(bytes, 64);
   }
-  // Device-to-host copies were queued on the current streams; the snapshot is taken once they land.
-  for (auto index : devices) c10::impl::getDeviceGuardImpl(at::kCUDA)->synchronizeDevice(index);
+  ring_.copy(from_devices);  // returns once the bytes are in the buffer: the snapshot is taken
   return regions;
 }
 

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "train/checkpoint_files.h"
+#include "train/device_staging.h"
 #include "train/checkpoint_manifest.h"
 #include "train/safetensors.h"
 
@@ -45,7 +46,8 @@ at::Tensor host_empty(at::IntArrayRef shape, at::ScalarType dtype, bool pinned =
 ShardWritten write_shard(const ShardWrite& write, const std::string& where);
 
 // Host memory holding a copy of the tensors a rank writes: the asynchronous save's snapshot. The
-// buffer is reused by the next save when large enough (and pinned when any tensor is on CUDA).
+// buffer is pageable and reused by the next save when large enough; device tensors come through
+// a ring of a few pinned slots (device_staging.h).
 class Staging {
  public:
   // Copies `tensors` (any device) into the buffer; returns each tensor's bytes in order.
@@ -55,6 +57,7 @@ class Staging {
 
  private:
   at::Tensor buffer_;
+  DeviceToHostRing ring_;
 };
 
 // The regions of tensors written in place (a synchronous save): contiguous host copies only

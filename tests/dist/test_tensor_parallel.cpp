@@ -609,6 +609,23 @@ TEST(TensorParallelRng, DropoutStreamsAcrossTpAndDp) {
   }
 }
 
+// One tracker per device: forking the CPU tracker around a CUDA draw would change nothing, so a
+// CUDA program asks for its device's own (made without touching the device until a stream is added).
+TEST(TensorParallelRng, OneTrackerPerDevice) {
+  RngTracker& cpu = rng_tracker();
+  EXPECT_EQ(&cpu, &rng_tracker(c10::Device(c10::kCPU)));
+  RngTracker& cuda0 = rng_tracker(c10::Device(c10::kCUDA, 0));
+  RngTracker& cuda1 = rng_tracker(c10::Device(c10::kCUDA, 1));
+  EXPECT_NE(&cuda0, &cpu);
+  EXPECT_NE(&cuda0, &cuda1);
+  EXPECT_EQ(&cuda0, &rng_tracker(c10::Device(c10::kCUDA, 0)));
+  EXPECT_EQ(cuda0.device(), c10::Device(c10::kCUDA, 0));
+  EXPECT_EQ(cuda1.device(), c10::Device(c10::kCUDA, 1));
+  model_parallel_seed(99, 0);  // the CPU tracker
+  EXPECT_TRUE(cpu.has(kModelParallelRngStream));
+  EXPECT_FALSE(cuda0.has(kModelParallelRngStream));
+}
+
 TEST(TensorParallelRng, AttentionDropoutIsReproducibleAndDiffersFromEval) {
   const auto& ps = state(degrees().back());
   ParallelTransformerBlockOptions o;

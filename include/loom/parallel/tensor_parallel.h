@@ -281,8 +281,12 @@ inline constexpr uint64_t kModelParallelSeedOffset = 2718;
 // advanced state). Anything drawing from the default generator (at::dropout, at::rand) thus
 // draws from the stream inside the guard.
 //
-//   loom::model_parallel_seed(1234, tp_rank);
-//   { auto guard = loom::rng_tracker().fork(); x = at::dropout(x, 0.1, true); }  // per-TP-rank mask
+// A tracker holds streams of one device's generator: forking the CPU tracker around a CUDA draw
+// changes nothing (every TP rank would draw the same mask), so take the activations' device's:
+//
+//   auto& rng = loom::rng_tracker(x.device());
+//   loom::model_parallel_seed(1234, tp_rank, rng);
+//   { auto guard = rng.fork(); x = at::dropout(x, 0.1, true); }  // a different mask per TP rank
 class RngTracker {
  public:
   explicit RngTracker(c10::Device device = c10::Device(c10::kCPU));
@@ -327,8 +331,10 @@ class RngTracker {
   std::map<std::string, bool> forked_;
 };
 
-// The process's tracker for CPU (the one the layers use unless given another).
-RngTracker& rng_tracker();
+// The process's tracker for `device`'s default generator (one per device, made on first use; a
+// CUDA device without an index is the current device's generator, as at::cuda::detail does). The
+// layers use the CPU tracker unless given another (ParallelInit::rng, the blocks' options.rng).
+RngTracker& rng_tracker(c10::Device device = c10::Device(c10::kCPU));
 
 // Seeds the default generators (at::manual_seed(seed): identical on every rank, so replicated
 // computations such as dropout outside TP regions agree across TP ranks and DP replicas) and

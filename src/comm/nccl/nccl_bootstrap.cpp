@@ -168,6 +168,9 @@ std::shared_ptr<Communicator> make_communicator(std::shared_ptr<Communicator> bo
 
 void shutdown_all() {
   for (auto& comm : detail::NcclCommunicator::all_live()) comm->shutdown();
+  // Bounded: each of them is itself bounded by its operations' timeouts.
+  if (!detail::NcclCommunicator::wait_for_detached_destructions(std::chrono::seconds(30)))
+    LOOM_LOG(warn, "an NCCL communicator released by the watchdog is still being destroyed after 30 s; going on");
 }
 
 void abort_all(const std::string& reason) {

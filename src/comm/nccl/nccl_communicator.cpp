@@ -18,6 +18,7 @@
 #include <c10/cuda/CUDAStream.h>
 
 #include <algorithm>
+#include <condition_variable>
 #include <mutex>
 #include <thread>
 
@@ -39,6 +40,17 @@ struct StillInProgress {
   const char* call;
 };
 
+// Destructions running on detached threads (see create()): counted so that shutdown waits for them.
+struct DetachedDestructions {
+  std::mutex mutex;
+  std::condition_variable done;
+  int running = 0;
+};
+DetachedDestructions& detached() {
+  static auto* state = new DetachedDestructions();  // never destroyed: a detached thread may outlive main
+  return *state;
+}
+
 std::mutex g_live_mutex;
 std::vector<std::weak_ptr<NcclCommunicator>>& live() {
   static auto* communicators = new std::vector<std::weak_ptr<NcclCommunicator>>();
@@ -56,9 +68,19 @@ std::shared_ptr<NcclCommunicator> NcclCommunicator::create(std::shared_ptr<NcclH
     // The destructor waits for operations and calls ncclCommDestroy/Abort: never on the watchdog
     // thread, whichever reference happens to be the last.
     self.reset(new NcclCommunicator(handle, rank, std::move(members), device, name, options), [](NcclCommunicator* p) {
-      if (loom::detail::Watchdog::instance().on_watchdog_thread())
-        std::thread([p] { delete p; }).detach();
-      else
+      if (loom::detail::Watchdog::instance().on_watchdog_thread()) {
+        auto& state = detached();
+        {
+          std::lock_guard<std::mutex> lock(state.mutex);
+          ++state.running;
+        }
+        std::thread([p, &state] {
+          delete p;
+          std::lock_guard<std::mutex> lock(state.mutex);
+          --state.running;
+          state.done.notify_all();
+        }).detach();
+      } else
         delete p;
     });
   } catch (...) {
@@ -85,6 +107,12 @@ std::vector<std::shared_ptr<NcclCommunicator>> NcclCommunicator::all_live() {
   for (const auto& w : live())
     if (auto p = w.lock()) result.push_back(std::move(p));
   return result;
+}
+
+bool NcclCommunicator::wait_for_detached_destructions(std::chrono::milliseconds limit) {
+  auto& state = detached();
+  std::unique_lock<std::mutex> lock(state.mutex);
+  return state.done.wait_for(lock, limit, [&] { return state.running == 0; });
 }
 
 NcclCommunicator::NcclCommunicator(std::shared_ptr<NcclHandle> handle, int rank, std::vector<int> members,

@@ -23,6 +23,10 @@ class NcclCommunicator final : public Communicator {
                                                   const CommunicatorOptions& options);
   // Every NCCL communicator of this process still alive.
   static std::vector<std::shared_ptr<NcclCommunicator>> all_live();
+  // Waits, up to `limit`, for destructions that the last reference dropped on the watchdog thread
+  // handed to a thread of their own; returns whether none is left. Such a communicator has left
+  // the live list already, so finalize() must wait here before MPI and the CUDA runtime go.
+  static bool wait_for_detached_destructions(std::chrono::milliseconds limit);
 
   ~NcclCommunicator() override;
   const char* backend() const override { return "nccl"; }
