@@ -281,7 +281,7 @@ int train(Options o) {
                                      " must be divisible by the tensor-parallel degree with --sequence-parallel");
 
   ps.seed(o.seed);  // replicated weights equal everywhere; shards and dropout per TP rank
-  loom::RngTracker device_rng(device);
+  loom::RngTracker& device_rng = loom::rng_tracker(device);
   if (on_gpu) ps.seed(o.seed, device_rng);
   loom::ParallelInit init;
   init.device = device;
@@ -370,7 +370,8 @@ int train(Options o) {
     loom::CheckpointOptions options;
     options.directory = o.checkpoint_dir;
     checkpointer = std::make_unique<loom::Checkpointer>(world, options);  // host-side agreement over MPI
-    checkpointer->model(model).optimizer(opt).rng(loom::rng_tracker()).accumulator(accumulate);
+    // The tracker the model draws from (on a GPU its device's: its dropout streams must resume too).
+    checkpointer->model(model).optimizer(opt).rng(on_gpu ? device_rng : loom::rng_tracker()).accumulator(accumulate);
     if (scaler) checkpointer->scaler(*scaler);
     if (o.resume) {
       if (auto info = checkpointer->load_latest()) {

@@ -219,7 +219,14 @@ Checkpointer& Checkpointer::scaler(GradScaler& scaler) {
   return *this;
 }
 Checkpointer& Checkpointer::rng(RngTracker& tracker) {
-  impl_->targets.rng = &tracker;
+  for (RngTracker* known : impl_->targets.rng) {
+    if (known == &tracker) return *this;
+    if (known->device().type() == tracker.device().type())
+      throw InvalidArgumentError(impl_->where + ": Checkpointer::rng: a tracker for " + known->device().str() +
+                                 " is registered already; a checkpoint holds one tracker per device type (found one for " +
+                                 tracker.device().str() + ")");
+  }
+  impl_->targets.rng.push_back(&tracker);
   return *this;
 }
 Checkpointer& Checkpointer::accumulator(GradientAccumulator& accumulator) {
@@ -591,8 +598,11 @@ CheckpointInfo Checkpointer::load(const std::string& path) {
   int64_t accumulation_position = 0;
   try {
     const std::string manifest_path = join_path(path, kManifestName);
-    m = parse_manifest(read_small_file(manifest_path, kMaxManifestBytes, s.where),
-                       s.where + ": manifest " + manifest_path);
+    const std::string manifest_text = read_small_file(manifest_path, kMaxManifestBytes, s.where);
+    if (!check_manifest_integrity(manifest_text, s.where + ": manifest " + manifest_path))
+      LOOM_LOG(warn, "checkpoint " << path << " has a version-1 manifest, which carries no checksum of its own: "
+                                   << "its tensor-to-slice map is trusted as it stands");
+    m = parse_manifest(manifest_text, s.where + ": manifest " + manifest_path);
     live = collect_state(s.targets, s.rank, s.where);
 
     // The model and extra tensors, against the manifest: names as a diff, then shapes and dtypes.
@@ -687,16 +697,25 @@ CheckpointInfo Checkpointer::load(const std::string& path) {
     for (const auto& t : live.tensors) {
       if (t.name.rfind(rng_prefix(s.rank), 0) != 0) continue;
       const std::string key = t.name.substr(rng_prefix(s.rank).size());
-      if (key.rfind("stream/", 0) == 0) continue;
+      if (key.rfind("stream", 0) == 0) continue;
       const std::string saved = rng_prefix(generator_source) + key;
-      if (m.tensors.count(saved)) rng_sources[key] = saved;
+      if (m.tensors.count(saved)) {
+        rng_sources[key] = saved;
+      } else if (key == "cuda") {
+        // Saved before generators were keyed without their device number: this rank's device's.
+        const std::string legacy =
+            rng_prefix(generator_source) + "cuda" + std::to_string(at::detail::getCUDAHooks().current_device());
+        if (m.tensors.count(legacy)) rng_sources[key] = legacy;
+      }
     }
-    if (s.targets.rng && stream_source >= 0) {
-      const std::string prefix = rng_prefix(stream_source) + "stream/";
+    for (RngTracker* tracker : s.targets.rng) {
+      if (stream_source < 0) break;
+      const std::string key_prefix = rng_stream_prefix(tracker->device().type());
+      const std::string prefix = rng_prefix(stream_source) + key_prefix;
       for (const auto& [name, r] : m.tensors)
-        if (name.rfind(prefix, 0) == 0) rng_sources["stream/" + name.substr(prefix.size())] = name;
+        if (name.rfind(prefix, 0) == 0) rng_sources[key_prefix + name.substr(prefix.size())] = name;
     }
-    if (s.targets.rng && stream_source < 0)
+    if (!s.targets.rng.empty() && stream_source < 0)
       LOOM_LOG(info, "checkpoint " << path << " was saved at TP " << m.world.tensor_parallel << ", loaded at TP "
                                    << live.tp_size << ": RNG tracker streams are not restored");
     for (const auto& [key, saved] : rng_sources) {
@@ -777,15 +796,14 @@ CheckpointInfo Checkpointer::load(const std::string& path) {
         }
         assembled[need.name] = out;
       }
-      // Generator states are checked on scratch generators, so that a malformed one fails here.
+      // Generator states are checked on scratch generators of the kind they restore (a CUDA
+      // tracker's streams on a CUDA generator), so that a malformed one fails here.
       for (const auto& [key, saved] : rng_sources) {
         try {
-          at::Generator scratch = key.rfind("cuda", 0) == 0
-                                      ? at::globalContext()
-                                            .defaultGenerator(at::Device(
-                                                at::kCUDA, static_cast<c10::DeviceIndex>(std::stoi(key.substr(4)))))
-                                            .clone()
-                                      : at::detail::getDefaultCPUGenerator().clone();
+          at::Generator scratch = generator_for_key(key.rfind("stream", 0) == 0 ? "cpu" : key).clone();
+          for (RngTracker* tracker : s.targets.rng)
+            if (key.rfind(rng_stream_prefix(tracker->device().type()), 0) == 0)
+              scratch = at::globalContext().defaultGenerator(tracker->device()).clone();
           scratch.set_state(assembled.at(saved));
         } catch (const std::exception& e) {
           problems.push_back(s.where + ": RNG state " + saved + " in " + path +
@@ -827,14 +845,15 @@ CheckpointInfo Checkpointer::load(const std::string& path) {
     if (name.rfind("optim/", 0) == 0) optimizer_tensors[name] = t;
   apply_optimizer(s.targets, m.optimizer, optimizer_tensors);
   apply_scaler(s.targets, m.scaler);
-  std::map<std::string, at::Tensor> streams;
-  for (const auto& [key, saved] : rng_sources) {
-    if (key.rfind("stream/", 0) == 0)
-      streams[key.substr(7)] = assembled.at(saved);
-    else
-      apply_generator_state(key, assembled.at(saved));
+  for (const auto& [key, saved] : rng_sources)
+    if (key.rfind("stream", 0) != 0) apply_generator_state(key, assembled.at(saved));
+  for (RngTracker* tracker : s.targets.rng) {
+    const std::string prefix = rng_stream_prefix(tracker->device().type());
+    std::map<std::string, at::Tensor> streams;
+    for (const auto& [key, saved] : rng_sources)
+      if (key.rfind(prefix, 0) == 0) streams[key.substr(prefix.size())] = assembled.at(saved);
+    if (!streams.empty()) tracker->set_states(streams);
   }
-  if (s.targets.rng && !streams.empty()) s.targets.rng->set_states(streams);
   if (s.targets.accumulator) s.targets.accumulator->set_position(static_cast<size_t>(accumulation_position));
 
   CheckpointInfo info;

@@ -66,6 +66,12 @@ bool safe_file_name(const std::string& name) {
   return true;
 }
 
+// The checksum of a manifest's content: XXH3-64 of its compact serialisation (member order kept).
+uint64_t checksum_of_document(const nlohmann::ordered_json& doc) {
+  const std::string compact = doc.dump();
+  return checksum_of(compact.data(), compact.size());
+}
+
 }  // namespace
 
 std::string shape_to_string(const std::vector<int64_t>& shape) {
@@ -117,6 +123,36 @@ std::string manifest_to_json(const Manifest& m) {
   doc["optimizer"] = m.optimizer;
   doc["scaler"] = m.scaler;
   doc["user"] = m.user;
+  doc[kManifestChecksumKey] = to_hex(checksum_of_document(doc));
+  return doc.dump(1) + "\n";
+}
+
+bool check_manifest_integrity(std::string_view text, const std::string& where) {
+  if (!nesting_within(text, 8)) return true;  // parse_manifest refuses it
+  nlohmann::ordered_json doc = nlohmann::ordered_json::parse(text.begin(), text.end(), nullptr, false);
+  if (doc.is_discarded() || !doc.is_object()) return true;
+  const auto version = doc.find("format_version");
+  if (version != doc.end() && version->is_number_integer() && version->get<int64_t>() == 1) return false;
+  const auto stored = doc.find(kManifestChecksumKey);
+  if (stored == doc.end())
+    reject(where, std::string("has no \"") + kManifestChecksumKey +
+                      "\": the checksum of its own content, which every manifest of this format version carries");
+  const auto expected = stored->is_string() ? parse_hex(stored->get<std::string>()) : std::nullopt;
+  if (!expected) reject(where, std::string("\"") + kManifestChecksumKey + "\" is " + stored->dump() + "; expected 16 hex digits");
+  doc.erase(kManifestChecksumKey);
+  const uint64_t found = checksum_of_document(doc);
+  if (found != *expected)
+    reject(where, "was changed after it was written: the checksum of its content is " + to_hex(found) +
+                      ", the manifest records " + to_hex(*expected) +
+                      " (an edited manifest could load one rank's tensors into another; restore it, or reseal a "
+                      "deliberate edit with the checkpoint tool)");
+  return true;
+}
+
+std::string reseal_manifest(std::string_view text) {
+  nlohmann::ordered_json doc = nlohmann::ordered_json::parse(text.begin(), text.end());
+  doc.erase(kManifestChecksumKey);
+  doc[kManifestChecksumKey] = to_hex(checksum_of_document(doc));
   return doc.dump(1) + "\n";
 }
 
@@ -129,9 +165,9 @@ Manifest parse_manifest(std::string_view text, const std::string& where) {
     reject(where, "\"format\" is " + format.dump() + "; expected \"" + kFormatName + "\"");
   Manifest m;
   m.version = static_cast<int>(integer(doc, "format_version", 0, INT32_MAX, where, ""));
-  if (m.version != kFormatVersion)
-    reject(where, "unsupported format version " + std::to_string(m.version) + " (this build reads version " +
-                      std::to_string(kFormatVersion) + ")");
+  if (m.version < kOldestReadableVersion || m.version > kFormatVersion)
+    reject(where, "unsupported format version " + std::to_string(m.version) + " (this build reads versions " +
+                      std::to_string(kOldestReadableVersion) + " to " + std::to_string(kFormatVersion) + ")");
   m.step = integer(doc, "step", 0, INT64_MAX, where, "");
 
   const json& world = member(doc, "world", where, "");

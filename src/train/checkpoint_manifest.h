@@ -6,6 +6,12 @@
 //
 // parse_manifest validates everything it returns: a manifest that parses describes shards whose
 // slices tile every tensor exactly, so the loader never has to check coverage again.
+//
+// The manifest is checksummed like the shards: it says which bytes are which tensor, so an edit of
+// one digit (a slice's shard) would otherwise load another rank's slice silently. From format
+// version 2 it carries "manifest_xxh3_64", the XXH3-64 of the compact serialisation of the document
+// without that member (so re-indenting it is harmless, changing any value is not);
+// check_manifest_integrity verifies it before the loader trusts anything in the file.
 #pragma once
 
 #include <c10/core/ScalarType.h>
@@ -19,7 +25,10 @@
 
 namespace loom::detail::ckpt {
 
-inline constexpr int kFormatVersion = 1;
+inline constexpr int kFormatVersion = 2;
+// Version 1 manifests (no checksum of their own) are still read, with a warning.
+inline constexpr int kOldestReadableVersion = 1;
+inline constexpr const char* kManifestChecksumKey = "manifest_xxh3_64";
 inline constexpr const char* kFormatName = "torchloom.checkpoint";
 inline constexpr const char* kManifestName = "manifest.json";
 inline constexpr uint64_t kMaxManifestBytes = 256ull << 20;
@@ -68,6 +77,13 @@ struct Manifest {
 std::string manifest_to_json(const Manifest& manifest);
 // `where` names the manifest file in errors (loom::CheckpointError).
 Manifest parse_manifest(std::string_view json, const std::string& where);
+
+// Refuses (loom::CheckpointError naming `where`) a manifest whose own checksum is missing or does
+// not match its content; returns false for a version-1 manifest, which has none to check. A text
+// that is not a JSON object is left to parse_manifest to refuse.
+bool check_manifest_integrity(std::string_view json, const std::string& where);
+// The document with its checksum recomputed: for tools (and tests) that rewrite a manifest on purpose.
+std::string reseal_manifest(std::string_view json);
 
 std::string shard_file_name(int rank, int world_size);
 std::string shape_to_string(const std::vector<int64_t>& shape);

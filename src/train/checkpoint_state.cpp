@@ -204,30 +204,44 @@ std::string rng_prefix(int rank) {
   return name;
 }
 
+std::string rng_stream_prefix(c10::DeviceType type) {
+  if (type == c10::DeviceType::CPU) return "stream/";
+  return "stream-" + c10::DeviceTypeName(type, /*lower_case=*/true) + "/";
+}
+
+namespace {
+
+bool cuda_present() { return at::hasCUDA() && at::detail::getCUDAHooks().getNumGPUs() > 0; }
+
+}  // namespace
+
+at::Generator generator_for_key(const std::string& key) {
+  if (key == "cpu") return at::detail::getDefaultCPUGenerator();
+  if (key == "cuda")
+    return at::globalContext().defaultGenerator(at::Device(at::kCUDA, at::detail::getCUDAHooks().current_device()));
+  if (key.rfind("cuda", 0) == 0 && key.size() > 4 && key.size() < 8 &&
+      key.find_first_not_of("0123456789", 4) == std::string::npos)
+    return at::globalContext().defaultGenerator(at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(std::stoi(key.substr(4)))));
+  throw CheckpointError("no generator for the RNG state \"" + key + "\"");
+}
+
 std::map<std::string, at::Tensor> rng_states(const Targets& targets) {
   std::map<std::string, at::Tensor> states;
-  {
-    auto gen = at::detail::getDefaultCPUGenerator();
+  std::vector<std::string> keys = {"cpu"};
+  if (cuda_present()) keys.push_back("cuda");
+  for (const auto& key : keys) {
+    at::Generator gen = generator_for_key(key);
     std::lock_guard<std::mutex> lock(gen.mutex());
-    states["cpu"] = gen.get_state();
+    states[key] = gen.get_state();
   }
-  if (at::hasCUDA()) {
-    const int devices = at::detail::getCUDAHooks().getNumGPUs();
-    for (int i = 0; i < devices; ++i) {
-      auto gen = at::globalContext().defaultGenerator(at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(i)));
-      std::lock_guard<std::mutex> lock(gen.mutex());
-      states["cuda" + std::to_string(i)] = gen.get_state();
-    }
-  }
-  if (targets.rng)
-    for (auto& [name, state] : targets.rng->get_states()) states["stream/" + name] = state;
+  for (RngTracker* tracker : targets.rng)
+    for (auto& [name, state] : tracker->get_states())
+      states[rng_stream_prefix(tracker->device().type()) + name] = state;
   return states;
 }
 
 void apply_generator_state(const std::string& key, const at::Tensor& state) {
-  at::Generator gen = key == "cpu" ? at::detail::getDefaultCPUGenerator()
-                                   : at::globalContext().defaultGenerator(at::Device(
-                                         at::kCUDA, static_cast<c10::DeviceIndex>(std::stoi(key.substr(4)))));
+  at::Generator gen = generator_for_key(key);
   std::lock_guard<std::mutex> lock(gen.mutex());
   gen.set_state(state);
 }
@@ -406,6 +420,18 @@ std::vector<std::string> check_scaler(const Targets& targets, const json& saved)
   for (const char* key : {"scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker"})
     if (!saved.contains(key) || !saved[key].is_number())
       problems.push_back(std::string("grad scaler state \"") + key + "\" missing or not a number");
+  if (!problems.empty()) return problems;
+  // Loaded into a scratch scaler first: whatever it would refuse (a growth factor of 0.5, say) is
+  // refused before anything live has changed.
+  try {
+    std::map<std::string, double> state;
+    for (auto it = saved.begin(); it != saved.end(); ++it)
+      if (it.value().is_number()) state[it.key()] = it.value().get<double>();
+    GradScaler scratch;
+    scratch.load_state_dict(state);
+  } catch (const std::exception& e) {
+    problems.push_back(std::string("grad scaler state refused: ") + e.what());
+  }
   return problems;
 }
 

@@ -37,7 +37,7 @@ struct Targets {
   torch::nn::Module* model = nullptr;
   torch::optim::Optimizer* optimizer = nullptr;
   GradScaler* scaler = nullptr;
-  RngTracker* rng = nullptr;
+  std::vector<RngTracker*> rng;  // at most one per device type
   GradientAccumulator* accumulator = nullptr;
   std::vector<std::pair<std::string, at::Tensor>> extra;
 };
@@ -81,8 +81,14 @@ void apply_scaler(const Targets& targets, const nlohmann::json& saved);
 // Copies `source` into the live tensor (no autograd record).
 void copy_into(at::Tensor& live, const at::Tensor& source);
 
-// The RNG states of this process: {"cpu", "cuda0", ..., "stream/<name>"} -> uint8 tensors.
+// The RNG states of this process -> uint8 tensors: "cpu", "cuda" (the current CUDA device's default
+// generator, keyed without its number: a resumed rank may see its GPU under another one), and
+// each tracker's streams under rng_stream_prefix(tracker device) + name.
 std::map<std::string, at::Tensor> rng_states(const Targets& targets);
-void apply_generator_state(const std::string& key, const at::Tensor& state);  // "cpu" or "cuda<i>"
+// "stream/" for the CPU tracker, "stream-<type>/" (e.g. "stream-cuda/") for another device's.
+std::string rng_stream_prefix(c10::DeviceType type);
+// The generator a saved key restores: "cpu", "cuda" (current device), or the legacy "cuda<i>".
+at::Generator generator_for_key(const std::string& key);
+void apply_generator_state(const std::string& key, const at::Tensor& state);
 
 }  // namespace loom::detail::ckpt

@@ -1,7 +1,9 @@
 #!/usr/bin/env python3
 """Reads every shard of a torchloom checkpoint with the Python `safetensors` package and checks
 it against the manifest (each shard holds exactly the slices the manifest places in it, with the
-manifest's dtype and shape) and against the expected values the C++ test wrote (float64 lists).
+manifest's dtype and shape; each shard's XXH3-64 is the manifest's, and the manifest's own checksum
+matches its content, both computed with the `xxhash` package) and against the expected values the
+C++ test wrote (float64 lists).
 
 Usage: check_safetensors.py CHECKPOINT_DIR EXPECTED_JSON   (exit status 0: all good)
 """
@@ -9,11 +11,23 @@ import json
 import os
 import sys
 
+import xxhash
 from safetensors import safe_open
 
 DTYPES = {"F32": "torch.float32", "F64": "torch.float64", "F16": "torch.float16", "BF16": "torch.bfloat16",
           "I8": "torch.int8", "U8": "torch.uint8", "I16": "torch.int16", "I32": "torch.int32", "I64": "torch.int64",
           "BOOL": "torch.bool"}
+
+
+def manifest_checksum_failure(manifest):
+    """The manifest's own checksum: XXH3-64 of its compact JSON without that member, in file order
+    (json.load keeps the order; the separators and raw UTF-8 are those of the C++ writer's dump())."""
+    content = {k: v for k, v in manifest.items() if k != "manifest_xxh3_64"}
+    compact = json.dumps(content, separators=(",", ":"), ensure_ascii=False).encode()
+    found = xxhash.xxh3_64_hexdigest(compact)
+    if manifest.get("manifest_xxh3_64") != found:
+        return f"manifest checksum {manifest.get('manifest_xxh3_64')}, content hashes to {found}"
+    return None
 
 
 def main():
@@ -23,6 +37,8 @@ def main():
     with open(expected_path) as f:
         expected = json.load(f)
     failures = []
+    if (failure := manifest_checksum_failure(manifest)) is not None:
+        failures.append(failure)
     placed = {i: {} for i in range(len(manifest["shards"]))}
     for name, record in manifest["tensors"].items():
         for s in record["slices"]:
@@ -35,6 +51,10 @@ def main():
         path = os.path.join(directory, shard["file"])
         if os.path.getsize(path) != shard["bytes"]:
             failures.append(f"{path}: {os.path.getsize(path)} bytes, manifest says {shard['bytes']}")
+        with open(path, "rb") as f:
+            digest = xxhash.xxh3_64_hexdigest(f.read())
+        if digest != shard["xxh3_64"]:
+            failures.append(f"{path}: XXH3-64 {digest}, manifest says {shard['xxh3_64']}")
         with safe_open(path, framework="pt") as f:
             if f.metadata().get("format") != "pt":
                 failures.append(f"{path}: metadata {f.metadata()} lacks format=pt")

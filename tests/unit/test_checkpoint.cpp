@@ -436,6 +436,20 @@ TEST_P(RoundTrip, EveryPieceIsRestoredBitwise) {
 INSTANTIATE_TEST_SUITE_P(Optimizers, RoundTrip,
                          ::testing::Combine(::testing::Values("sgd", "adam", "adamw"), ::testing::Bool()));
 
+// One tracker per device type: a second CPU tracker would save its streams over the first's keys.
+TEST(Checkpoint, RefusesTwoTrackersOfOneDeviceType) {
+  loom::RngTracker cpu_a, cpu_b;
+  loom::Checkpointer c(nullptr, {.directory = fresh_dir("two_trackers")});
+  c.rng(cpu_a).rng(cpu_a);  // the same tracker twice is one registration
+  c.rng(loom::rng_tracker(c10::Device(c10::kCUDA, 0)));  // another device type: accepted
+  try {
+    c.rng(cpu_b);
+    FAIL() << "a second CPU tracker was accepted";
+  } catch (const loom::InvalidArgumentError& e) {
+    EXPECT_NE(std::string(e.what()).find("one tracker per device type"), std::string::npos) << e.what();
+  }
+}
+
 // ---- Corruption ------------------------------------------------------------------------------------
 
 struct Saved {
@@ -513,14 +527,16 @@ TEST(CheckpointCorruption, EditedManifest) {
   auto s = save_one("manifest");
   const std::string original = read_file(s.manifest);
   json m = json::parse(original);
+  // Each edit is resealed (its checksum recomputed), as a buggy tool would write it: the checks
+  // behind the manifest's own checksum must still catch it.
   auto edit = [&](const std::function<void(json&)>& change, const std::vector<std::string>& parts) {
     json copy = m;
     change(copy);
-    write_file(s.manifest, copy.dump(1));
+    write_file(s.manifest, ckpt::reseal_manifest(copy.dump(1)));
     expect_load_fails(s, parts);
   };
-  edit([](json& j) { j["format_version"] = 2; },
-       {s.manifest, "unsupported format version 2 (this build reads version 1)"});
+  edit([](json& j) { j["format_version"] = 3; },
+       {s.manifest, "unsupported format version 3 (this build reads versions 1 to 2)"});
   edit([](json& j) { j["shards"][0]["xxh3_64"] = "0123456789abcdef"; },
        {s.shard, "checksum mismatch", "0123456789abcdef"});
   edit([](json& j) { j["shards"][0]["bytes"] = j["shards"][0]["bytes"].get<uint64_t>() + 1; },
@@ -543,8 +559,46 @@ TEST(CheckpointCorruption, EditedManifest) {
       {"model/fc1.weight: checkpoint Float [8, 5], live Float [8, 4]"});
   edit([](json& j) { j["tensors"]["model/fc1.weight"]["dtype"] = "F64"; }, {"model/fc1.weight"});
   edit([](json& j) { j.erase("shards"); }, {s.manifest, "has no \"shards\""});
+  // State the live object would refuse is refused before the model changes (it was applied after).
+  edit([](json& j) { j["scaler"]["growth_factor"] = 0.5; }, {"grad scaler state refused", "growth_factor must be > 1.0"});
   write_file(s.manifest, original.substr(0, original.size() / 2));
   expect_load_fails(s, {s.manifest, "is not a JSON object"});
+}
+
+// The manifest says which bytes are which tensor: an edit of one digit that is not resealed (a
+// slice's shard, a step) is refused by the manifest's own checksum, naming the manifest.
+TEST(CheckpointCorruption, UnsealedManifestEditIsRefused) {
+  auto s = save_one("manifest_unsealed");
+  const std::string original = read_file(s.manifest);
+  std::string edited = original;
+  const size_t at = edited.find("\"shard\": 0");
+  ASSERT_NE(at, std::string::npos) << original.substr(0, 800);
+  edited.replace(at, 10, "\"shard\": 1");
+  write_file(s.manifest, edited);
+  expect_load_fails(s, {s.manifest, "was changed after it was written"});
+  // Removing the checksum is refused too; re-indenting the document is harmless.
+  json doc = json::parse(original);
+  doc.erase("manifest_xxh3_64");
+  write_file(s.manifest, doc.dump(1));
+  expect_load_fails(s, {s.manifest, "has no \"manifest_xxh3_64\""});
+  write_file(s.manifest, nlohmann::ordered_json::parse(original).dump(4));
+  Training b("adam", 42);
+  loom::Checkpointer c(nullptr, {.directory = s.dir});
+  b.attach(c);
+  EXPECT_TRUE(c.load_latest());
+}
+
+// Version-1 manifests (before manifests were checksummed) still load.
+TEST(CheckpointCorruption, VersionOneManifestStillLoads) {
+  auto s = save_one("manifest_v1");
+  nlohmann::ordered_json doc = nlohmann::ordered_json::parse(read_file(s.manifest));
+  doc.erase("manifest_xxh3_64");
+  doc["format_version"] = 1;
+  write_file(s.manifest, doc.dump(1));
+  Training b("adam", 42);
+  loom::Checkpointer c(nullptr, {.directory = s.dir});
+  b.attach(c);
+  EXPECT_TRUE(c.load_latest());
 }
 
 TEST(CheckpointCorruption, ParameterNamesAndShapesAreListedAsADiff) {

@@ -126,8 +126,10 @@ class Checkpointer {
   // SGD, Adam or AdamW (other optimizers are a CheckpointError at save).
   Checkpointer& optimizer(torch::optim::Optimizer& optimizer);
   Checkpointer& scaler(GradScaler& scaler);
-  // The tracker's streams; the default CPU generator (and the CUDA ones, where present) are always
-  // saved and restored.
+  // The tracker's streams (call once per tracker: one per device type, e.g. the CPU tracker and
+  // loom::rng_tracker(cuda_device)); the default CPU generator and, where a GPU is visible, the
+  // current CUDA device's are always saved and restored (keyed without the device number, so a
+  // rank resumed on another GPU number continues its own stream).
   Checkpointer& rng(RngTracker& tracker);
   Checkpointer& accumulator(GradientAccumulator& accumulator);
   // A tensor saved once (replicated; e.g. an EMA of the weights) and restored in place.
