@@ -1,14 +1,19 @@
-// loom::Checkpointer: the facade. Save = collect (checkpoint_state) -> agree on a plan
-// (checkpoint_layout) -> stage (checkpoint_io) -> write + agree + publish (here, on the writer
-// thread); load = find -> verify and read (checkpoint_io) -> agree -> apply.
+// loom::Checkpointer: the protocol. It knows when ranks agree and in which order things happen;
+// what is saved comes from the state providers (checkpoint_providers.h), who writes and reads
+// which bytes from the planners (checkpoint_layout.h, checkpoint_load_plan.h), and how bytes
+// reach the medium and become visible from the storage (checkpoint_storage.h).
+//
+// Save: collect -> exchange descriptions and agree on a plan -> stage (the training stall) ->
+// write, agree that every shard is written, publish (on the writer thread when asynchronous).
+// Load: read and verify the manifest -> every provider plans its needs and checks its state on
+// scratch objects -> read and checksum the shards, assemble -> providers verify the data ->
+// agree -> only then apply.
 //
 // Agreements run over a communicator split off the user's at construction, so that the writer
 // thread's collectives can never interleave with the training loop's; they are library-internal
 // operations (numbered apart, named in messages).
 #include "loom/train/checkpoint.h"
 
-#include <ATen/CPUGeneratorImpl.h>
-#include <ATen/Context.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/full.h>
 #include <ATen/ops/zeros.h>
@@ -22,19 +27,17 @@
 #include <set>
 #include <thread>
 
-#include "loom/amp/grad_scaler.h"
 #include "loom/error.h"
 #include "loom/log.h"
-#include "loom/parallel/tensor_parallel.h"
 #include "loom/trace.h"
-#include "loom/train/accumulation.h"
 #include "train/checkpoint_checksum.h"
-#include "train/checkpoint_files.h"
 #include "train/checkpoint_hooks.h"
 #include "train/checkpoint_io.h"
 #include "train/checkpoint_layout.h"
+#include "train/checkpoint_load_plan.h"
 #include "train/checkpoint_manifest.h"
-#include "train/checkpoint_state.h"
+#include "train/checkpoint_providers.h"
+#include "train/checkpoint_storage.h"
 
 namespace loom {
 
@@ -50,48 +53,13 @@ using json = nlohmann::json;
 
 namespace {
 
-constexpr const char* kLatest = "latest";
-constexpr const char* kStepPrefix = "step_";
-
-std::string step_name(int64_t step) {
-  char name[40];
-  std::snprintf(name, sizeof(name), "step_%06lld", static_cast<long long>(step));
-  return name;
-}
-
-// The step of a directory named step_<digits>; nullopt for anything else.
-std::optional<int64_t> parse_step_name(const std::string& name) {
-  if (name.rfind(kStepPrefix, 0) != 0 || name.size() == 5 || name.size() > 5 + 18) return std::nullopt;
-  int64_t step = 0;
-  for (size_t i = 5; i < name.size(); ++i) {
-    if (name[i] < '0' || name[i] > '9') return std::nullopt;
-    step = step * 10 + (name[i] - '0');
-  }
-  return step;
-}
-
-bool is_complete(const std::string& path) {
-  return path_exists(join_path(path, kManifestName));
-}
-
-// Complete checkpoints of a directory, by ascending step.
-std::vector<std::pair<int64_t, std::string>> complete_checkpoints(const std::string& directory) {
-  std::vector<std::pair<int64_t, std::string>> found;
-  for (const auto& name : list_directory(directory)) {
-    auto step = parse_step_name(name);
-    if (step && is_complete(join_path(directory, name))) found.emplace_back(*step, name);
-  }
-  std::sort(found.begin(), found.end());
-  return found;
-}
-
 double seconds_between(trace::Clock::time_point a, trace::Clock::time_point b) {
   return std::chrono::duration<double>(b - a).count();
 }
 
-std::string join_lines(const std::vector<std::string>& lines) {
+std::string join_lines(const std::vector<std::string>& lines, const std::string& prefix = "") {
   std::string text;
-  for (const auto& line : lines) text += "\n  " + line;
+  for (const auto& line : lines) text += "\n  " + prefix + line;
   return text;
 }
 
@@ -116,10 +84,21 @@ at::Tensor narrow_to(at::Tensor t, const Box& box, const std::vector<int64_t>& o
 struct Checkpointer::Impl {
   std::shared_ptr<Communicator> comm;  // private to the checkpointer; null in a single process
   CheckpointOptions options;
-  Targets targets;
   int rank = 0;
   int size = 1;
   std::string where;
+  std::unique_ptr<CheckpointStorage> storage;
+  // The providers, in the order they collect (the optimizer's state follows the model's layout).
+  ModelState model;
+  ExtraTensors extras;
+  OptimizerState optimizer{model};
+  ScalerState scaler;
+  RngState rng;
+  AccumulationState accumulation;
+  UserObjects objects;
+  std::vector<StateProvider*> providers() {
+    return {&model, &extras, &optimizer, &scaler, &rng, &accumulation, &objects};
+  }
   Staging staging;
   std::thread worker;
   std::future<CheckpointInfo> result;
@@ -171,15 +150,23 @@ struct Checkpointer::Impl {
     }
   }
 
-  // Rank 0, once every shard is written: manifest, rename into place, `latest`, rotation. Returns
-  // the error message ("" on success).
-  std::string publish(Manifest manifest, const std::string& tmp, const std::string& final_name,
-                      const std::string& nonce);
-  void install(const std::string& tmp, const std::string& final_path, const std::string& final_name,
-               const std::string& nonce);
-  void rotate(const std::string& keep, const std::string& nonce);
-  CheckpointInfo write_and_publish(ShardWrite write, Manifest manifest, std::string tmp, std::string final_name,
+  // Every provider's state on this rank, sorted by name (names are unique).
+  SaveState collect() {
+    SaveState out;
+    for (StateProvider* provider : providers()) provider->collect(rank, out);
+    std::sort(out.tensors.begin(), out.tensors.end(),
+              [](const LocalTensor& a, const LocalTensor& b) { return a.name < b.name; });
+    for (size_t i = 1; i < out.tensors.size(); ++i)
+      if (out.tensors[i].name == out.tensors[i - 1].name)
+        throw CheckpointError(where + ": two tensors are both named " + out.tensors[i].name);
+    return out;
+  }
+
+  CheckpointInfo write_and_publish(ShardWrite write, Manifest manifest, std::string staging, std::string final_name,
                                    std::string nonce, CheckpointInfo info, trace::Clock::time_point started);
+  // Reads what the plan assigns to this rank and assembles each need; bytes read are added up.
+  LoadedTensors read(const std::string& path, const Manifest& m, const std::vector<Need>& needs, const LoadPlan& plan,
+                     uint64_t& bytes_read);
 };
 
 Checkpointer::Checkpointer(std::shared_ptr<Communicator> world, CheckpointOptions options)
@@ -200,6 +187,7 @@ Checkpointer::Checkpointer(std::shared_ptr<Communicator> world, CheckpointOption
     s.rank = s.comm->rank();
     s.size = s.comm->size();
   }
+  s.storage = std::make_unique<PosixStorage>(s.options.directory, s.options.keep_last, s.where);
 }
 
 Checkpointer::~Checkpointer() {
@@ -207,34 +195,45 @@ Checkpointer::~Checkpointer() {
 }
 
 Checkpointer& Checkpointer::model(torch::nn::Module& module) {
-  impl_->targets.model = &module;
+  impl_->model.set(&module);
   return *this;
 }
 Checkpointer& Checkpointer::optimizer(torch::optim::Optimizer& optimizer) {
-  impl_->targets.optimizer = &optimizer;
+  impl_->optimizer.set(&optimizer);
   return *this;
 }
 Checkpointer& Checkpointer::scaler(GradScaler& scaler) {
-  impl_->targets.scaler = &scaler;
+  impl_->scaler.set(&scaler);
   return *this;
 }
 Checkpointer& Checkpointer::rng(RngTracker& tracker) {
-  for (RngTracker* known : impl_->targets.rng) {
-    if (known == &tracker) return *this;
-    if (known->device().type() == tracker.device().type())
-      throw InvalidArgumentError(impl_->where + ": Checkpointer::rng: a tracker for " + known->device().str() +
-                                 " is registered already; a checkpoint holds one tracker per device type (found one for " +
-                                 tracker.device().str() + ")");
-  }
-  impl_->targets.rng.push_back(&tracker);
+  impl_->rng.add(tracker, impl_->where);
   return *this;
 }
 Checkpointer& Checkpointer::accumulator(GradientAccumulator& accumulator) {
-  impl_->targets.accumulator = &accumulator;
+  impl_->accumulation.set(&accumulator);
   return *this;
 }
 Checkpointer& Checkpointer::tensor(const std::string& name, at::Tensor tensor) {
-  impl_->targets.extra.emplace_back(name, std::move(tensor));
+  impl_->extras.add(name, std::move(tensor), std::nullopt, impl_->where);
+  return *this;
+}
+Checkpointer& Checkpointer::tensor(const std::string& name, at::Tensor tensor, const Slice& slice) {
+  impl_->extras.add(name, std::move(tensor), ExtraTensors::Slice{slice.global_shape, slice.dim, slice.offset},
+                    impl_->where);
+  return *this;
+}
+Checkpointer& Checkpointer::tensor_parallel(int size, int rank) {
+  if (size < 1 || rank < 0 || rank >= size)
+    throw InvalidArgumentError(impl_->where + ": Checkpointer::tensor_parallel: expected 0 <= rank < size; found rank " +
+                               std::to_string(rank) + " of " + std::to_string(size));
+  impl_->extras.declare_tensor_parallel(size, rank);
+  return *this;
+}
+Checkpointer& Checkpointer::object(const std::string& name, ObjectState state) {
+  if (name.empty() || !state.save || !state.load)
+    throw InvalidArgumentError(impl_->where + ": Checkpointer::object: expected a name and save and load functions");
+  impl_->objects.add(name, {std::move(state.save), std::move(state.check), std::move(state.load)});
   return *this;
 }
 
@@ -254,22 +253,27 @@ void Checkpointer::save(const TrainingProgress& progress, const std::map<std::st
   const auto started = trace::now();
   s.finish_pending(/*rethrow=*/true);  // a second save waits for the first
   phase("snapshot");
-  const std::string final_name = step_name(progress.step);
   std::string error, nonce;
-  if (s.rank == 0) {
+  // Reported through the agreement below, so that no rank waits alone for one that gave up.
+  if (progress.step < 0 || progress.step > kMaxStep)
+    error = s.where + ": step " + std::to_string(progress.step) + " cannot name a checkpoint (expected 0 to " +
+            std::to_string(kMaxStep) + ")";
+  const std::string final_name = step_name(std::clamp<int64_t>(progress.step, 0, kMaxStep));
+  if (s.rank == 0 && error.empty()) {
     nonce = random_nonce();
     try {
-      make_directories(s.options.directory, s.where);
-      make_directories(join_path(s.options.directory, "." + final_name + ".tmp-" + nonce), s.where);
+      s.storage->create_staging(s.storage->staging_location(final_name, nonce));
     } catch (const std::exception& e) {
       error = e.what();
     }
   }
-  CollectedState state;
+  SaveState state;
   try {
-    state = collect_state(s.targets, s.rank, s.where);
+    state = s.collect();
+  } catch (const CheckpointError& e) {
+    if (error.empty()) error = std::string(e.what()).rfind(s.where, 0) == 0 ? e.what() : s.where + ": " + e.what();
   } catch (const std::exception& e) {
-    if (error.empty()) error = e.what();
+    if (error.empty()) error = s.where + ": " + e.what();
   }
 
   // Every rank describes what it holds; every rank derives the same plan from all descriptions.
@@ -304,8 +308,7 @@ void Checkpointer::save(const TrainingProgress& progress, const std::map<std::st
     detail::InternalOperations guard("checkpoint plan");
     for (const auto& text : s.exchange(dump_text(mine))) all.push_back(json::parse(text));
   }
-  const std::string tmp =
-      join_path(s.options.directory, "." + final_name + ".tmp-" + all[0]["nonce"].get<std::string>());
+  const std::string staging = s.storage->staging_location(final_name, all[0]["nonce"].get<std::string>());
   SavePlan plan;
   try {
     std::vector<std::string> errors;
@@ -322,7 +325,7 @@ void Checkpointer::save(const TrainingProgress& progress, const std::map<std::st
       for (const auto& d : all[r]["tensors"]) per_rank[r].push_back(descriptor_from_json(d));
     plan = plan_save(per_rank, s.where);
   } catch (...) {
-    if (s.rank == 0) remove_tree(tmp);
+    if (s.rank == 0 && !all[0]["nonce"].get<std::string>().empty()) s.storage->abandon(staging);
     throw;
   }
 
@@ -335,7 +338,6 @@ void Checkpointer::save(const TrainingProgress& progress, const std::map<std::st
     tensors.push_back(t.tensor);
   }
   ShardWrite write;
-  write.path = join_path(tmp, shard_file_name(s.rank, s.size));
   write.inject_failure = test_hooks().fail_write_rank == s.rank;
   try {
     write.header = build_header(specs, {{"format", "pt"},
@@ -364,46 +366,44 @@ void Checkpointer::save(const TrainingProgress& progress, const std::map<std::st
     manifest.world.data_parallel = s.size / manifest.world.tensor_parallel;
     for (const auto& a : all) manifest.world.tp_ranks.push_back(tp > 1 ? a["tp_rank"].get<int>() : 0);
     manifest.tensors = std::move(plan.tensors);
-    json accumulation = nullptr;
-    if (s.targets.accumulator)
-      accumulation = {{"position", s.targets.accumulator->position()},
-                      {"micro_batches", s.targets.accumulator->micro_batches()}};
+    const json& sections = state.sections;
     manifest.progress = {{"step", progress.step},
                          {"epoch", progress.epoch},
                          {"sample", progress.sample},
-                         {"accumulation", accumulation}};
-    manifest.optimizer = state.optimizer;
-    manifest.scaler = state.scaler;
+                         {"accumulation", sections.value("accumulation", json(nullptr))}};
+    manifest.optimizer = sections.value("optimizer", json(nullptr));
+    manifest.scaler = sections.value("scaler", json(nullptr));
+    manifest.objects = sections.value("objects", json(nullptr));
     manifest.user = user;
   }
   CheckpointInfo info;
-  info.path = join_path(s.options.directory, final_name);
+  info.path = s.storage->location(final_name);
   info.progress = progress;
   info.user = user;
   const auto staged = trace::now();
   info.stall_seconds = seconds_between(started, staged);
   trace::span("checkpoint " + final_name + " snapshot", "checkpoint", started, staged, "train");
 
+  const std::string agreed_nonce = all[0]["nonce"].get<std::string>();
   if (!s.options.async) {
-    s.last = s.write_and_publish(std::move(write), std::move(manifest), tmp, final_name,
-                                 all[0]["nonce"].get<std::string>(), std::move(info), started);
+    s.last = s.write_and_publish(std::move(write), std::move(manifest), staging, final_name, agreed_nonce,
+                                 std::move(info), started);
     return;
   }
   std::promise<CheckpointInfo> promise;
   s.result = promise.get_future();
-  s.worker =
-      std::thread([&s, promise = std::move(promise), write = std::move(write), manifest = std::move(manifest), tmp,
-                   final_name, nonce = all[0]["nonce"].get<std::string>(), info = std::move(info), started]() mutable {
-        try {
-          promise.set_value(s.write_and_publish(std::move(write), std::move(manifest), tmp, final_name, nonce,
-                                                std::move(info), started));
-        } catch (...) {
-          promise.set_exception(std::current_exception());
-        }
-      });
+  s.worker = std::thread([&s, promise = std::move(promise), write = std::move(write), manifest = std::move(manifest),
+                          staging, final_name, agreed_nonce, info = std::move(info), started]() mutable {
+    try {
+      promise.set_value(s.write_and_publish(std::move(write), std::move(manifest), staging, final_name, agreed_nonce,
+                                            std::move(info), started));
+    } catch (...) {
+      promise.set_exception(std::current_exception());
+    }
+  });
 }
 
-CheckpointInfo Checkpointer::Impl::write_and_publish(ShardWrite write, Manifest manifest, std::string tmp,
+CheckpointInfo Checkpointer::Impl::write_and_publish(ShardWrite write, Manifest manifest, std::string staging,
                                                      std::string final_name, std::string nonce, CheckpointInfo info,
                                                      trace::Clock::time_point started) {
   detail::InternalOperations guard("checkpoint publish");
@@ -412,7 +412,7 @@ CheckpointInfo Checkpointer::Impl::write_and_publish(ShardWrite write, Manifest 
   ShardWritten written;
   try {
     if (!write.error.empty()) throw CheckpointError(write.error);
-    written = write_shard(write, where);
+    written = storage->write_shard(staging, shard_file_name(rank, size), write);
   } catch (const std::exception& e) {
     error = e.what();
   }
@@ -438,10 +438,10 @@ CheckpointInfo Checkpointer::Impl::write_and_publish(ShardWrite write, Manifest 
   std::string outcome;
   if (rank == 0) {
     if (errors.empty()) {
-      outcome = publish(std::move(manifest), tmp, final_name, nonce);
+      outcome = storage->publish(staging, final_name, manifest_to_json(manifest), nonce);
     } else {
       outcome = "not published (the previous one is intact):" + join_lines(errors);
-      remove_tree(tmp);
+      storage->abandon(staging);
     }
   }
   outcome = broadcast(outcome);
@@ -458,94 +458,10 @@ CheckpointInfo Checkpointer::Impl::write_and_publish(ShardWrite write, Manifest 
   return info;
 }
 
-std::string Checkpointer::Impl::publish(Manifest manifest, const std::string& tmp, const std::string& final_name,
-                                        const std::string& nonce) {
-  const std::string& directory = options.directory;
-  const std::string final_path = join_path(directory, final_name);
-  try {
-    fsync_directory(tmp, where);  // the shards' directory entries
-    phase("manifest");
-    write_file_atomic(join_path(tmp, kManifestName), manifest_to_json(manifest), where);
-    phase("rename");
-    install(tmp, final_path, final_name, nonce);
-  } catch (const std::exception& e) {
-    remove_tree(tmp);
-    return std::string("not published (the previous one is intact):\n  ") + e.what();
-  }
-  try {
-    phase("latest");
-    write_file_atomic(join_path(directory, kLatest), final_name + "\n", where);
-  } catch (const std::exception& e) {
-    // Complete, but `latest` still names the previous checkpoint, which a resume would pick.
-    return std::string("was written, but the latest pointer still names the previous one:\n  ") + e.what();
-  }
-  phase("rotate");
-  try {
-    rotate(final_name, nonce);
-  } catch (const std::exception& e) {
-    LOOM_LOG(warn, "checkpoint " << final_path << " published; removing old checkpoints failed: " << e.what());
-  }
-  return "";
-}
-
-void Checkpointer::Impl::install(const std::string& tmp, const std::string& final_path, const std::string& final_name,
-                                 const std::string& nonce) {
-  const std::string& directory = options.directory;
-  if (path_exists(final_path)) {
-    // A checkpoint of the same step is replaced in one step where the file system can swap two
-    // directories; otherwise it is moved aside first (a crash in between leaves the older steps).
-    if (exchange_paths(tmp, final_path, where)) {
-      fsync_directory(directory, where);
-      remove_tree(tmp);
-    } else {
-      const std::string trash = join_path(directory, ".trash-" + final_name + "-" + nonce);
-      rename_path(final_path, trash, where);
-      rename_path(tmp, final_path, where);
-      fsync_directory(directory, where);
-      remove_tree(trash);
-    }
-  } else {
-    rename_path(tmp, final_path, where);
-  }
-  fsync_directory(directory, where);
-}
-
-void Checkpointer::Impl::rotate(const std::string& keep, const std::string& nonce) {
-  const std::string& directory = options.directory;
-  // Leftovers of saves that crashed or were refused, and of interrupted deletions.
-  for (const auto& name : list_directory(directory))
-    if ((name.rfind(".step_", 0) == 0 && name.find(".tmp-") != std::string::npos) || name.rfind(".trash-", 0) == 0)
-      remove_tree(join_path(directory, name));
-  if (options.keep_last <= 0) return;
-  auto found = complete_checkpoints(directory);
-  if (found.size() <= static_cast<size_t>(options.keep_last)) return;
-  for (size_t i = 0; i + options.keep_last < found.size(); ++i) {
-    const std::string& name = found[i].second;
-    if (name == keep) continue;  // the newest, even when older steps sort after it
-    // Renamed first, so that a crash halfway through a deletion leaves no manifest-bearing remains.
-    const std::string trash = join_path(directory, ".trash-" + name + "-" + nonce);
-    rename_path(join_path(directory, name), trash, where);
-    remove_tree(trash);
-  }
-  fsync_directory(directory, where);
-}
-
 // ---- Load ------------------------------------------------------------------------------------------
 
 std::optional<std::string> Checkpointer::find_latest(const std::string& directory) {
-  const std::string pointer = join_path(directory, kLatest);
-  if (path_exists(pointer)) {
-    try {
-      std::string name = read_small_file(pointer, 4096, "latest");
-      while (!name.empty() && (name.back() == '\n' || name.back() == ' ' || name.back() == '\r')) name.pop_back();
-      if (parse_step_name(name) && is_complete(join_path(directory, name))) return join_path(directory, name);
-    } catch (const CheckpointError&) {
-      // An unreadable pointer: fall back to scanning.
-    }
-  }
-  auto found = complete_checkpoints(directory);
-  if (found.empty()) return std::nullopt;
-  return join_path(directory, found.back().second);
+  return PosixStorage::find_latest(directory);
 }
 
 std::optional<CheckpointInfo> Checkpointer::load_latest() {
@@ -553,7 +469,7 @@ std::optional<CheckpointInfo> Checkpointer::load_latest() {
   s.finish_pending(/*rethrow=*/true);
   std::string name;
   if (s.rank == 0) {
-    auto path = find_latest(s.options.directory);
+    auto path = s.storage->find_latest();
     if (path) name = path->substr(path->find_last_of('/') + 1);
   }
   {
@@ -561,27 +477,62 @@ std::optional<CheckpointInfo> Checkpointer::load_latest() {
     name = s.broadcast(name);  // every rank loads the same one, whatever changes meanwhile
   }
   if (name.empty()) return std::nullopt;
-  return load(join_path(s.options.directory, name));
+  return load(s.storage->location(name));
 }
 
-namespace {
-
-// A piece of this rank's state to fill from the checkpoint.
-struct Need {
-  std::string name;
-  const TensorRecord* record = nullptr;
-  Box box;  // in global coordinates
-  std::vector<int64_t> local_shape;
-};
-
-struct Piece {
-  const Need* need;
-  int shard;
-  Box saved;  // the slice as stored
-  Box inter;  // the part this rank needs
-};
-
-}  // namespace
+LoadedTensors Checkpointer::Impl::read(const std::string& path, const Manifest& m, const std::vector<Need>& needs,
+                                       const LoadPlan& plan, uint64_t& bytes_read) {
+  // Shards this rank verifies are read whole (checksummed); from the others only the entries (or
+  // rows) needed. Each datum is kept with its origin in global coordinates.
+  std::map<std::pair<int, std::string>, std::pair<at::Tensor, std::vector<int64_t>>> data;
+  for (const auto& [index, names] : plan.verify) {
+    for (auto& [name, t] : storage->read_verified_shard(path, m, index, names)) {
+      bytes_read += static_cast<uint64_t>(t.numel()) * t.element_size();
+      const TensorRecord& r = m.tensors.at(name);
+      for (const auto& slice : r.slices)
+        if (slice.shard == index)
+          data[{index, name}] = {t, slice_box(r.shape, r.split_dim, slice.offset, slice.length).start};
+    }
+  }
+  std::map<int, std::unique_ptr<ShardReader>> open;
+  for (const auto& p : plan.pieces) {
+    if (plan.verify.count(p.shard)) continue;
+    const std::string& name = needs[p.need].name;
+    if (!open.count(p.shard)) open.emplace(p.shard, storage->open_shard(path, m, p.shard));
+    std::vector<int64_t> origin = p.saved.start;
+    at::Tensor t;
+    if (p.rows_only) {
+      t = open.at(p.shard)->read_rows(name, p.inter.start[0] - p.saved.start[0], p.inter.size[0]);
+      origin[0] = p.inter.start[0];
+    } else {
+      t = open.at(p.shard)->read_rows(name, 0, -1);
+    }
+    bytes_read += static_cast<uint64_t>(t.numel()) * t.element_size();
+    data[{p.shard, name}] = {t, origin};
+  }
+  // Each need from its pieces (the data itself when one piece is exactly the need).
+  std::map<size_t, std::vector<const Piece*>> by_need;
+  for (const auto& p : plan.pieces) by_need[p.need].push_back(&p);
+  LoadedTensors assembled;
+  for (size_t n = 0; n < needs.size(); ++n) {
+    const Need& need = needs[n];
+    const auto& list = by_need[n];
+    if (list.size() == 1) {
+      const auto& [t, origin] = data.at({list[0]->shard, need.name});
+      if (origin == need.box.start && t.sizes().vec() == need.local_shape) {
+        assembled[need.name] = t;
+        continue;
+      }
+    }
+    at::Tensor out = host_empty(need.local_shape, need.record->dtype);
+    for (const Piece* p : list) {
+      const auto& [t, origin] = data.at({p->shard, need.name});
+      narrow_to(out, p->inter, need.box.start).copy_(narrow_to(t, p->inter, origin));
+    }
+    assembled[need.name] = out;
+  }
+  return assembled;
+}
 
 CheckpointInfo Checkpointer::load(const std::string& path) {
   auto& s = *impl_;
@@ -589,235 +540,48 @@ CheckpointInfo Checkpointer::load(const std::string& path) {
   const auto started = trace::now();
   std::vector<std::string> problems;
   Manifest m;
-  CollectedState live;
-  std::vector<Need> needs;
-  std::map<std::string, at::Tensor> assembled;     // name -> host tensor shaped like this rank's piece
-  std::map<std::string, std::string> rng_sources;  // local key ("cpu", "stream/x") -> saved tensor name
+  SaveState live;
+  LoadedTensors loaded;
   uint64_t bytes_read = 0;
   TrainingProgress progress;
-  int64_t accumulation_position = 0;
+  const std::string manifest_path = join_path(path, kManifestName);
+  const LoadContext context{m, path, live, s.rank, s.size, s.where};
   try {
-    const std::string manifest_path = join_path(path, kManifestName);
-    const std::string manifest_text = read_small_file(manifest_path, kMaxManifestBytes, s.where);
+    const std::string manifest_text = s.storage->read_manifest(path);
     if (!check_manifest_integrity(manifest_text, s.where + ": manifest " + manifest_path))
       LOOM_LOG(warn, "checkpoint " << path << " has a version-1 manifest, which carries no checksum of its own: "
                                    << "its tensor-to-slice map is trusted as it stands");
     m = parse_manifest(manifest_text, s.where + ": manifest " + manifest_path);
-    live = collect_state(s.targets, s.rank, s.where);
+    live = s.collect();
 
-    // The model and extra tensors, against the manifest: names as a diff, then shapes and dtypes.
-    std::vector<std::string> missing, unexpected, mismatched;
-    std::set<std::string> live_names;
-    for (const auto& t : live.tensors) {
-      if (t.name.rfind("model/", 0) != 0 && t.name.rfind("extra/", 0) != 0) continue;
-      live_names.insert(t.name);
-      auto it = m.tensors.find(t.name);
-      if (it == m.tensors.end()) {
-        missing.push_back(t.name);
-        continue;
-      }
-      const TensorRecord& r = it->second;
-      if (r.shape != t.global_shape || r.dtype != t.tensor.scalar_type()) {
-        mismatched.push_back(t.name + ": checkpoint " + c10::toString(r.dtype) + " " + shape_to_string(r.shape) +
-                             ", live " + c10::toString(t.tensor.scalar_type()) + " " + shape_to_string(t.global_shape));
-        continue;
-      }
-      needs.push_back(
-          {t.name, &r, slice_box(t.global_shape, t.split_dim, t.offset, t.length()), t.tensor.sizes().vec()});
-    }
-    for (const auto& [name, r] : m.tensors)
-      if (name.rfind("model/", 0) == 0 && s.targets.model && !live_names.count(name)) unexpected.push_back(name);
-    if (!missing.empty() || !unexpected.empty()) {
-      std::string diff;
-      for (const auto& n : unexpected) diff += "\n    - " + n;
-      for (const auto& n : missing) diff += "\n    + " + n;
-      problems.push_back(s.where + ": tensor names differ between " + manifest_path +
-                         " and the live state (- only in the checkpoint, + only live):" + diff);
-    }
-    if (!mismatched.empty()) problems.push_back(s.where + ": shapes or dtypes differ:" + join_lines(mismatched));
-
-    // Optimizer state follows its parameter's live layout.
-    for (const auto& p : check_optimizer(s.targets, m.optimizer)) problems.push_back(s.where + ": " + p);
-    if (s.targets.optimizer && problems.empty()) {
-      std::map<std::string, const LocalTensor*> params;
-      for (const auto& t : live.tensors) params[t.name] = &t;
-      for (const auto& [name, r] : m.tensors) {
-        if (name.rfind("optim/", 0) != 0) continue;
-        const std::string param = "model/" + name.substr(6, name.find_last_of('/') - 6);
-        auto it = params.find(param);
-        if (it == params.end()) {
-          problems.push_back(s.where + ": optimizer state " + name + " belongs to no live parameter");
-          continue;
-        }
-        const LocalTensor& p = *it->second;
-        if (r.shape == p.global_shape && r.dtype == p.tensor.scalar_type())
-          needs.push_back(
-              {name, &r, slice_box(p.global_shape, p.split_dim, p.offset, p.length()), p.tensor.sizes().vec()});
-        else if (r.split_dim < 0)
-          needs.push_back({name, &r, slice_box(r.shape, -1, 0, 0), r.shape});
-        else
-          problems.push_back(s.where + ": optimizer state " + name + " " + shape_to_string(r.shape) +
-                             " does not match its parameter " + shape_to_string(p.global_shape));
-      }
-    }
-    for (const auto& p : check_scaler(s.targets, m.scaler)) problems.push_back(s.where + ": " + p);
-
-    // Progress and the accumulation window.
     const json& pr = m.progress;
     for (const char* key : {"step", "epoch", "sample"})
       if (!pr.contains(key) || !pr[key].is_number_integer())
-        problems.push_back(s.where + ": manifest progress has no integer \"" + key + "\"");
+        problems.push_back("manifest progress has no integer \"" + std::string(key) + "\"");
     if (problems.empty())
       progress = {pr["step"].get<int64_t>(), pr["epoch"].get<int64_t>(), pr["sample"].get<int64_t>()};
-    if (s.targets.accumulator && pr.contains("accumulation") && pr["accumulation"].is_object()) {
-      const json& a = pr["accumulation"];
-      if (!a.contains("position") || !a["position"].is_number_unsigned() || !a.contains("micro_batches") ||
-          !a["micro_batches"].is_number_unsigned()) {
-        problems.push_back(s.where + ": manifest accumulation position is malformed");
-      } else {
-        accumulation_position = a["position"].get<int64_t>();
-        if (accumulation_position != 0 && a["micro_batches"].get<uint64_t>() != s.targets.accumulator->micro_batches())
-          problems.push_back(s.where + ": the checkpoint was taken inside an accumulation window of " +
-                             std::to_string(a["micro_batches"].get<uint64_t>()) + " micro-batches (position " +
-                             std::to_string(accumulation_position) + "); the live accumulator has " +
-                             std::to_string(s.targets.accumulator->micro_batches()));
-        else if (accumulation_position >= static_cast<int64_t>(s.targets.accumulator->micro_batches()))
-          accumulation_position = 0;
-      }
-    }
 
-    // RNG: the same rank's states at the same layout; otherwise rank 0's generators (identical in
-    // TP-style training) and, at the same TP degree, the streams of a rank with this TP rank.
-    const bool same_layout = m.world.size == s.size && m.world.tensor_parallel == live.tp_size;
-    const int generator_source = same_layout ? s.rank : 0;
-    int stream_source = same_layout ? s.rank : -1;
-    if (!same_layout && m.world.tensor_parallel == live.tp_size)
-      for (int r = 0; r < m.world.size && stream_source < 0; ++r)
-        if (m.world.tp_ranks[r] == live.tp_rank) stream_source = r;
-    for (const auto& t : live.tensors) {
-      if (t.name.rfind(rng_prefix(s.rank), 0) != 0) continue;
-      const std::string key = t.name.substr(rng_prefix(s.rank).size());
-      if (key.rfind("stream", 0) == 0) continue;
-      const std::string saved = rng_prefix(generator_source) + key;
-      if (m.tensors.count(saved)) {
-        rng_sources[key] = saved;
-      } else if (key == "cuda") {
-        // Saved before generators were keyed without their device number: this rank's device's.
-        const std::string legacy =
-            rng_prefix(generator_source) + "cuda" + std::to_string(at::detail::getCUDAHooks().current_device());
-        if (m.tensors.count(legacy)) rng_sources[key] = legacy;
-      }
-    }
-    for (RngTracker* tracker : s.targets.rng) {
-      if (stream_source < 0) break;
-      const std::string key_prefix = rng_stream_prefix(tracker->device().type());
-      const std::string prefix = rng_prefix(stream_source) + key_prefix;
-      for (const auto& [name, r] : m.tensors)
-        if (name.rfind(prefix, 0) == 0) rng_sources[key_prefix + name.substr(prefix.size())] = name;
-    }
-    if (!s.targets.rng.empty() && stream_source < 0)
-      LOOM_LOG(info, "checkpoint " << path << " was saved at TP " << m.world.tensor_parallel << ", loaded at TP "
-                                   << live.tp_size << ": RNG tracker streams are not restored");
-    for (const auto& [key, saved] : rng_sources) {
-      const TensorRecord& r = m.tensors.at(saved);
-      needs.push_back({saved, &r, slice_box(r.shape, -1, 0, 0), r.shape});
-    }
-
+    // Every provider says what it needs and what is wrong; nothing live changes.
+    std::vector<Need> needs;
+    for (StateProvider* provider : s.providers()) provider->plan(context, needs, problems);
     if (problems.empty()) {
-      // Which saved slices feed which needs; shards this rank verifies are read whole (checksummed),
-      // the others only for the entries (or rows) needed.
-      std::vector<Piece> pieces;
-      for (const auto& need : needs) {
-        const TensorRecord& r = *need.record;
-        for (const auto& slice : r.slices) {
-          const Box saved = slice_box(r.shape, r.split_dim, slice.offset, slice.length);
-          if (auto inter = intersect(need.box, saved)) pieces.push_back({&need, slice.shard, saved, *inter});
-        }
-      }
-      std::map<int, std::set<std::string>> wanted_whole;
-      for (int i = s.rank; i < static_cast<int>(m.shards.size()); i += s.size) wanted_whole[i];
-      for (const auto& p : pieces)
-        if (wanted_whole.count(p.shard)) wanted_whole[p.shard].insert(p.need->name);
-      std::map<std::pair<int, std::string>, std::pair<at::Tensor, std::vector<int64_t>>> data;  // + origin
-      for (const auto& [index, names] : wanted_whole) {
-        for (auto& [name, t] : read_verified_shard(path, m, index, names, s.where)) {
-          bytes_read += static_cast<uint64_t>(t.numel()) * t.element_size();
-          const TensorRecord& r = m.tensors.at(name);
-          for (const auto& slice : r.slices)
-            if (slice.shard == index)
-              data[{index, name}] = {t, slice_box(r.shape, r.split_dim, slice.offset, slice.length).start};
-        }
-      }
-      std::map<int, OpenShard> open;
-      for (const auto& p : pieces) {
-        if (wanted_whole.count(p.shard)) continue;
-        if (!open.count(p.shard)) open.emplace(p.shard, open_shard(path, m, p.shard, s.where));
-        // Only the rows needed when the piece spans every other dimension of the slice.
-        bool rows_only = !p.saved.start.empty();
-        for (size_t d = 1; rows_only && d < p.saved.start.size(); ++d) rows_only = p.inter.size[d] == p.saved.size[d];
-        std::vector<int64_t> origin = p.saved.start;
-        at::Tensor t;
-        if (rows_only) {
-          t = read_rows(open.at(p.shard), p.need->name, p.inter.start[0] - p.saved.start[0], p.inter.size[0], s.where);
-          origin[0] = p.inter.start[0];
-        } else {
-          t = read_rows(open.at(p.shard), p.need->name, 0, -1, s.where);
-        }
-        bytes_read += static_cast<uint64_t>(t.numel()) * t.element_size();
-        data[{p.shard, p.need->name}] = {t, origin};
-      }
-      // Assemble each need from its pieces.
-      std::map<std::string, std::vector<const Piece*>> by_need;
-      for (const auto& p : pieces) by_need[p.need->name].push_back(&p);
-      for (const auto& need : needs) {
-        const auto& list = by_need[need.name];
-        int64_t covered = 0, volume = 1;
-        for (auto d : need.box.size) volume *= d;
-        for (const Piece* p : list) {
-          int64_t v = 1;
-          for (auto d : p->inter.size) v *= d;
-          covered += v;
-        }
-        if (covered != volume)
-          throw CheckpointError(s.where + ": the slices of " + need.name + " in " + path + " cover " +
-                                std::to_string(covered) + " of the " + std::to_string(volume) +
-                                " elements needed here");
-        if (list.size() == 1) {
-          const auto& [t, origin] = data.at({list[0]->shard, need.name});
-          if (origin == need.box.start && t.sizes().vec() == need.local_shape) {
-            assembled[need.name] = t;
-            continue;
-          }
-        }
-        at::Tensor out = host_empty(need.local_shape, need.record->dtype);
-        for (const Piece* p : list) {
-          const auto& [t, origin] = data.at({p->shard, need.name});
-          narrow_to(out, p->inter, need.box.start).copy_(narrow_to(t, p->inter, origin));
-        }
-        assembled[need.name] = out;
-      }
-      // Generator states are checked on scratch generators of the kind they restore (a CUDA
-      // tracker's streams on a CUDA generator), so that a malformed one fails here.
-      for (const auto& [key, saved] : rng_sources) {
-        try {
-          at::Generator scratch = generator_for_key(key.rfind("stream", 0) == 0 ? "cpu" : key).clone();
-          for (RngTracker* tracker : s.targets.rng)
-            if (key.rfind(rng_stream_prefix(tracker->device().type()), 0) == 0)
-              scratch = at::globalContext().defaultGenerator(tracker->device()).clone();
-          scratch.set_state(assembled.at(saved));
-        } catch (const std::exception& e) {
-          problems.push_back(s.where + ": RNG state " + saved + " in " + path +
-                             " is not a generator state: " + e.what());
-        }
-      }
+      const LoadPlan plan = plan_load(m, needs, s.rank, s.size);
+      if (!plan.uncovered.empty())
+        throw CheckpointError(s.where + ": the saved slices in " + path + " do not cover what this rank needs:" +
+                              join_lines(plan.uncovered));
+      loaded = s.read(path, m, needs, plan, bytes_read);
+      for (StateProvider* provider : s.providers()) provider->verify(context, loaded, problems);
     }
   } catch (const std::exception& e) {
     // Any failure (also an allocation or a torch error) becomes this rank's verdict: raising it
     // here would leave the other ranks waiting in the agreement below.
-    problems.push_back(e.what());
+    problems.push_back(std::string(e.what()).rfind(s.where, 0) == 0 ? std::string(e.what())
+                                                                     : s.where + ": " + e.what());
   }
+  for (auto& p : problems)
+    if (p.rfind(s.where, 0) != 0) p = s.where + ": " + p;
 
-  // Every rank's verdict: the model is touched only when all of them verified their part.
+  // Every rank's verdict: nothing is touched unless all of them verified their part.
   std::vector<std::string> verdicts;
   {
     detail::InternalOperations guard("checkpoint load");
@@ -835,26 +599,7 @@ CheckpointInfo Checkpointer::load(const std::string& path) {
   if (!all_problems.empty())
     throw CheckpointError(s.where + ": cannot load " + path + " (nothing was changed):" + join_lines(all_problems));
 
-  // Apply.
-  for (auto& t : live.tensors) {
-    if (t.name.rfind("model/", 0) != 0 && t.name.rfind("extra/", 0) != 0) continue;
-    copy_into(t.tensor, assembled.at(t.name));
-  }
-  std::map<std::string, at::Tensor> optimizer_tensors;
-  for (auto& [name, t] : assembled)
-    if (name.rfind("optim/", 0) == 0) optimizer_tensors[name] = t;
-  apply_optimizer(s.targets, m.optimizer, optimizer_tensors);
-  apply_scaler(s.targets, m.scaler);
-  for (const auto& [key, saved] : rng_sources)
-    if (key.rfind("stream", 0) != 0) apply_generator_state(key, assembled.at(saved));
-  for (RngTracker* tracker : s.targets.rng) {
-    const std::string prefix = rng_stream_prefix(tracker->device().type());
-    std::map<std::string, at::Tensor> streams;
-    for (const auto& [key, saved] : rng_sources)
-      if (key.rfind(prefix, 0) == 0) streams[key.substr(prefix.size())] = assembled.at(saved);
-    if (!streams.empty()) tracker->set_states(streams);
-  }
-  if (s.targets.accumulator) s.targets.accumulator->set_position(static_cast<size_t>(accumulation_position));
+  for (StateProvider* provider : s.providers()) provider->apply(context, loaded);
 
   CheckpointInfo info;
   info.path = path;

@@ -122,13 +122,14 @@ std::string manifest_to_json(const Manifest& m) {
   }
   doc["optimizer"] = m.optimizer;
   doc["scaler"] = m.scaler;
+  if (!m.objects.is_null()) doc["objects"] = m.objects;
   doc["user"] = m.user;
   doc[kManifestChecksumKey] = to_hex(checksum_of_document(doc));
   return doc.dump(1) + "\n";
 }
 
 bool check_manifest_integrity(std::string_view text, const std::string& where) {
-  if (!nesting_within(text, 8)) return true;  // parse_manifest refuses it
+  if (!nesting_within(text, kMaxManifestNesting)) return true;  // parse_manifest refuses it
   nlohmann::ordered_json doc = nlohmann::ordered_json::parse(text.begin(), text.end(), nullptr, false);
   if (doc.is_discarded() || !doc.is_object()) return true;
   const auto version = doc.find("format_version");
@@ -157,7 +158,7 @@ std::string reseal_manifest(std::string_view text) {
 }
 
 Manifest parse_manifest(std::string_view text, const std::string& where) {
-  if (!nesting_within(text, 8)) reject(where, "nests deeper than a manifest can");
+  if (!nesting_within(text, kMaxManifestNesting)) reject(where, "nests deeper than a manifest can");
   const json doc = json::parse(text.begin(), text.end(), nullptr, /*allow_exceptions=*/false);
   if (doc.is_discarded() || !doc.is_object()) reject(where, "is not a JSON object");
   const json& format = member(doc, "format", where, "");
@@ -259,6 +260,11 @@ Manifest parse_manifest(std::string_view text, const std::string& where) {
         slice.offset = integer(s, "offset", 0, extent, where, context + "slice: ");
         slice.length = integer(s, "length", 0, extent, where, context + "slice: ");
       }
+      // A shard holds one entry per tensor name: two slices of one tensor cannot share a shard.
+      for (const auto& other : r.slices)
+        if (other.shard == slice.shard)
+          reject(where, context + "places two slices in shard " + std::to_string(slice.shard) +
+                            ", which holds one entry per tensor");
       r.slices.push_back(slice);
     }
     // Exact coverage: a replicated tensor is one slice; a split one is tiled in order with no gap
@@ -289,6 +295,10 @@ Manifest parse_manifest(std::string_view text, const std::string& where) {
   if (!m.optimizer.is_null() && !m.optimizer.is_object()) reject(where, "\"optimizer\" is neither null nor an object");
   m.scaler = member(doc, "scaler", where, "");
   if (!m.scaler.is_null() && !m.scaler.is_object()) reject(where, "\"scaler\" is neither null nor an object");
+  if (auto objects = doc.find("objects"); objects != doc.end()) {  // from version 2, when objects were saved
+    m.objects = *objects;
+    if (!m.objects.is_null() && !m.objects.is_object()) reject(where, "\"objects\" is neither null nor an object");
+  }
   const json& user = member(doc, "user", where, "");
   if (!user.is_object()) reject(where, "\"user\" is not an object");
   for (auto it = user.begin(); it != user.end(); ++it) {

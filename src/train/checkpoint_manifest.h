@@ -32,6 +32,8 @@ inline constexpr const char* kManifestChecksumKey = "manifest_xxh3_64";
 inline constexpr const char* kFormatName = "torchloom.checkpoint";
 inline constexpr const char* kManifestName = "manifest.json";
 inline constexpr uint64_t kMaxManifestBytes = 256ull << 20;
+// Deepest JSON nesting a manifest may have (objects' states included): bounds the parser's recursion.
+inline constexpr int kMaxManifestNesting = 32;
 
 struct ShardRecord {
   std::string file;  // relative to the checkpoint directory
@@ -71,6 +73,7 @@ struct Manifest {
   nlohmann::json progress = nlohmann::json::object();  // step, epoch, sample, accumulation
   nlohmann::json optimizer;                            // null when none was saved
   nlohmann::json scaler;                               // null when none was saved
+  nlohmann::json objects;                              // name -> JSON state; null when none was saved
   std::map<std::string, std::string> user;
 };
 

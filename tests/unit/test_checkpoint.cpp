@@ -23,6 +23,7 @@
 #include "loom/parallel/tensor_parallel.h"
 #include "loom/train/checkpoint.h"
 #include "train/checkpoint_files.h"
+#include "train/checkpoint_load_plan.h"
 #include "train/checkpoint_manifest.h"
 #include "train/safetensors.h"
 
@@ -182,6 +183,85 @@ TEST(Safetensors, HugeHeaderLengthIsRefusedBeforeAnyAllocation) {
   EXPECT_LT(g_largest_allocation.load(), size_t(1) << 16);
 }
 
+// Slices of a split tensor tile it exactly, and a shard holds one entry per tensor name.
+TEST(CheckpointManifest, OverlappingSlicesAndTwoSlicesInOneShardAreRefused) {
+  ckpt::Manifest m;
+  m.world = {2, 2, 1, {0, 1}};
+  m.shards = {{"shard-00000-of-00002.safetensors", 0, 100, 0x1234},
+              {"shard-00001-of-00002.safetensors", 1, 90, 0xabcd}};
+  ckpt::TensorRecord w;
+  w.shape = {8, 4};
+  w.split_dim = 0;
+  auto refused = [&](std::vector<ckpt::SliceRecord> slices) {
+    w.slices = std::move(slices);
+    m.tensors = {{"model/w", w}};
+    return expect_checkpoint_error([&] { ckpt::parse_manifest(ckpt::manifest_to_json(m), "manifest"); });
+  };
+  EXPECT_NE(refused({{0, 0, 4}, {1, 2, 6}}).find("(overlap)"), std::string::npos);
+  EXPECT_NE(refused({{0, 0, 4}, {0, 4, 4}}).find("places two slices in shard 0"), std::string::npos);
+  w.slices = {{0, 0, 4}, {1, 4, 4}};
+  m.tensors = {{"model/w", w}};
+  EXPECT_EQ(ckpt::parse_manifest(ckpt::manifest_to_json(m), "manifest").tensors.at("model/w").slices.size(), 2u);
+}
+
+// The load planner, in one process: which saved slices feed which need, which shards a rank
+// verifies whole, and which pieces it reads partially (rows only where possible).
+TEST(CheckpointLoadPlan, SameLayoutReshardingAndPartialReads) {
+  ckpt::Manifest m;
+  m.world = {2, 2, 1, {0, 1}};
+  m.shards = {{"a", 0, 1, 0}, {"b", 1, 1, 0}};
+  ckpt::TensorRecord rows;  // [8, 4] split along dim 0 over two shards
+  rows.shape = {8, 4};
+  rows.split_dim = 0;
+  rows.slices = {{0, 0, 4}, {1, 4, 4}};
+  ckpt::TensorRecord cols = rows;  // [4, 8] split along dim 1
+  cols.shape = {4, 8};
+  cols.split_dim = 1;
+  ckpt::TensorRecord whole;  // [8, 4] in shard 0 only
+  whole.shape = {8, 4};
+  whole.slices = {{0, 0, 0}};
+  auto need = [](const std::string& name, const ckpt::TensorRecord& r, std::vector<int64_t> start,
+                 std::vector<int64_t> size) { return ckpt::Need{name, &r, {start, size}, size}; };
+
+  // Same layout, rank 0 of 2: its own slice from the shard it verifies; nothing partial.
+  auto same = ckpt::plan_load(m, {need("rows", rows, {0, 0}, {4, 4})}, 0, 2);
+  ASSERT_EQ(same.pieces.size(), 1u);
+  EXPECT_EQ(same.pieces[0].shard, 0);
+  EXPECT_EQ(same.verify.size(), 1u);
+  EXPECT_EQ(same.verify.at(0), std::set<std::string>{"rows"});
+  EXPECT_TRUE(same.uncovered.empty());
+
+  // TP 2 -> 1 at one rank: both slices, both shards verified by the only rank.
+  auto joined = ckpt::plan_load(m, {need("rows", rows, {0, 0}, {8, 4})}, 0, 1);
+  ASSERT_EQ(joined.pieces.size(), 2u);
+  EXPECT_EQ(joined.verify.size(), 2u);
+  EXPECT_EQ(joined.pieces[1].inter, (ckpt::Box{{4, 0}, {4, 4}}));
+
+  // TP 1 -> 2, rank 1 of 2: shard 0 is rank 0's to verify, so rank 1 reads its rows partially.
+  auto split = ckpt::plan_load(m, {need("whole", whole, {4, 0}, {4, 4})}, 1, 2);
+  ASSERT_EQ(split.pieces.size(), 1u);
+  EXPECT_TRUE(split.pieces[0].rows_only);
+  EXPECT_EQ(split.pieces[0].inter, (ckpt::Box{{4, 0}, {4, 4}}));
+  EXPECT_EQ(split.verify.count(0), 0u);
+  ASSERT_EQ(split.verify.count(1), 1u);
+  EXPECT_TRUE(split.verify.at(1).empty()) << "rank 1 verifies shard 1 and keeps nothing from it";
+
+  // Rows of a stored column slice are contiguous in it: read as rows when the piece spans the
+  // slice's columns; a piece that takes only some of them is read whole.
+  auto spanning = ckpt::plan_load(m, {need("cols", cols, {1, 0}, {2, 4})}, 1, 2);
+  ASSERT_EQ(spanning.pieces.size(), 1u);
+  EXPECT_TRUE(spanning.pieces[0].rows_only);
+  auto straddling = ckpt::plan_load(m, {need("cols", cols, {1, 2}, {2, 4})}, 1, 2);
+  ASSERT_EQ(straddling.pieces.size(), 2u);
+  EXPECT_FALSE(straddling.pieces[0].rows_only);
+  EXPECT_FALSE(straddling.pieces[1].rows_only);
+
+  // A need reaching outside its tensor is reported, not silently zero-filled.
+  auto outside = ckpt::plan_load(m, {need("rows", rows, {6, 0}, {4, 4})}, 0, 1);
+  ASSERT_EQ(outside.uncovered.size(), 1u);
+  EXPECT_NE(outside.uncovered[0].find("rows: 8 of 16"), std::string::npos) << outside.uncovered[0];
+}
+
 // ---- Fuzz: mutated shards and manifests ------------------------------------------------------------
 
 std::string mutate(std::string input, std::mt19937_64& rng) {
@@ -321,6 +401,11 @@ std::unique_ptr<torch::optim::Optimizer> make_optimizer(const std::string& kind,
                                                torch::optim::SGDOptions(0.05).momentum(0.9).nesterov(true));
   if (kind == "adam")
     return std::make_unique<torch::optim::Adam>(net->parameters(), torch::optim::AdamOptions(0.01).amsgrad(true));
+  if (kind == "rmsprop")  // every state tensor: square_avg, momentum_buffer, grad_avg
+    return std::make_unique<torch::optim::RMSprop>(net->parameters(),
+                                                   torch::optim::RMSpropOptions(0.01).momentum(0.9).centered(true));
+  if (kind == "adagrad")
+    return std::make_unique<torch::optim::Adagrad>(net->parameters(), torch::optim::AdagradOptions(0.05).lr_decay(0.01));
   return std::make_unique<torch::optim::AdamW>(net->parameters(), torch::optim::AdamWOptions(0.01).weight_decay(0.1));
 }
 
@@ -372,6 +457,14 @@ std::map<std::string, at::Tensor> snapshot(Training& t) {
         s[key.str() + "/step"] = at::tensor({w->step()});
       } else if (auto* m = dynamic_cast<torch::optim::SGDParamState*>(it->second.get())) {
         s[key.str() + "/momentum"] = m->momentum_buffer().clone();
+      } else if (auto* r = dynamic_cast<torch::optim::RMSpropParamState*>(it->second.get())) {
+        s[key.str() + "/square_avg"] = r->square_avg().clone();
+        s[key.str() + "/momentum"] = r->momentum_buffer().clone();
+        s[key.str() + "/grad_avg"] = r->grad_avg().clone();
+        s[key.str() + "/step"] = at::tensor({r->step()});
+      } else if (auto* g = dynamic_cast<torch::optim::AdagradParamState*>(it->second.get())) {
+        s[key.str() + "/sum"] = g->sum().clone();
+        s[key.str() + "/step"] = at::tensor({g->step()});
       }
     }
     s["lr"] = at::tensor({group.options().get_lr()});
@@ -434,7 +527,70 @@ TEST_P(RoundTrip, EveryPieceIsRestoredBitwise) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Optimizers, RoundTrip,
-                         ::testing::Combine(::testing::Values("sgd", "adam", "adamw"), ::testing::Bool()));
+                         ::testing::Combine(::testing::Values("sgd", "adam", "adamw", "rmsprop", "adagrad"),
+                                            ::testing::Bool()));
+
+// Steps outside what a checkpoint name holds are refused at save, on every rank, writing nothing.
+TEST(Checkpoint, StepsOutsideTheNamedRangeAreRefused) {
+  const std::string dir = fresh_dir("bad_steps");
+  Training a("sgd", 3);
+  loom::Checkpointer c(nullptr, {.directory = dir});
+  a.attach(c);
+  for (int64_t step : {int64_t(-1), int64_t(1'000'000'000'000'000'000LL)}) {
+    const std::string message = expect_checkpoint_error([&] { c.save({.step = step}); });
+    EXPECT_NE(message.find("cannot name a checkpoint"), std::string::npos) << message;
+  }
+  EXPECT_FALSE(loom::Checkpointer::find_latest(dir));
+}
+
+// Objects with JSON state: saved by name, checked before anything changes, loaded after.
+TEST(Checkpoint, ObjectsWithJsonStateRoundTripAndARefusalChangesNothing) {
+  const std::string dir = fresh_dir("objects");
+  Training a("adam", 4);
+  a.steps(1);
+  int epoch_of_loader = 7;
+  loom::Checkpointer c(nullptr, {.directory = dir, .async = false});
+  a.attach(c);
+  auto loader_state = [&](int& target) {
+    return loom::Checkpointer::ObjectState{
+        [&target] { return "{\"epoch\": " + std::to_string(target) + "}"; },
+        [](const std::string& text) {
+          if (json::parse(text)["epoch"].get<int>() < 0) throw std::invalid_argument("negative epoch");
+        },
+        [&target](const std::string& text) { target = json::parse(text)["epoch"].get<int>(); }};
+  };
+  c.object("loader", loader_state(epoch_of_loader));
+  c.save({.step = 1});
+
+  Training b("adam", 5);
+  b.steps(1);
+  int restored = -1;
+  loom::Checkpointer cb(nullptr, {.directory = dir});
+  b.attach(cb);
+  cb.object("loader", loader_state(restored));
+  ASSERT_TRUE(cb.load_latest());
+  EXPECT_EQ(restored, 7);
+
+  // A state the object refuses: CheckpointError, and neither the object nor the model changed.
+  epoch_of_loader = -3;
+  c.save({.step = 2});
+  restored = 11;
+  const auto before = snapshot(b);
+  const std::string message = expect_checkpoint_error([&] { cb.load_latest(); });
+  EXPECT_NE(message.find("the state of object \"loader\" is refused: negative epoch"), std::string::npos) << message;
+  EXPECT_EQ(restored, 11);
+  expect_same(before, snapshot(b));
+}
+
+// LBFGS keeps a closure's history, not tensors per parameter: refused by name at save.
+TEST(Checkpoint, LbfgsIsRefusedByName) {
+  Net net;
+  torch::optim::LBFGS lbfgs(net->parameters());
+  loom::Checkpointer c(nullptr, {.directory = fresh_dir("lbfgs")});
+  c.model(*net).optimizer(lbfgs);
+  const std::string message = expect_checkpoint_error([&] { c.save({.step = 1}); });
+  EXPECT_NE(message.find("LBFGS cannot be checkpointed"), std::string::npos) << message;
+}
 
 // One tracker per device type: a second CPU tracker would save its streams over the first's keys.
 TEST(Checkpoint, RefusesTwoTrackersOfOneDeviceType) {
@@ -550,7 +706,7 @@ TEST(CheckpointCorruption, EditedManifest) {
         t["slices"] =
             json::array({{{"shard", 0}, {"offset", 0}, {"length", 4}}, {{"shard", 0}, {"offset", 2}, {"length", 4}}});
       },
-      {"tensor \"model/col.weight\"", "(overlap)"});
+      {"tensor \"model/col.weight\"", "places two slices in shard 0"});
   // The manifest's shape disagrees with the shard (and with the model).
   edit(
       [](json& j) {
@@ -559,6 +715,9 @@ TEST(CheckpointCorruption, EditedManifest) {
       {"model/fc1.weight: checkpoint Float [8, 5], live Float [8, 4]"});
   edit([](json& j) { j["tensors"]["model/fc1.weight"]["dtype"] = "F64"; }, {"model/fc1.weight"});
   edit([](json& j) { j.erase("shards"); }, {s.manifest, "has no \"shards\""});
+  // Hyper-parameters the optimizer's constructor would refuse, found on a scratch optimizer.
+  edit([](json& j) { j["optimizer"]["param_groups"][0]["options"]["lr"] = -1.0; },
+       {"optimizer parameter group 0: options refused by Adam", "Invalid learning rate"});
   // State the live object would refuse is refused before the model changes (it was applied after).
   edit([](json& j) { j["scaler"]["growth_factor"] = 0.5; }, {"grad scaler state refused", "growth_factor must be > 1.0"});
   write_file(s.manifest, original.substr(0, original.size() / 2));

@@ -5,9 +5,10 @@
 // shape, dtype and which shard holds which slice, an XXH3-64 checksum per shard, and the
 // non-tensor state (docs/checkpoint-format.md). What is saved: the model's parameters and buffers
 // (tensor-parallel ones as slices, replicated ones once, the writes spread over the ranks), the
-// optimizer's state and parameter groups (SGD, Adam, AdamW), the GradScaler's state, the RNG
-// states (CPU, CUDA, RngTracker streams), step/epoch/sample, the GradientAccumulator's position,
-// extra tensors and user key-values.
+// optimizer's state and parameter groups (SGD, Adam, AdamW, RMSprop, Adagrad), the GradScaler's
+// state, the RNG states (CPU, the current CUDA device's, RngTracker streams), step/epoch/sample,
+// the GradientAccumulator's position, extra tensors (whole or sliced), objects with JSON state and
+// user key-values.
 //
 //   auto rt = loom::init();
 //   loom::Checkpointer ckpt(rt->world_comm(), {.directory = "ckpt", .keep_last = 3});
@@ -27,14 +28,16 @@
 //   `latest` pointer (write, fsync, rename). A crash at any moment leaves the previous checkpoint
 //   intact; a directory without a manifest is not a checkpoint. keep_last rotation deletes old
 //   checkpoints only after the new one is published, never the newest.
-// - Asynchronous: save() copies the state to host memory (pinned for CUDA tensors; the buffer is
-//   kept for the next save) and returns; a background thread writes and publishes, agreeing over
+// - Asynchronous: save() copies the state to host memory (CUDA tensors through a small pinned
+//   ring; the buffer is kept for the next save) and returns; a background thread writes and publishes, agreeing over
 //   the checkpointer's own communicator, so the training loop's collectives are never interleaved
 //   with it. A second save() waits for the first; wait() returns or throws its error on every
 //   rank.
-// - Verified, and no code run: load() parses the manifest, checks every shard's size, header
-//   (bounded and validated before anything is allocated from it) and checksum, and agrees on the
-//   result across ranks before it touches the model. Failures are loom::CheckpointError naming the
+// - Verified, and no code run: load() checks the manifest's own checksum, parses it, checks every
+//   shard's size, header (bounded and validated before anything is allocated from it) and
+//   checksum, checks every value on scratch objects (scaler, optimizer hyper-parameters, RNG
+//   states, the accumulation position), and agrees on the result across ranks before it touches
+//   anything: a load that fails changes nothing. Failures are loom::CheckpointError naming the
 //   file and tensor; names or shapes that differ from the model are listed as a diff.
 // - Reshardable: a checkpoint written at one TP x DP layout loads at another (slices are cut and
 //   joined along the split dimension); tensor-parallel modules describe their slices through
@@ -49,6 +52,7 @@
 #include <torch/nn/pimpl.h>
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <optional>
@@ -132,8 +136,32 @@ class Checkpointer {
   // rank resumed on another GPU number continues its own stream).
   Checkpointer& rng(RngTracker& tracker);
   Checkpointer& accumulator(GradientAccumulator& accumulator);
-  // A tensor saved once (replicated; e.g. an EMA of the weights) and restored in place.
+  // A tensor saved once (replicated; e.g. an EMA of the weights) and restored in place. Registering
+  // a name again replaces the earlier tensor (state that is reallocated between saves).
   Checkpointer& tensor(const std::string& name, at::Tensor tensor);
+  // This rank's slice of a tensor split along one dimension (e.g. a tensor-parallel weight that
+  // no loom::tp::ShardedModule describes): saved once per distinct slice, and resharded at load
+  // to whatever slice the loading rank registers.
+  struct Slice {
+    std::vector<int64_t> global_shape;
+    int dim = -1;        // the split dimension
+    int64_t offset = 0;  // where this rank's slice starts along `dim`
+  };
+  Checkpointer& tensor(const std::string& name, at::Tensor tensor, const Slice& slice);
+  // The tensor-parallel layout of state registered as slices (the manifest records it; per-rank
+  // RNG streams follow it when the layout changes). Modules implementing loom::tp::ShardedModule
+  // declare it themselves.
+  Checkpointer& tensor_parallel(int size, int rank);
+  // An object whose state is JSON text (an LR scheduler, a data loader's position), saved under
+  // the manifest's "objects" by name. `check` must throw for any state `load` would refuse,
+  // without changing the object: it runs before anything live changes, `load` only after every
+  // rank verified the whole checkpoint.
+  struct ObjectState {
+    std::function<std::string()> save;
+    std::function<void(const std::string&)> check;
+    std::function<void(const std::string&)> load;
+  };
+  Checkpointer& object(const std::string& name, ObjectState state);
 
   // Saves the registered state as step_<progress.step>/ (replacing one of the same step). With
   // async, returns after the host copy; throws a previous asynchronous save's error first.

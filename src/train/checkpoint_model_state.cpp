@@ -1,0 +1,145 @@
+// The model's parameters and buffers (model/<name>), and what every provider shares: matching a
+// live tensor with its saved record, and copying loaded data into place.
+#include <ATen/core/grad_mode.h>
+#include <torch/nn/module.h>
+
+#include <algorithm>
+#include <set>
+
+#include "loom/error.h"
+#include "loom/parallel/tensor_parallel.h"
+#include "train/checkpoint_providers.h"
+
+namespace loom::detail::ckpt {
+
+const LocalTensor* SaveState::find(const std::string& name) const {
+  for (const auto& t : tensors)
+    if (t.name == name) return &t;
+  return nullptr;
+}
+
+std::optional<std::string> need_for(const LocalTensor& live, const TensorRecord& record, std::vector<Need>& needs) {
+  if (record.shape != live.global_shape || record.dtype != live.tensor.scalar_type())
+    return live.name + ": checkpoint " + c10::toString(record.dtype) + " " + shape_to_string(record.shape) + ", live " +
+           c10::toString(live.tensor.scalar_type()) + " " + shape_to_string(live.global_shape);
+  needs.push_back({live.name, &record, live.box(), live.tensor.sizes().vec()});
+  return std::nullopt;
+}
+
+void copy_into(at::Tensor& live, const at::Tensor& source) {
+  at::NoGradGuard no_grad;
+  live.copy_(source);
+}
+
+namespace {
+
+void find_shards(torch::nn::Module& module, const std::string& prefix,
+                 std::unordered_map<const c10::TensorImpl*, tp::ShardInfo>& shards) {
+  if (const auto* sharded = dynamic_cast<const tp::ShardedModule*>(&module)) {
+    auto own = module.named_parameters(/*recurse=*/false);
+    for (const auto& [name, info] : sharded->shard_info()) {
+      const at::Tensor* p = own.find(name);
+      if (p == nullptr)
+        throw CheckpointError("module " + (prefix.empty() ? std::string("(root)") : prefix) +
+                              " describes a shard of \"" + name + "\", which is not one of its parameters");
+      shards[p->unsafeGetTensorImpl()] = info;
+    }
+  }
+  for (const auto& item : module.named_children())
+    find_shards(*item.value(), prefix.empty() ? item.key() : prefix + "." + item.key(), shards);
+}
+
+}  // namespace
+
+LocalTensor describe_slice(const std::string& name, const at::Tensor& tensor, int dim,
+                           const std::vector<int64_t>& global_shape, int64_t offset) {
+  LocalTensor t;
+  t.name = name;
+  t.tensor = tensor.detach();
+  t.global_shape = tensor.sizes().vec();
+  if (dim < 0) return t;
+  const int64_t dims = tensor.dim();
+  bool ok = dim < dims && static_cast<int64_t>(global_shape.size()) == dims && offset >= 0;
+  for (int64_t d = 0; ok && d < dims; ++d)
+    ok = d == dim ? offset + tensor.size(d) <= global_shape[d] : tensor.size(d) == global_shape[d];
+  if (!ok)
+    throw CheckpointError("tensor " + name + " of shape " + shape_to_string(tensor.sizes().vec()) +
+                          " is not a slice of its declared global shape " + shape_to_string(global_shape) +
+                          " along dim " + std::to_string(dim) + " at offset " + std::to_string(offset));
+  t.global_shape = global_shape;
+  t.split_dim = dim;
+  t.offset = offset;
+  return t;
+}
+
+std::unordered_map<const c10::TensorImpl*, std::string> ModelState::parameter_names() const {
+  std::unordered_map<const c10::TensorImpl*, std::string> names;
+  if (model_ == nullptr) return names;
+  for (const auto& item : model_->named_parameters(/*recurse=*/true))
+    names.emplace(item.value().unsafeGetTensorImpl(), item.key());
+  return names;
+}
+
+void ModelState::collect(int /*rank*/, SaveState& out) {
+  if (model_ == nullptr) return;
+  std::unordered_map<const c10::TensorImpl*, tp::ShardInfo> shards;
+  find_shards(*model_, "", shards);
+  for (const auto& [impl, info] : shards) {
+    out.tp_size = std::max(out.tp_size, info.tp_size);
+    if (info.tp_size > 1) out.tp_rank = info.tp_rank;
+  }
+  for (const auto& item : model_->named_parameters(/*recurse=*/true)) {
+    auto it = shards.find(item.value().unsafeGetTensorImpl());
+    if (it == shards.end() || it->second.dim < 0)
+      out.tensors.push_back(describe_slice("model/" + item.key(), item.value(), -1, {}, 0));
+    else
+      out.tensors.push_back(describe_slice("model/" + item.key(), item.value(), it->second.dim,
+                                           it->second.global_shape, it->second.offset));
+  }
+  for (const auto& item : model_->named_buffers(/*recurse=*/true)) {
+    if (!item.value().defined()) continue;
+    out.tensors.push_back(describe_slice("model/" + item.key(), item.value(), -1, {}, 0));
+    out.tensors.back().lowest_rank_writes = true;
+  }
+}
+
+void ModelState::plan(const LoadContext& context, std::vector<Need>& needs, std::vector<std::string>& problems) {
+  if (model_ == nullptr) return;
+  std::vector<std::string> missing, unexpected, mismatched;
+  std::set<std::string> live_names;
+  for (const auto& t : context.live.tensors) {
+    if (t.name.rfind("model/", 0) != 0) continue;
+    live_names.insert(t.name);
+    auto it = context.manifest.tensors.find(t.name);
+    if (it == context.manifest.tensors.end()) {
+      missing.push_back(t.name);
+      continue;
+    }
+    if (auto mismatch = need_for(t, it->second, needs)) mismatched.push_back(*mismatch);
+  }
+  for (const auto& [name, r] : context.manifest.tensors)
+    if (name.rfind("model/", 0) == 0 && !live_names.count(name)) unexpected.push_back(name);
+  if (!missing.empty() || !unexpected.empty()) {
+    std::string diff;
+    for (const auto& n : unexpected) diff += "\n    - " + n;
+    for (const auto& n : missing) diff += "\n    + " + n;
+    problems.push_back("tensor names differ between the checkpoint's manifest and the live state (- only in the "
+                       "checkpoint, + only live):" + diff);
+  }
+  if (!mismatched.empty()) {
+    std::string lines;
+    for (const auto& m : mismatched) lines += "\n  " + m;
+    problems.push_back("shapes or dtypes differ:" + lines);
+  }
+}
+
+void ModelState::apply(const LoadContext& context, const LoadedTensors& data) {
+  if (model_ == nullptr) return;
+  for (const auto& t : context.live.tensors) {
+    if (t.name.rfind("model/", 0) != 0) continue;
+    at::Tensor live = t.tensor;
+    copy_into(live, data.at(t.name));
+  }
+}
+
+}  // namespace loom::detail::ckpt

@@ -1,0 +1,429 @@
+// The optimizer's state: hyper-parameters, parameter groups (by parameter name) and step counts
+// in the manifest's "optimizer" section; state tensors under optim/<param>/<key>, sliced like their
+// parameter, so they reshard with it. SGD, Adam, AdamW, RMSprop and Adagrad (LibTorch's optimizers
+// whose state is tensors and a step); LBFGS (a closure and history) is refused by name.
+#include <torch/nn/module.h>
+#include <torch/optim/adagrad.h>
+#include <torch/optim/adam.h>
+#include <torch/optim/adamw.h>
+#include <torch/optim/lbfgs.h>
+#include <torch/optim/optimizer.h>
+#include <torch/optim/rmsprop.h>
+#include <torch/optim/sgd.h>
+
+#include <ATen/ops/zeros.h>
+
+#include <algorithm>
+#include <sstream>
+#include <type_traits>
+
+#include "loom/error.h"
+#include "train/checkpoint_providers.h"
+
+namespace loom::detail::ckpt {
+
+namespace {
+
+using json = nlohmann::json;
+using namespace torch::optim;
+
+enum class Kind { SGD, Adam, AdamW, RMSprop, Adagrad };
+
+const char* kind_name(Kind kind) {
+  switch (kind) {
+    case Kind::SGD: return "SGD";
+    case Kind::Adam: return "Adam";
+    case Kind::AdamW: return "AdamW";
+    case Kind::RMSprop: return "RMSprop";
+    case Kind::Adagrad: return "Adagrad";
+  }
+  return "?";
+}
+
+std::optional<Kind> kind_of(Optimizer& optimizer) {
+  if (dynamic_cast<AdamW*>(&optimizer)) return Kind::AdamW;
+  if (dynamic_cast<Adam*>(&optimizer)) return Kind::Adam;
+  if (dynamic_cast<SGD*>(&optimizer)) return Kind::SGD;
+  if (dynamic_cast<RMSprop*>(&optimizer)) return Kind::RMSprop;
+  if (dynamic_cast<Adagrad*>(&optimizer)) return Kind::Adagrad;
+  return std::nullopt;
+}
+
+std::string unsupported(Optimizer& optimizer) {
+  if (dynamic_cast<LBFGS*>(&optimizer))
+    return "torch::optim::LBFGS cannot be checkpointed (its state is a closure's history, not tensors per "
+           "parameter); supported are SGD, Adam, AdamW, RMSprop and Adagrad";
+  return "the optimizer is not one of torch::optim::SGD, Adam, AdamW, RMSprop, Adagrad";
+}
+
+// The optimizer's state is keyed by the parameter's TensorImpl: as void* in current LibTorch, as
+// its printed address in older releases.
+template <typename Map>
+typename Map::key_type state_key(const Map&, const at::Tensor& parameter) {
+  using Key = typename Map::key_type;
+  if constexpr (std::is_same_v<Key, std::string>) {
+    std::ostringstream s;
+    s << parameter.unsafeGetTensorImpl();
+    return s.str();
+  } else {
+    return static_cast<Key>(parameter.unsafeGetTensorImpl());
+  }
+}
+
+OptimizerParamState* find_state(Optimizer& optimizer, const at::Tensor& parameter) {
+  auto& state = optimizer.state();
+  auto it = state.find(state_key(state, parameter));
+  return it == state.end() ? nullptr : it->second.get();
+}
+
+// Each kind's hyper-parameters: 'd' double, 'b' bool, 'p' pair of doubles.
+std::vector<std::pair<const char*, char>> option_keys(Kind kind) {
+  switch (kind) {
+    case Kind::SGD:
+      return {{"lr", 'd'}, {"momentum", 'd'}, {"dampening", 'd'}, {"weight_decay", 'd'}, {"nesterov", 'b'}};
+    case Kind::Adam:
+    case Kind::AdamW:
+      return {{"lr", 'd'}, {"betas", 'p'}, {"eps", 'd'}, {"weight_decay", 'd'}, {"amsgrad", 'b'}};
+    case Kind::RMSprop:
+      return {{"lr", 'd'}, {"alpha", 'd'}, {"eps", 'd'}, {"weight_decay", 'd'}, {"momentum", 'd'}, {"centered", 'b'}};
+    case Kind::Adagrad:
+      return {{"lr", 'd'}, {"lr_decay", 'd'}, {"weight_decay", 'd'}, {"initial_accumulator_value", 'd'}, {"eps", 'd'}};
+  }
+  return {};
+}
+
+json options_json(Kind kind, const OptimizerOptions& options) {
+  switch (kind) {
+    case Kind::SGD: {
+      const auto& o = static_cast<const SGDOptions&>(options);
+      return {{"lr", o.lr()}, {"momentum", o.momentum()}, {"dampening", o.dampening()},
+              {"weight_decay", o.weight_decay()}, {"nesterov", o.nesterov()}};
+    }
+    case Kind::Adam: {
+      const auto& o = static_cast<const AdamOptions&>(options);
+      return {{"lr", o.lr()}, {"betas", {std::get<0>(o.betas()), std::get<1>(o.betas())}}, {"eps", o.eps()},
+              {"weight_decay", o.weight_decay()}, {"amsgrad", o.amsgrad()}};
+    }
+    case Kind::AdamW: {
+      const auto& o = static_cast<const AdamWOptions&>(options);
+      return {{"lr", o.lr()}, {"betas", {std::get<0>(o.betas()), std::get<1>(o.betas())}}, {"eps", o.eps()},
+              {"weight_decay", o.weight_decay()}, {"amsgrad", o.amsgrad()}};
+    }
+    case Kind::RMSprop: {
+      const auto& o = static_cast<const RMSpropOptions&>(options);
+      return {{"lr", o.lr()}, {"alpha", o.alpha()}, {"eps", o.eps()}, {"weight_decay", o.weight_decay()},
+              {"momentum", o.momentum()}, {"centered", o.centered()}};
+    }
+    case Kind::Adagrad: {
+      const auto& o = static_cast<const AdagradOptions&>(options);
+      return {{"lr", o.lr()}, {"lr_decay", o.lr_decay()}, {"weight_decay", o.weight_decay()},
+              {"initial_accumulator_value", o.initial_accumulator_value()}, {"eps", o.eps()}};
+    }
+  }
+  return nullptr;
+}
+
+void set_options(Kind kind, OptimizerOptions& options, const json& j) {
+  switch (kind) {
+    case Kind::SGD: {
+      auto& o = static_cast<SGDOptions&>(options);
+      o.lr(j["lr"].get<double>()).momentum(j["momentum"].get<double>()).dampening(j["dampening"].get<double>());
+      o.weight_decay(j["weight_decay"].get<double>()).nesterov(j["nesterov"].get<bool>());
+      return;
+    }
+    case Kind::Adam: {
+      auto& o = static_cast<AdamOptions&>(options);
+      o.lr(j["lr"].get<double>()).eps(j["eps"].get<double>()).weight_decay(j["weight_decay"].get<double>());
+      o.betas({j["betas"][0].get<double>(), j["betas"][1].get<double>()}).amsgrad(j["amsgrad"].get<bool>());
+      return;
+    }
+    case Kind::AdamW: {
+      auto& o = static_cast<AdamWOptions&>(options);
+      o.lr(j["lr"].get<double>()).eps(j["eps"].get<double>()).weight_decay(j["weight_decay"].get<double>());
+      o.betas({j["betas"][0].get<double>(), j["betas"][1].get<double>()}).amsgrad(j["amsgrad"].get<bool>());
+      return;
+    }
+    case Kind::RMSprop: {
+      auto& o = static_cast<RMSpropOptions&>(options);
+      o.lr(j["lr"].get<double>()).alpha(j["alpha"].get<double>()).eps(j["eps"].get<double>());
+      o.weight_decay(j["weight_decay"].get<double>()).momentum(j["momentum"].get<double>());
+      o.centered(j["centered"].get<bool>());
+      return;
+    }
+    case Kind::Adagrad: {
+      auto& o = static_cast<AdagradOptions&>(options);
+      o.lr(j["lr"].get<double>()).lr_decay(j["lr_decay"].get<double>()).weight_decay(j["weight_decay"].get<double>());
+      o.initial_accumulator_value(j["initial_accumulator_value"].get<double>()).eps(j["eps"].get<double>());
+      return;
+    }
+  }
+}
+
+// Builds an optimizer of `kind` from saved options on a scratch parameter: LibTorch's constructors
+// check the ranges (a negative lr, betas outside [0, 1)), so what they refuse is refused here.
+void check_options_on_scratch(Kind kind, const OptimizerOptions& live, const json& saved) {
+  std::unique_ptr<OptimizerOptions> options = live.clone();
+  set_options(kind, *options, saved);
+  std::vector<at::Tensor> scratch = {at::zeros({1})};
+  switch (kind) {
+    case Kind::SGD: SGD(scratch, static_cast<SGDOptions&>(*options)); return;
+    case Kind::Adam: Adam(scratch, static_cast<AdamOptions&>(*options)); return;
+    case Kind::AdamW: AdamW(scratch, static_cast<AdamWOptions&>(*options)); return;
+    case Kind::RMSprop: RMSprop(scratch, static_cast<RMSpropOptions&>(*options)); return;
+    case Kind::Adagrad: Adagrad(scratch, static_cast<AdagradOptions&>(*options)); return;
+  }
+}
+
+// The state tensors of one parameter by key, and its step count.
+void state_tensors(Kind kind, const OptimizerParamState& state, std::vector<std::pair<std::string, at::Tensor>>& tensors,
+                   std::optional<int64_t>& step) {
+  auto add = [&](const char* key, const at::Tensor& t) {
+    if (t.defined()) tensors.emplace_back(key, t);
+  };
+  switch (kind) {
+    case Kind::SGD:
+      add("momentum_buffer", static_cast<const SGDParamState&>(state).momentum_buffer());
+      return;
+    case Kind::Adam: {
+      const auto& s = static_cast<const AdamParamState&>(state);
+      step = s.step();
+      add("exp_avg", s.exp_avg()), add("exp_avg_sq", s.exp_avg_sq()), add("max_exp_avg_sq", s.max_exp_avg_sq());
+      return;
+    }
+    case Kind::AdamW: {
+      const auto& s = static_cast<const AdamWParamState&>(state);
+      step = s.step();
+      add("exp_avg", s.exp_avg()), add("exp_avg_sq", s.exp_avg_sq()), add("max_exp_avg_sq", s.max_exp_avg_sq());
+      return;
+    }
+    case Kind::RMSprop: {
+      const auto& s = static_cast<const RMSpropParamState&>(state);
+      step = s.step();
+      add("square_avg", s.square_avg()), add("momentum_buffer", s.momentum_buffer()), add("grad_avg", s.grad_avg());
+      return;
+    }
+    case Kind::Adagrad: {
+      const auto& s = static_cast<const AdagradParamState&>(state);
+      step = s.step();
+      add("sum", s.sum());
+      return;
+    }
+  }
+}
+
+// A fresh state object for one parameter from the loaded tensors (`get` returns an undefined tensor
+// for a key the checkpoint does not hold); nullptr when there is nothing to restore.
+std::unique_ptr<OptimizerParamState> make_state(Kind kind, const std::function<at::Tensor(const char*)>& get,
+                                                std::optional<int64_t> step) {
+  switch (kind) {
+    case Kind::SGD: {
+      at::Tensor momentum = get("momentum_buffer");
+      if (!momentum.defined()) return nullptr;
+      auto s = std::make_unique<SGDParamState>();
+      s->momentum_buffer(momentum);
+      return s;
+    }
+    case Kind::Adam:
+    case Kind::AdamW: {
+      at::Tensor exp_avg = get("exp_avg"), exp_avg_sq = get("exp_avg_sq"), max_sq = get("max_exp_avg_sq");
+      if (!step && !exp_avg.defined()) return nullptr;
+      auto fill = [&](auto s) -> std::unique_ptr<OptimizerParamState> {
+        s->step(step.value_or(0));
+        s->exp_avg(exp_avg);
+        s->exp_avg_sq(exp_avg_sq);
+        s->max_exp_avg_sq(max_sq);
+        return s;
+      };
+      if (kind == Kind::Adam) return fill(std::make_unique<AdamParamState>());
+      return fill(std::make_unique<AdamWParamState>());
+    }
+    case Kind::RMSprop: {
+      at::Tensor square_avg = get("square_avg");
+      if (!step && !square_avg.defined()) return nullptr;
+      auto s = std::make_unique<RMSpropParamState>();
+      s->step(step.value_or(0));
+      s->square_avg(square_avg);
+      s->momentum_buffer(get("momentum_buffer"));
+      s->grad_avg(get("grad_avg"));
+      return s;
+    }
+    case Kind::Adagrad: {
+      at::Tensor sum = get("sum");
+      if (!sum.defined()) return nullptr;  // Adagrad creates its state at construction
+      auto s = std::make_unique<AdagradParamState>();
+      s->step(step.value_or(0));
+      s->sum(sum);
+      return s;
+    }
+  }
+  return nullptr;
+}
+
+}  // namespace
+
+void OptimizerState::collect(int /*rank*/, SaveState& out) {
+  if (optimizer_ == nullptr) return;
+  auto& optimizer = *optimizer_;
+  const auto kind = kind_of(optimizer);
+  if (!kind) throw CheckpointError("cannot save the optimizer: " + unsupported(optimizer));
+  if (model_.model() == nullptr)
+    throw CheckpointError("the optimizer's state is saved by parameter name: register the model too");
+  const auto names = model_.parameter_names();
+  json groups = json::array();
+  json steps = json::object();
+  std::vector<LocalTensor> state;
+  std::vector<std::string> unnamed;
+  for (const auto& group : optimizer.param_groups()) {
+    json params = json::array();
+    for (const auto& p : group.params()) {
+      auto name = names.find(p.unsafeGetTensorImpl());
+      if (name == names.end()) {
+        unnamed.push_back(shape_to_string(p.sizes().vec()));
+        continue;
+      }
+      params.push_back(name->second);
+      const auto* s = find_state(optimizer, p);
+      if (s == nullptr) continue;
+      std::vector<std::pair<std::string, at::Tensor>> tensors;
+      std::optional<int64_t> step;
+      state_tensors(*kind, *s, tensors, step);
+      if (step) steps[name->second] = *step;
+      // The parameter's layout, so the state follows it when resharded.
+      const LocalTensor* param = out.find("model/" + name->second);
+      for (auto& [key, tensor] : tensors) {
+        const std::string saved = "optim/" + name->second + "/" + key;
+        if (param != nullptr && param->split_dim >= 0 && tensor.sizes() == param->tensor.sizes())
+          state.push_back(describe_slice(saved, tensor, param->split_dim, param->global_shape, param->offset));
+        else
+          state.push_back(describe_slice(saved, tensor, -1, {}, 0));
+      }
+    }
+    groups.push_back({{"params", std::move(params)}, {"options", options_json(*kind, group.options())}});
+  }
+  if (!unnamed.empty()) {
+    std::string list;
+    for (size_t i = 0; i < unnamed.size() && i < 8; ++i) list += (i ? ", " : "") + unnamed[i];
+    throw CheckpointError(std::to_string(unnamed.size()) + " optimizer parameter(s) are not parameters of the model (shapes " +
+                          list + ")");
+  }
+  out.sections["optimizer"] = {{"type", kind_name(*kind)}, {"param_groups", std::move(groups)}, {"steps", std::move(steps)}};
+  for (auto& t : state) out.tensors.push_back(std::move(t));
+}
+
+void OptimizerState::plan(const LoadContext& context, std::vector<Need>& needs, std::vector<std::string>& problems) {
+  if (optimizer_ == nullptr) return;
+  auto& optimizer = *optimizer_;
+  const json& saved = context.manifest.optimizer;
+  const auto kind = kind_of(optimizer);
+  if (!kind) return problems.push_back(unsupported(optimizer));
+  if (saved.is_null()) return problems.push_back("the checkpoint holds no optimizer state");
+  if (!saved.contains("type") || !saved["type"].is_string() || saved["type"].get<std::string>() != kind_name(*kind))
+    return problems.push_back("the checkpoint's optimizer is " +
+                              (saved.contains("type") ? saved["type"].dump() : std::string("unnamed")) +
+                              "; the live one is " + kind_name(*kind));
+  if (!saved.contains("param_groups") || !saved["param_groups"].is_array() || !saved.contains("steps") ||
+      !saved["steps"].is_object())
+    return problems.push_back("the checkpoint's optimizer section has no param_groups or steps");
+  const json& groups = saved["param_groups"];
+  const auto& live = optimizer.param_groups();
+  if (groups.size() != live.size())
+    return problems.push_back("the checkpoint's optimizer has " + std::to_string(groups.size()) +
+                              " parameter groups; the live one has " + std::to_string(live.size()));
+  if (model_.model() == nullptr)
+    return problems.push_back("the optimizer's state is loaded by parameter name: register the model too");
+  const auto names = model_.parameter_names();
+  const size_t before = problems.size();
+  for (size_t g = 0; g < live.size(); ++g) {
+    const std::string context_text = "optimizer parameter group " + std::to_string(g) + ": ";
+    const json& group = groups[g];
+    if (!group.is_object() || !group.contains("params") || !group["params"].is_array() || !group.contains("options") ||
+        !group["options"].is_object()) {
+      problems.push_back(context_text + "malformed in the checkpoint");
+      continue;
+    }
+    std::vector<std::string> saved_names, live_names;
+    for (const auto& n : group["params"]) saved_names.push_back(n.is_string() ? n.get<std::string>() : n.dump());
+    for (const auto& p : live[g].params()) {
+      auto it = names.find(p.unsafeGetTensorImpl());
+      live_names.push_back(it == names.end() ? "(not in the model)" : it->second);
+    }
+    if (saved_names != live_names) {
+      std::string diff;
+      for (const auto& n : saved_names)
+        if (std::find(live_names.begin(), live_names.end(), n) == live_names.end()) diff += " -" + n;
+      for (const auto& n : live_names)
+        if (std::find(saved_names.begin(), saved_names.end(), n) == saved_names.end()) diff += " +" + n;
+      problems.push_back(context_text + "parameters differ (- only in the checkpoint, + only live):" +
+                         (diff.empty() ? std::string(" same names in another order") : diff));
+    }
+    const json& options = group["options"];
+    bool well_formed = true;
+    for (const auto& [key, type] : option_keys(*kind)) {
+      const bool ok =
+          options.contains(key) && (type == 'd'   ? options[key].is_number()
+                                    : type == 'b' ? options[key].is_boolean()
+                                                  : options[key].is_array() && options[key].size() == 2 &&
+                                                        options[key][0].is_number() && options[key][1].is_number());
+      if (!ok) problems.push_back(context_text + "option \"" + key + "\" missing or malformed in the checkpoint");
+      well_formed = well_formed && ok;
+    }
+    if (!well_formed) continue;
+    try {
+      check_options_on_scratch(*kind, live[g].options(), options);
+    } catch (const std::exception& e) {
+      std::string what = e.what();
+      problems.push_back(context_text + "options refused by " + kind_name(*kind) + ": " + what.substr(0, what.find('\n')));
+    }
+  }
+  for (auto it = saved["steps"].begin(); it != saved["steps"].end(); ++it)
+    if (!it.value().is_number_integer() || it.value().get<int64_t>() < 0)
+      problems.push_back("optimizer step count of " + it.key() + " is " + it.value().dump());
+  if (problems.size() != before) return;
+
+  // State tensors follow their parameter's live layout.
+  for (const auto& [name, r] : context.manifest.tensors) {
+    if (name.rfind("optim/", 0) != 0) continue;
+    const std::string param = "model/" + name.substr(6, name.find_last_of('/') - 6);
+    const LocalTensor* p = context.live.find(param);
+    if (p == nullptr) {
+      problems.push_back("optimizer state " + name + " belongs to no live parameter");
+      continue;
+    }
+    if (r.shape == p->global_shape && r.dtype == p->tensor.scalar_type())
+      needs.push_back({name, &r, p->box(), p->tensor.sizes().vec()});
+    else if (r.split_dim < 0)
+      needs.push_back({name, &r, slice_box(r.shape, -1, 0, 0), r.shape});
+    else
+      problems.push_back("optimizer state " + name + " " + shape_to_string(r.shape) + " does not match its parameter " +
+                         shape_to_string(p->global_shape));
+  }
+}
+
+void OptimizerState::apply(const LoadContext& context, const LoadedTensors& data) {
+  if (optimizer_ == nullptr) return;
+  auto& optimizer = *optimizer_;
+  const json& saved = context.manifest.optimizer;
+  const auto kind = *kind_of(optimizer);
+  const auto names = model_.parameter_names();
+  auto& groups = optimizer.param_groups();
+  auto& state = optimizer.state();
+  state.clear();
+  const json& steps = saved["steps"];
+  for (size_t g = 0; g < groups.size(); ++g) {
+    set_options(kind, groups[g].options(), saved["param_groups"][g]["options"]);
+    for (const auto& p : groups[g].params()) {
+      const std::string& name = names.at(p.unsafeGetTensorImpl());
+      const std::string prefix = "optim/" + name + "/";
+      // Loaded tensors are fresh host tensors: moved to the parameter's device (a copy only off CPU).
+      auto get = [&](const char* key) -> at::Tensor {
+        auto it = data.find(prefix + key);
+        return it == data.end() ? at::Tensor() : it->second.to(p.device());
+      };
+      std::optional<int64_t> step;
+      if (steps.contains(name)) step = steps[name].get<int64_t>();
+      if (auto s = make_state(kind, get, step)) state[state_key(state, p)] = std::move(s);
+    }
+  }
+}
+
+}  // namespace loom::detail::ckpt

@@ -1,0 +1,159 @@
+// The state providers a Checkpointer is built from (see checkpoint_provider.h for the contract):
+// model (checkpoint_model_state.cpp), extra tensors and user objects (checkpoint_user_state.cpp),
+// optimizer (checkpoint_optimizer_state.cpp), grad scaler, RNG and accumulation window
+// (checkpoint_training_state.cpp).
+#pragma once
+
+#include <functional>
+#include <optional>
+#include <string>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+#include "train/checkpoint_provider.h"
+
+namespace torch::nn {
+class Module;
+}
+namespace torch::optim {
+class Optimizer;
+}
+namespace loom {
+class GradScaler;
+class RngTracker;
+class GradientAccumulator;
+}  // namespace loom
+
+namespace loom::detail::ckpt {
+
+// Parameters and buffers under model/, sliced as the model's tp::ShardedModules describe them.
+class ModelState final : public StateProvider {
+ public:
+  void set(torch::nn::Module* model) { model_ = model; }
+  torch::nn::Module* model() const { return model_; }
+  // Parameter TensorImpl -> name (for the optimizer's state, saved by parameter name).
+  std::unordered_map<const c10::TensorImpl*, std::string> parameter_names() const;
+
+  void collect(int rank, SaveState& out) override;
+  void plan(const LoadContext& context, std::vector<Need>& needs, std::vector<std::string>& problems) override;
+  void apply(const LoadContext& context, const LoadedTensors& data) override;
+
+ private:
+  torch::nn::Module* model_ = nullptr;
+};
+
+// Tensors registered by name (extra/<name>), whole or as this rank's slice of a global tensor;
+// and a declared tensor-parallel layout for state no ShardedModule describes (Python models).
+class ExtraTensors final : public StateProvider {
+ public:
+  struct Slice {
+    std::vector<int64_t> global_shape;
+    int dim = -1;
+    int64_t offset = 0;
+  };
+  // Registering a name again replaces it.
+  void add(const std::string& name, at::Tensor tensor, std::optional<Slice> slice, const std::string& where);
+  void declare_tensor_parallel(int size, int rank) { tp_ = {size, rank}; }
+
+  void collect(int rank, SaveState& out) override;
+  void plan(const LoadContext& context, std::vector<Need>& needs, std::vector<std::string>& problems) override;
+  void apply(const LoadContext& context, const LoadedTensors& data) override;
+
+ private:
+  struct Entry {
+    std::string name;
+    at::Tensor tensor;
+    std::optional<Slice> slice;
+  };
+  std::vector<Entry> entries_;
+  std::optional<std::pair<int, int>> tp_;
+};
+
+// Objects whose state is JSON text (a Python LR scheduler's state_dict, a data loader's position):
+// saved under the manifest's "objects" section by name. check() must refuse what load() would
+// refuse, without changing the object.
+class UserObjects final : public StateProvider {
+ public:
+  struct Object {
+    std::function<std::string()> save;
+    std::function<void(const std::string&)> check;
+    std::function<void(const std::string&)> load;
+  };
+  void add(const std::string& name, Object object) { objects_[name] = std::move(object); }
+
+  void collect(int rank, SaveState& out) override;
+  void plan(const LoadContext& context, std::vector<Need>& needs, std::vector<std::string>& problems) override;
+  void apply(const LoadContext& context, const LoadedTensors& data) override;
+
+ private:
+  std::map<std::string, Object> objects_;
+};
+
+// The optimizer's hyper-parameters, parameter groups (by parameter name) and step counts as the
+// "optimizer" section; its state tensors under optim/<param>/<key>, sliced like their parameter.
+class OptimizerState final : public StateProvider {
+ public:
+  explicit OptimizerState(const ModelState& model) : model_(model) {}
+  void set(torch::optim::Optimizer* optimizer) { optimizer_ = optimizer; }
+
+  void collect(int rank, SaveState& out) override;
+  void plan(const LoadContext& context, std::vector<Need>& needs, std::vector<std::string>& problems) override;
+  void apply(const LoadContext& context, const LoadedTensors& data) override;
+
+ private:
+  const ModelState& model_;
+  torch::optim::Optimizer* optimizer_ = nullptr;
+};
+
+// GradScaler::state_dict() as the "scaler" section.
+class ScalerState final : public StateProvider {
+ public:
+  void set(GradScaler* scaler) { scaler_ = scaler; }
+  void collect(int rank, SaveState& out) override;
+  void plan(const LoadContext& context, std::vector<Need>& needs, std::vector<std::string>& problems) override;
+  void apply(const LoadContext& context, const LoadedTensors& data) override;
+
+ private:
+  GradScaler* scaler_ = nullptr;
+};
+
+// Each rank's default generators (CPU; the current CUDA device's, keyed "cuda") and RNG-tracker
+// streams (one tracker per device type) under rng/rank<r>/. At the same layout a rank gets its
+// own; otherwise rank 0's generators and, at the same TP degree, the streams of a rank with its
+// TP rank.
+class RngState final : public StateProvider {
+ public:
+  // InvalidArgumentError (prefixed by `where`) for a second tracker of one device type.
+  void add(RngTracker& tracker, const std::string& where);
+
+  void collect(int rank, SaveState& out) override;
+  void plan(const LoadContext& context, std::vector<Need>& needs, std::vector<std::string>& problems) override;
+  void verify(const LoadContext& context, const LoadedTensors& data, std::vector<std::string>& problems) override;
+  void apply(const LoadContext& context, const LoadedTensors& data) override;
+
+ private:
+  std::vector<RngTracker*> trackers_;
+  std::map<std::string, std::string> sources_;  // local key ("cpu", "stream/x") -> saved name (from plan)
+};
+
+// The accumulation window's position (the "accumulation" section).
+class AccumulationState final : public StateProvider {
+ public:
+  void set(GradientAccumulator* accumulator) { accumulator_ = accumulator; }
+  void collect(int rank, SaveState& out) override;
+  void plan(const LoadContext& context, std::vector<Need>& needs, std::vector<std::string>& problems) override;
+  void apply(const LoadContext& context, const LoadedTensors& data) override;
+
+ private:
+  GradientAccumulator* accumulator_ = nullptr;
+  int64_t position_ = 0;  // from plan
+};
+
+// The generator a saved RNG key restores: "cpu", "cuda" (current device), or the legacy "cuda<i>".
+at::Generator generator_for_key(const std::string& key);
+// "stream/" for the CPU tracker, "stream-<type>/" (e.g. "stream-cuda/") for another device's.
+std::string rng_stream_prefix(c10::DeviceType type);
+std::string rng_prefix(int rank);
+
+}  // namespace loom::detail::ckpt

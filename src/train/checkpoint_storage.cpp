@@ -1,0 +1,182 @@
+#include "train/checkpoint_storage.h"
+
+#include <algorithm>
+#include <cstdio>
+
+#include "loom/error.h"
+#include "loom/log.h"
+#include "train/checkpoint_files.h"
+#include "train/checkpoint_hooks.h"
+
+namespace loom::detail::ckpt {
+
+namespace {
+
+constexpr const char* kLatest = "latest";
+constexpr const char* kStepPrefix = "step_";
+
+bool is_complete(const std::string& path) { return path_exists(join_path(path, kManifestName)); }
+
+class PosixShardReader final : public ShardReader {
+ public:
+  PosixShardReader(OpenShard shard, std::string where) : shard_(std::move(shard)), where_(std::move(where)) {}
+  at::Tensor read_rows(const std::string& name, int64_t row_begin, int64_t rows) override {
+    return ckpt::read_rows(shard_, name, row_begin, rows, where_);
+  }
+
+ private:
+  OpenShard shard_;
+  std::string where_;
+};
+
+}  // namespace
+
+std::string step_name(int64_t step) {
+  char name[40];
+  std::snprintf(name, sizeof(name), "step_%06lld", static_cast<long long>(step));
+  return name;
+}
+
+std::optional<int64_t> parse_step_name(const std::string& name) {
+  if (name.rfind(kStepPrefix, 0) != 0 || name.size() == 5 || name.size() > 5 + 18) return std::nullopt;
+  int64_t step = 0;
+  for (size_t i = 5; i < name.size(); ++i) {
+    if (name[i] < '0' || name[i] > '9') return std::nullopt;
+    step = step * 10 + (name[i] - '0');
+  }
+  return step;
+}
+
+PosixStorage::PosixStorage(std::string directory, int keep_last, std::string where)
+    : directory_(std::move(directory)), keep_last_(keep_last), where_(std::move(where)) {}
+
+std::vector<std::pair<int64_t, std::string>> PosixStorage::complete_checkpoints(const std::string& directory) {
+  std::vector<std::pair<int64_t, std::string>> found;
+  for (const auto& name : list_directory(directory)) {
+    auto step = parse_step_name(name);
+    if (step && is_complete(join_path(directory, name))) found.emplace_back(*step, name);
+  }
+  std::sort(found.begin(), found.end());
+  return found;
+}
+
+std::optional<std::string> PosixStorage::find_latest(const std::string& directory) {
+  const std::string pointer = join_path(directory, kLatest);
+  if (path_exists(pointer)) {
+    try {
+      std::string name = read_small_file(pointer, 4096, "latest");
+      while (!name.empty() && (name.back() == '\n' || name.back() == ' ' || name.back() == '\r')) name.pop_back();
+      if (parse_step_name(name) && is_complete(join_path(directory, name))) return join_path(directory, name);
+    } catch (const CheckpointError&) {
+      // An unreadable pointer: fall back to scanning.
+    }
+  }
+  auto found = complete_checkpoints(directory);
+  if (found.empty()) return std::nullopt;
+  return join_path(directory, found.back().second);
+}
+
+std::string PosixStorage::staging_location(const std::string& step_name, const std::string& nonce) const {
+  return join_path(directory_, "." + step_name + ".tmp-" + nonce);
+}
+
+void PosixStorage::create_staging(const std::string& staging) {
+  make_directories(directory_, where_);
+  make_directories(staging, where_);
+}
+
+ShardWritten PosixStorage::write_shard(const std::string& staging, const std::string& file, const ShardWrite& write) {
+  ShardWrite located = write;
+  located.path = join_path(staging, file);
+  return ckpt::write_shard(located, where_);
+}
+
+void PosixStorage::abandon(const std::string& staging) { remove_tree(staging); }
+
+std::string PosixStorage::location(const std::string& step_name) const { return join_path(directory_, step_name); }
+
+std::string PosixStorage::publish(const std::string& staging, const std::string& final_name,
+                                  const std::string& manifest_text, const std::string& nonce) {
+  const std::string final_path = join_path(directory_, final_name);
+  try {
+    fsync_directory(staging, where_);  // the shards' directory entries
+    phase("manifest");
+    write_file_atomic(join_path(staging, kManifestName), manifest_text, where_);
+    phase("rename");
+    install(staging, final_path, final_name, nonce);
+  } catch (const std::exception& e) {
+    remove_tree(staging);
+    return std::string("not published (the previous one is intact):\n  ") + e.what();
+  }
+  try {
+    phase("latest");
+    write_file_atomic(join_path(directory_, kLatest), final_name + "\n", where_);
+  } catch (const std::exception& e) {
+    // Complete, but `latest` still names the previous checkpoint, which a resume would pick.
+    return std::string("was written, but the latest pointer still names the previous one:\n  ") + e.what();
+  }
+  phase("rotate");
+  try {
+    rotate(final_name, nonce);
+  } catch (const std::exception& e) {
+    LOOM_LOG(warn, "checkpoint " << final_path << " published; removing old checkpoints failed: " << e.what());
+  }
+  return "";
+}
+
+void PosixStorage::install(const std::string& staging, const std::string& final_path, const std::string& final_name,
+                           const std::string& nonce) {
+  if (path_exists(final_path)) {
+    // A checkpoint of the same step is replaced in one step where the file system can swap two
+    // directories; otherwise it is moved aside first (a crash in between leaves the older steps).
+    if (exchange_paths(staging, final_path, where_)) {
+      fsync_directory(directory_, where_);
+      remove_tree(staging);
+    } else {
+      const std::string trash = join_path(directory_, ".trash-" + final_name + "-" + nonce);
+      rename_path(final_path, trash, where_);
+      rename_path(staging, final_path, where_);
+      fsync_directory(directory_, where_);
+      remove_tree(trash);
+    }
+  } else {
+    rename_path(staging, final_path, where_);
+  }
+  fsync_directory(directory_, where_);
+}
+
+void PosixStorage::rotate(const std::string& keep, const std::string& nonce) {
+  // Leftovers of saves that crashed or were refused, and of interrupted deletions.
+  for (const auto& name : list_directory(directory_))
+    if ((name.rfind(".step_", 0) == 0 && name.find(".tmp-") != std::string::npos) || name.rfind(".trash-", 0) == 0)
+      remove_tree(join_path(directory_, name));
+  if (keep_last_ <= 0) return;
+  auto found = complete_checkpoints(directory_);
+  if (found.size() <= static_cast<size_t>(keep_last_)) return;
+  for (size_t i = 0; i + keep_last_ < found.size(); ++i) {
+    const std::string& name = found[i].second;
+    if (name == keep) continue;  // the newest, even when older steps sort after it
+    // Renamed first, so that a crash halfway through a deletion leaves no manifest-bearing remains.
+    const std::string trash = join_path(directory_, ".trash-" + name + "-" + nonce);
+    rename_path(join_path(directory_, name), trash, where_);
+    remove_tree(trash);
+  }
+  fsync_directory(directory_, where_);
+}
+
+std::string PosixStorage::read_manifest(const std::string& checkpoint) {
+  return read_small_file(join_path(checkpoint, kManifestName), kMaxManifestBytes, where_);
+}
+
+std::map<std::string, at::Tensor> PosixStorage::read_verified_shard(const std::string& checkpoint,
+                                                                    const Manifest& manifest, int index,
+                                                                    const std::set<std::string>& wanted) {
+  return ckpt::read_verified_shard(checkpoint, manifest, index, wanted, where_);
+}
+
+std::unique_ptr<ShardReader> PosixStorage::open_shard(const std::string& checkpoint, const Manifest& manifest,
+                                                      int index) {
+  return std::make_unique<PosixShardReader>(ckpt::open_shard(checkpoint, manifest, index, where_), where_);
+}
+
+}  // namespace loom::detail::ckpt
