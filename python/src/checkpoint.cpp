@@ -43,6 +43,26 @@ void bind_checkpoint(py::module_& m) {
       .def("tensor", [](loom::Checkpointer& c, const std::string& name, at::Tensor t) -> loom::Checkpointer& {
              return c.tensor(name, std::move(t));
            }, py::arg("name"), py::arg("tensor"), py::return_value_policy::reference_internal)
+      .def(
+          "tensor_slice",
+          [](loom::Checkpointer& c, const std::string& name, at::Tensor t, std::vector<int64_t> global_shape, int dim,
+             int64_t offset) -> loom::Checkpointer& {
+            return c.tensor(name, std::move(t), loom::Checkpointer::Slice{std::move(global_shape), dim, offset});
+          },
+          py::arg("name"), py::arg("tensor"), py::arg("global_shape"), py::arg("dim"), py::arg("offset"),
+          py::return_value_policy::reference_internal)
+      .def("remove_tensor", &loom::Checkpointer::remove_tensor, py::arg("name"))
+      .def("tensor_parallel", &loom::Checkpointer::tensor_parallel, py::arg("size"), py::arg("rank"),
+           py::return_value_policy::reference_internal)
+      // The callables run on the calling thread inside save() and load() (pybind11 takes the GIL).
+      .def(
+          "object",
+          [](loom::Checkpointer& c, const std::string& name, std::function<std::string()> save,
+             std::function<void(const std::string&)> check,
+             std::function<void(const std::string&)> load) -> loom::Checkpointer& {
+            return c.object(name, {std::move(save), std::move(check), std::move(load)});
+          },
+          py::arg("name"), py::arg("save"), py::arg("check"), py::arg("load"), py::return_value_policy::reference_internal)
       .def("scaler", &loom::Checkpointer::scaler, py::arg("scaler"), py::keep_alive<1, 2>(),
            py::return_value_policy::reference_internal)
       .def("rng", &loom::Checkpointer::rng, py::arg("tracker"), py::keep_alive<1, 2>(),
@@ -53,6 +73,7 @@ void bind_checkpoint(py::module_& m) {
       .def("pending", &loom::Checkpointer::pending)
       .def("load_latest", &loom::Checkpointer::load_latest, release_gil())
       .def("load", &loom::Checkpointer::load, py::arg("path"), release_gil())
+      .def("latest", &loom::Checkpointer::latest, release_gil())
       .def_static("find_latest", &loom::Checkpointer::find_latest, py::arg("directory"));
 }
 

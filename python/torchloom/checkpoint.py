@@ -1,28 +1,121 @@
-"""Checkpoints from Python: loom::Checkpointer with what maps to Python directly.
+"""Checkpoints from Python, at parity with C++: loom::Checkpointer underneath.
 
 The C++ checkpointer writes sharded, atomic, verified safetensors checkpoints in the background
-(docs/checkpoint-format.md). From Python it saves named tensors (register a model's parameters
-and buffers, and optimizer state tensors once they exist), torchloom.GradScaler, the RNG tracker
-(the CPU default generator and CUDA ones are always saved), progress and user key-values. Tensors
-are saved once (replicated) and restored in place; tensor-parallel slices are not resharded from
-Python (that needs the C++ module's shard description).
+(docs/checkpoint-format.md): every byte checksummed (the manifest too), every value checked before
+anything live changes, resharded to another TP x DP layout at load. From Python it saves:
+
+- models (``model()``): parameters and buffers by ``state_dict`` name; the slices of torchloom's
+  tensor-parallel layers as slices of their global tensors, so a checkpoint taken at TP 2 loads at
+  TP 1 (or 4);
+- any ``torch.optim`` optimizer (``optimizer()``): its state tensors sliced like their parameter,
+  its ``param_groups`` hyper-parameters, keyed by parameter name (loads into an optimizer whose
+  lazy state does not exist yet);
+- any object with ``state_dict``/``load_state_dict`` (``object()``, e.g. an LR scheduler);
+- ``torchloom.GradScaler``, RNG trackers, progress and user key-values.
 
     ckpt = torchloom.Checkpointer(torchloom.world_comm(), "ckpt", keep_last=3)
-    ckpt.model(ddp.module).scaler(scaler)
+    ckpt.model(model).optimizer(opt).object("lr_scheduler", sched).scaler(scaler)
     info = ckpt.load_latest()                     # None: start fresh
     ...
-    ckpt.save(torchloom.TrainingProgress(step=step))
-    ckpt.wait()
+    handle = ckpt.save(torchloom.TrainingProgress(step=step))   # returns after the host copy
+    handle.wait()                                               # or let the next save wait
+
+A load that fails raises ``torchloom.CheckpointError`` and changes nothing.
 """
 from __future__ import annotations
 
+import copy
 import datetime
-from typing import Dict, Optional, Union
+import json
+import math
+import os
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 import torch
 
 from . import _C
 from ._C import CheckpointInfo, TrainingProgress
+
+_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+           "BOOL": torch.bool}
+
+# The optimizer's state in the manifest's "objects" (a name no object() call can clash with: "/").
+_OPTIMIZER = "torch.optim/optimizer"
+
+# ---- State dicts as JSON with tensors set apart -------------------------------------------------------
+
+
+def _encode(value: Any, path: str, tensors: Dict[str, torch.Tensor]) -> Any:
+    """JSON for `value`, each tensor replaced by {"__tensor__": key} and put in `tensors` under key."""
+    if isinstance(value, torch.Tensor):
+        tensors[path] = value.detach()
+        return {"__tensor__": path}
+    if isinstance(value, bool) or value is None or isinstance(value, str):
+        return value
+    if isinstance(value, int):
+        return value
+    if isinstance(value, float):
+        return value if math.isfinite(value) else {"__float__": repr(value)}
+    if isinstance(value, tuple):
+        return {"__tuple__": [_encode(v, f"{path}/{i}", tensors) for i, v in enumerate(value)]}
+    if isinstance(value, list):
+        return [_encode(v, f"{path}/{i}", tensors) for i, v in enumerate(value)]
+    if isinstance(value, dict):
+        if all(isinstance(k, str) for k in value):
+            return {k: _encode(v, f"{path}/{k}", tensors) for k, v in value.items()}
+        return {"__dict__": [[_encode(k, f"{path}/key{i}", tensors), _encode(v, f"{path}/{i}", tensors)]
+                             for i, (k, v) in enumerate(value.items())]}
+    raise TypeError(f"checkpoint: cannot save {path} of type {type(value).__name__} "
+                    "(tensors, numbers, strings, None, lists, tuples and dicts can be saved)")
+
+
+def _decode(value: Any, tensors: Dict[str, torch.Tensor]) -> Any:
+    if isinstance(value, list):
+        return [_decode(v, tensors) for v in value]
+    if isinstance(value, dict):
+        if set(value) == {"__tensor__"}:
+            return tensors[value["__tensor__"]]
+        if set(value) == {"__float__"}:
+            return float(value["__float__"])
+        if set(value) == {"__tuple__"}:
+            return tuple(_decode(v, tensors) for v in value["__tuple__"])
+        if set(value) == {"__dict__"}:
+            return {_decode(k, tensors): _decode(v, tensors) for k, v in value["__dict__"]}
+        return {k: _decode(v, tensors) for k, v in value.items()}
+    return value
+
+
+def _placeholders(value: Any) -> List[str]:
+    """The tensor keys an encoded value refers to."""
+    if isinstance(value, list):
+        return [k for v in value for k in _placeholders(v)]
+    if isinstance(value, dict):
+        if set(value) == {"__tensor__"}:
+            return [value["__tensor__"]]
+        return [k for v in value.values() for k in _placeholders(v)]
+    return []
+
+
+class _Param:
+    """A registered parameter: its name, and its slice of a global tensor (None: whole)."""
+
+    def __init__(self, name: str, tensor: torch.Tensor, slice_: Optional[Tuple[List[int], int, int]]):
+        self.name, self.tensor, self.slice = name, tensor, slice_
+
+
+class SaveHandle:
+    """An asynchronous save in progress: wait() returns what it published or raises its
+    torchloom.CheckpointError (on every rank)."""
+
+    def __init__(self, checkpointer: "Checkpointer"):
+        self._checkpointer = checkpointer
+
+    def done(self) -> bool:
+        return not self._checkpointer.pending()
+
+    def wait(self) -> CheckpointInfo:
+        return self._checkpointer.wait()
 
 
 class Checkpointer:
@@ -31,6 +124,14 @@ class Checkpointer:
     def __init__(self, world: _C.Communicator, directory: str, keep_last: int = 3, async_: bool = True,
                  timeout: Union[float, datetime.timedelta, None] = None) -> None:
         self._impl = _C.Checkpointer(world, directory, keep_last=keep_last, async_=async_, timeout=timeout)
+        self._params: Dict[int, _Param] = {}  # id(tensor) -> registered parameter
+        self._optimizer: Optional[torch.optim.Optimizer] = None
+        self._objects: Dict[str, Any] = {}
+        self._dynamic: List[str] = []  # tensor names registered for the current save or load
+        self._scratch: Dict[str, torch.Tensor] = {}  # load: tensors the C++ side fills before apply
+        self._pending_text: Dict[str, str] = {}  # save: each object's JSON, made before the save
+
+    # ---- What is saved ---------------------------------------------------------------------------
 
     def tensor(self, name: str, tensor: torch.Tensor) -> "Checkpointer":
         """A tensor saved once (replicated) and restored in place."""
@@ -38,10 +139,47 @@ class Checkpointer:
         return self
 
     def model(self, module: torch.nn.Module, prefix: str = "model.") -> "Checkpointer":
-        """Every parameter and buffer of module (state_dict names, under prefix)."""
+        """Every parameter and buffer of module (state_dict names, under prefix); the slices of
+        torchloom tensor-parallel layers as slices of their global tensors."""
+        from .tensor_parallel import _ParallelLayer
+        sliced: Dict[int, Tuple[List[int], int, int]] = {}
+        for _, sub in module.named_modules():
+            if isinstance(sub, _ParallelLayer):
+                info = sub.shard_info()
+                for pname, p in sub.named_parameters(recurse=False):
+                    i = info.get(pname)
+                    if i is not None and i["dim"] >= 0:
+                        sliced[id(p)] = (list(i["global_shape"]), int(i["dim"]), int(i["offset"]))
+                        self._impl.tensor_parallel(int(i["tp_size"]), int(i["tp_rank"]))
         for name, t in module.state_dict(keep_vars=True).items():
-            if isinstance(t, torch.Tensor):
+            if not isinstance(t, torch.Tensor):
+                continue
+            s = sliced.get(id(t))
+            if s is None:
                 self._impl.tensor(prefix + name, t.detach())
+            else:
+                self._impl.tensor_slice(prefix + name, t.detach(), s[0], s[1], s[2])
+            self._params[id(t)] = _Param(prefix + name, t, s)
+        return self
+
+    def optimizer(self, optimizer: torch.optim.Optimizer) -> "Checkpointer":
+        """Any torch.optim optimizer over parameters of registered models: state tensors (sliced like
+        their parameter) and param_groups, by parameter name. Register the model(s) first."""
+        self._optimizer = optimizer
+        self._impl.object(_OPTIMIZER, lambda: self._pending_text[_OPTIMIZER],
+                          lambda text: self._check_object(_OPTIMIZER, text),
+                          lambda text: self._load_object(_OPTIMIZER, text))
+        return self
+
+    def object(self, name: str, obj: Any) -> "Checkpointer":
+        """Any object with state_dict() and load_state_dict() (an LR scheduler, a sampler). Before
+        anything changes, its saved state is checked with obj.check_state_dict(state) when it has
+        one, otherwise by loading it into a deep copy (torch LR schedulers: a key check)."""
+        if not hasattr(obj, "state_dict") or not hasattr(obj, "load_state_dict"):
+            raise TypeError(f"checkpoint object {name!r}: expected state_dict() and load_state_dict()")
+        self._objects[name] = obj
+        self._impl.object(name, lambda: self._pending_text[name], lambda text: self._check_object(name, text),
+                          lambda text: self._load_object(name, text))
         return self
 
     def scaler(self, scaler: "torchloom.GradScaler") -> "Checkpointer":  # noqa: F821
@@ -52,9 +190,23 @@ class Checkpointer:
         self._impl.rng(tracker)
         return self
 
-    def save(self, progress: TrainingProgress, user: Optional[Dict[str, str]] = None) -> None:
-        """Saves as step_<progress.step>/; with async_, returns after the host copy."""
+    # ---- Save ------------------------------------------------------------------------------------
+
+    def save(self, progress: TrainingProgress, user: Optional[Dict[str, str]] = None) -> SaveHandle:
+        """Saves as step_<progress.step>/; with async_, returns after the host copy (the handle's
+        wait(), or the next save, waits for the writing)."""
+        self._impl.wait()  # the previous save's tensors must not be replaced while it writes
+        self._forget_dynamic()
+        if self._optimizer is not None:
+            self._pending_text[_OPTIMIZER] = self._encode_optimizer()
+        for name, obj in self._objects.items():
+            tensors: Dict[str, torch.Tensor] = {}
+            encoded = _encode(obj.state_dict(), f"objects/{name}", tensors)
+            for key, t in tensors.items():
+                self._register(key, t)
+            self._pending_text[name] = json.dumps(encoded)
         self._impl.save(progress, user or {})
+        return SaveHandle(self)
 
     def wait(self) -> CheckpointInfo:
         """Waits for the pending save; raises its torchloom.CheckpointError on every rank."""
@@ -63,16 +215,193 @@ class Checkpointer:
     def pending(self) -> bool:
         return self._impl.pending()
 
+    # ---- Load ------------------------------------------------------------------------------------
+
     def load_latest(self) -> Optional[CheckpointInfo]:
-        """Loads the newest complete checkpoint; None when there is none."""
-        return self._impl.load_latest()
+        """Loads the newest complete checkpoint (the same on every rank); None when there is none."""
+        path = self._impl.latest()
+        return self.load(path) if path is not None else None
 
     def load(self, path: str) -> CheckpointInfo:
+        """Loads the checkpoint in path (a step_<N> directory); CheckpointError and nothing changed
+        when anything in it is wrong or does not fit the registered state."""
+        self._impl.wait()
+        self._forget_dynamic()
+        manifest = self._read_manifest(path)
+        objects = (manifest or {}).get("objects") or {}
+        if self._optimizer is not None:
+            self._prepare(manifest, objects.get(_OPTIMIZER))
+        for name in self._objects:
+            self._prepare(manifest, objects.get(name))
         return self._impl.load(path)
 
     @staticmethod
     def find_latest(directory: str) -> Optional[str]:
         return _C.Checkpointer.find_latest(directory)
 
+    # ---- Internals -------------------------------------------------------------------------------
 
-__all__ = ["Checkpointer", "CheckpointInfo", "TrainingProgress"]
+    def _register(self, key: str, t: torch.Tensor, slice_: Optional[Tuple[List[int], int, int]] = None) -> None:
+        if slice_ is None:
+            self._impl.tensor(key, t)
+        else:
+            self._impl.tensor_slice(key, t, slice_[0], slice_[1], slice_[2])
+        self._dynamic.append(key)
+
+    def _forget_dynamic(self) -> None:
+        for key in self._dynamic:
+            self._impl.remove_tensor(key)
+        self._dynamic = []
+        self._scratch = {}
+
+    def _param_name(self, p: torch.Tensor) -> _Param:
+        found = self._params.get(id(p))
+        if found is None:
+            raise ValueError(f"checkpoint: an optimizer parameter of shape {list(p.shape)} is not a parameter of a "
+                             "registered model (call model() first)")
+        return found
+
+    def _encode_optimizer(self) -> str:
+        opt = self._optimizer
+        groups = []
+        state: Dict[str, Any] = {}
+        for group in opt.param_groups:
+            names = []
+            for p in group["params"]:
+                param = self._param_name(p)
+                names.append(param.name)
+                per_param = opt.state.get(p)
+                if not per_param:
+                    continue
+                encoded: Dict[str, Any] = {}
+                for key, value in per_param.items():
+                    saved = f"optim/{param.name}/{key}"
+                    if isinstance(value, torch.Tensor):
+                        if param.slice is not None and value.shape == p.shape:
+                            self._register(saved, value.detach(), param.slice)
+                        elif param.slice is not None and value.dim() > 0:
+                            raise ValueError(f"checkpoint: optimizer state {key!r} of the sliced parameter "
+                                             f"{param.name} has shape {list(value.shape)}, neither the parameter's "
+                                             "nor a scalar: it cannot follow the parameter's slice")
+                        else:
+                            self._register(saved, value.detach())
+                        encoded[key] = {"__tensor__": saved}
+                    else:
+                        encoded[key] = _encode(value, saved, {})
+                state[param.name] = encoded
+            in_groups: Dict[str, torch.Tensor] = {}
+            hyper = {k: _encode(v, f"optimizer/param_groups/{k}", in_groups) for k, v in group.items() if k != "params"}
+            if in_groups:
+                raise TypeError(f"checkpoint: tensor-valued optimizer options {sorted(in_groups)} are not supported")
+            groups.append({"params": names, "options": hyper})
+        return json.dumps({"type": type(opt).__name__, "param_groups": groups, "state": state})
+
+    def _read_manifest(self, path: str) -> Optional[Dict[str, Any]]:
+        """The manifest as JSON, to learn what to prepare; None when unreadable (the C++ load then
+        refuses the checkpoint with the precise reason, verifying the manifest's checksum)."""
+        try:
+            with open(os.path.join(path, "manifest.json"), encoding="utf-8") as f:
+                return json.load(f)
+        except (OSError, ValueError):
+            return None
+
+    def _prepare(self, manifest: Optional[Dict[str, Any]], encoded: Any) -> None:
+        """Registers a scratch tensor (this rank's piece of it) for each tensor the saved state refers
+        to; the C++ load fills them, and only then are they handed to the live objects."""
+        if manifest is None or encoded is None:
+            return
+        records = manifest.get("tensors", {})
+        for key in _placeholders(encoded):
+            record = records.get("extra/" + key)
+            if record is None or record.get("dtype") not in _DTYPES:
+                continue  # the C++ load reports the missing tensor
+            shape, slice_ = list(record["shape"]), None
+            if key.startswith("optim/"):
+                # Optimizer state shaped like its parameter follows the parameter's slice here,
+                # whatever the layout it was saved at.
+                param = self._params_by_name().get(key[len("optim/"):key.rfind("/")])
+                if param is not None and param.slice is not None and shape == param.slice[0]:
+                    slice_, shape = param.slice, list(param.tensor.shape)
+            t = torch.empty(shape, dtype=_DTYPES[record["dtype"]])
+            self._scratch[key] = t
+            self._register(key, t, slice_)
+
+    def _params_by_name(self) -> Dict[str, _Param]:
+        return {p.name: p for p in self._params.values()}
+
+    def _check_object(self, name: str, text: str) -> None:
+        encoded = json.loads(text)
+        zeros = {k: torch.zeros_like(t) for k, t in self._scratch.items()}
+        if name == _OPTIMIZER:
+            self._optimizer_state_dict(encoded, zeros, check=True)
+            return
+        state = _decode(encoded, _Missing(zeros, name))
+        obj = self._objects[name]
+        if hasattr(obj, "check_state_dict"):
+            obj.check_state_dict(state)
+        elif isinstance(obj, torch.optim.lr_scheduler.LRScheduler):
+            unknown = set(state) - set(obj.state_dict())
+            if unknown:
+                raise ValueError(f"unexpected keys {sorted(unknown)} for {type(obj).__name__}")
+        else:
+            copy.deepcopy(obj).load_state_dict(state)
+
+    def _load_object(self, name: str, text: str) -> None:
+        encoded = json.loads(text)
+        if name == _OPTIMIZER:
+            self._optimizer.load_state_dict(self._optimizer_state_dict(encoded, self._scratch, check=False))
+            return
+        self._objects[name].load_state_dict(_decode(encoded, self._scratch))
+
+    def _optimizer_state_dict(self, encoded: Dict[str, Any], tensors: Dict[str, torch.Tensor],
+                              check: bool) -> Dict[str, Any]:
+        """torch.optim's state_dict for the live optimizer from the saved one, by parameter name."""
+        opt = self._optimizer
+        if encoded.get("type") != type(opt).__name__:
+            raise ValueError(f"the checkpoint's optimizer is {encoded.get('type')}; the live one is "
+                             f"{type(opt).__name__}")
+        saved_groups = encoded["param_groups"]
+        if len(saved_groups) != len(opt.param_groups):
+            raise ValueError(f"the checkpoint's optimizer has {len(saved_groups)} parameter groups; the live one has "
+                             f"{len(opt.param_groups)}")
+        index: Dict[str, int] = {}
+        groups = []
+        next_index = 0
+        for g, (saved, live) in enumerate(zip(saved_groups, opt.param_groups)):
+            live_names = [self._param_name(p).name for p in live["params"]]
+            if saved["params"] != live_names:
+                only_saved = sorted(set(saved["params"]) - set(live_names))
+                only_live = sorted(set(live_names) - set(saved["params"]))
+                raise ValueError(f"optimizer parameter group {g}: parameters differ (only in the checkpoint: "
+                                 f"{only_saved}, only live: {only_live})")
+            options = _decode(saved["options"], tensors)
+            missing = set(k for k in live if k != "params") - set(options)
+            if missing:
+                raise ValueError(f"optimizer parameter group {g}: options {sorted(missing)} missing in the checkpoint")
+            ids = []
+            for n in live_names:
+                index[n] = next_index
+                ids.append(next_index)
+                next_index += 1
+            groups.append(dict(options, params=ids))
+        state = {}
+        for pname, per_param in encoded["state"].items():
+            if pname not in index:
+                raise ValueError(f"optimizer state of {pname}, which is not a live parameter")
+            state[index[pname]] = _decode(per_param, _Missing(tensors, pname) if check else tensors)
+        return {"state": state, "param_groups": groups}
+
+
+class _Missing(dict):
+    """Tensor lookup for checks before the data is read: a tensor with no scratch copy (a record the
+    C++ load will refuse anyway) reads as an empty tensor rather than a KeyError."""
+
+    def __init__(self, tensors: Dict[str, torch.Tensor], owner: str):
+        super().__init__(tensors)
+        self.owner = owner
+
+    def __missing__(self, key: str) -> torch.Tensor:
+        return torch.empty(0)
+
+
+__all__ = ["Checkpointer", "CheckpointInfo", "SaveHandle", "TrainingProgress"]

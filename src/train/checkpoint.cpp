@@ -151,8 +151,9 @@ struct Checkpointer::Impl {
   }
 
   // Every provider's state on this rank, sorted by name (names are unique).
-  SaveState collect() {
+  SaveState collect(bool for_load) {
     SaveState out;
+    out.for_load = for_load;
     for (StateProvider* provider : providers()) provider->collect(rank, out);
     std::sort(out.tensors.begin(), out.tensors.end(),
               [](const LocalTensor& a, const LocalTensor& b) { return a.name < b.name; });
@@ -223,6 +224,7 @@ Checkpointer& Checkpointer::tensor(const std::string& name, at::Tensor tensor, c
                     impl_->where);
   return *this;
 }
+bool Checkpointer::remove_tensor(const std::string& name) { return impl_->extras.remove(name); }
 Checkpointer& Checkpointer::tensor_parallel(int size, int rank) {
   if (size < 1 || rank < 0 || rank >= size)
     throw InvalidArgumentError(impl_->where + ": Checkpointer::tensor_parallel: expected 0 <= rank < size; found rank " +
@@ -269,7 +271,7 @@ void Checkpointer::save(const TrainingProgress& progress, const std::map<std::st
   }
   SaveState state;
   try {
-    state = s.collect();
+    state = s.collect(/*for_load=*/false);
   } catch (const CheckpointError& e) {
     if (error.empty()) error = std::string(e.what()).rfind(s.where, 0) == 0 ? e.what() : s.where + ": " + e.what();
   } catch (const std::exception& e) {
@@ -464,7 +466,7 @@ std::optional<std::string> Checkpointer::find_latest(const std::string& director
   return PosixStorage::find_latest(directory);
 }
 
-std::optional<CheckpointInfo> Checkpointer::load_latest() {
+std::optional<std::string> Checkpointer::latest() {
   auto& s = *impl_;
   s.finish_pending(/*rethrow=*/true);
   std::string name;
@@ -477,7 +479,13 @@ std::optional<CheckpointInfo> Checkpointer::load_latest() {
     name = s.broadcast(name);  // every rank loads the same one, whatever changes meanwhile
   }
   if (name.empty()) return std::nullopt;
-  return load(s.storage->location(name));
+  return s.storage->location(name);
+}
+
+std::optional<CheckpointInfo> Checkpointer::load_latest() {
+  auto path = latest();
+  if (!path) return std::nullopt;
+  return load(*path);
 }
 
 LoadedTensors Checkpointer::Impl::read(const std::string& path, const Manifest& m, const std::vector<Need>& needs,
@@ -552,7 +560,7 @@ CheckpointInfo Checkpointer::load(const std::string& path) {
       LOOM_LOG(warn, "checkpoint " << path << " has a version-1 manifest, which carries no checksum of its own: "
                                    << "its tensor-to-slice map is trusted as it stands");
     m = parse_manifest(manifest_text, s.where + ": manifest " + manifest_path);
-    live = s.collect();
+    live = s.collect(/*for_load=*/true);
 
     const json& pr = m.progress;
     for (const char* key : {"step", "epoch", "sample"})

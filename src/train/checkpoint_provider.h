@@ -41,6 +41,9 @@ struct LocalTensor {
 
 // What this rank holds, as every provider described it.
 struct SaveState {
+  // Collected for a load: only the live tensors and the layout matter (providers may skip work
+  // whose result only a save writes, such as serialising objects).
+  bool for_load = false;
   std::vector<LocalTensor> tensors;
   // Manifest sections by name: "optimizer", "scaler", "accumulation", "objects".
   nlohmann::json sections = nlohmann::json::object();

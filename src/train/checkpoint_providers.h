@@ -54,6 +54,8 @@ class ExtraTensors final : public StateProvider {
   };
   // Registering a name again replaces it.
   void add(const std::string& name, at::Tensor tensor, std::optional<Slice> slice, const std::string& where);
+  // Forgets a registration (state that no longer exists); false when the name is not registered.
+  bool remove(const std::string& name);
   void declare_tensor_parallel(int size, int rank) { tp_ = {size, rank}; }
 
   void collect(int rank, SaveState& out) override;

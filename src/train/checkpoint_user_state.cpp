@@ -25,6 +25,13 @@ void ExtraTensors::add(const std::string& name, at::Tensor tensor, std::optional
     entries_.push_back({name, std::move(tensor), std::move(slice)});
 }
 
+bool ExtraTensors::remove(const std::string& name) {
+  auto it = std::find_if(entries_.begin(), entries_.end(), [&](const Entry& e) { return e.name == name; });
+  if (it == entries_.end()) return false;
+  entries_.erase(it);
+  return true;
+}
+
 void ExtraTensors::collect(int /*rank*/, SaveState& out) {
   if (tp_) {
     out.tp_size = std::max(out.tp_size, tp_->first);
@@ -72,7 +79,7 @@ void ExtraTensors::apply(const LoadContext& context, const LoadedTensors& data) 
 }
 
 void UserObjects::collect(int /*rank*/, SaveState& out) {
-  if (objects_.empty()) return;
+  if (objects_.empty() || out.for_load) return;
   nlohmann::json section = nlohmann::json::object();
   for (const auto& [name, object] : objects_) {
     const std::string text = object.save();

@@ -148,6 +148,8 @@ class Checkpointer {
     int64_t offset = 0;  // where this rank's slice starts along `dim`
   };
   Checkpointer& tensor(const std::string& name, at::Tensor tensor, const Slice& slice);
+  // Forgets a tensor registered with tensor() (state that no longer exists); false when none is.
+  bool remove_tensor(const std::string& name);
   // The tensor-parallel layout of state registered as slices (the manifest records it; per-rank
   // RNG streams follow it when the layout changes). Modules implementing loom::tp::ShardedModule
   // declare it themselves.
@@ -176,6 +178,9 @@ class Checkpointer {
   std::optional<CheckpointInfo> load_latest();
   // Loads the checkpoint in `path` (a step_<N> directory).
   CheckpointInfo load(const std::string& path);
+  // Collective: the newest complete checkpoint as rank 0 finds it, the same path on every rank
+  // (whatever a concurrent save publishes meanwhile); nullopt when there is none.
+  std::optional<std::string> latest();
 
   // The newest complete checkpoint under `directory`, as a path; nullopt when there is none.
   // Reads the directory only (no communication, no verification).

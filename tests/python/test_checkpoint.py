@@ -1,0 +1,177 @@
+"""Python checkpoints in one process (CTest runs it under mpirun -np 1): a run resumed from a
+checkpoint continues exactly as the uninterrupted run (model, any torch.optim optimizer with lazy
+state, an LR scheduler, the GradScaler); a load that fails changes nothing; an edited manifest is
+refused. The manifest is read and resealed here with the `xxhash` package, independently of the
+C++ writer."""
+import json
+import os
+import shutil
+
+import pytest
+import torch
+import torch.nn as nn
+import xxhash
+
+import torchloom
+
+
+@pytest.fixture()
+def directory(loom, tmp_path):
+    path = str(tmp_path / "ckpt")
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def make(optimizer_kind, seed):
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 3))
+    if optimizer_kind == "adamw":
+        opt = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1, amsgrad=True)
+    elif optimizer_kind == "sgd":
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, nesterov=True)
+    else:
+        opt = torch.optim.RMSprop(model.parameters(), lr=0.01, momentum=0.5, centered=True)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.05, total_steps=20)
+    scaler = torchloom.GradScaler(init_scale=256.0, growth_interval=2)
+    return model, opt, sched, scaler
+
+
+def steps(model, opt, sched, scaler, first, last):
+    for step in range(first, last + 1):
+        g = torch.Generator().manual_seed(step)
+        x, y = torch.randn(5, 6, generator=g), torch.randn(5, 3, generator=g)
+        opt.zero_grad()
+        scaler.scale(nn.functional.mse_loss(model(x), y)).backward()
+        scaler.step(opt)
+        scaler.update()
+        sched.step()
+
+
+def reseal(path, change):
+    """Applies change(manifest) and recomputes the manifest's own checksum, as a tool would."""
+    with open(path) as f:
+        manifest = json.load(f)
+    change(manifest)
+    manifest.pop("manifest_xxh3_64", None)
+    compact = json.dumps(manifest, separators=(",", ":"), ensure_ascii=False).encode()
+    manifest["manifest_xxh3_64"] = xxhash.xxh3_64_hexdigest(compact)
+    with open(path, "w") as f:
+        json.dump(manifest, f, indent=1)
+
+
+@pytest.mark.parametrize("optimizer_kind", ["adamw", "sgd", "rmsprop"])
+def test_resumed_run_equals_uninterrupted_run(directory, optimizer_kind):
+    comm = torchloom.world_comm()
+    model, opt, sched, scaler = make(optimizer_kind, 1)
+    ckpt = torchloom.Checkpointer(comm, directory)
+    ckpt.model(model).optimizer(opt).object("lr_scheduler", sched).scaler(scaler)
+    steps(model, opt, sched, scaler, 1, 4)
+    handle = ckpt.save(torchloom.TrainingProgress(step=4))
+    steps(model, opt, sched, scaler, 5, 8)  # training goes on while the save writes
+    assert handle.wait().progress.step == 4
+    assert handle.done()
+    uninterrupted = {k: v.clone() for k, v in model.state_dict().items()}
+
+    fresh, fresh_opt, fresh_sched, fresh_scaler = make(optimizer_kind, 2)  # other weights, no optimizer state
+    assert not fresh_opt.state
+    resume = torchloom.Checkpointer(comm, directory)
+    resume.model(fresh).optimizer(fresh_opt).object("lr_scheduler", fresh_sched).scaler(fresh_scaler)
+    info = resume.load_latest()
+    assert info.progress.step == 4
+    assert fresh_sched.last_epoch == 4
+    steps(fresh, fresh_opt, fresh_sched, fresh_scaler, 5, 8)
+    for k, v in fresh.state_dict().items():
+        assert torch.equal(v, uninterrupted[k]), k
+    assert fresh_opt.param_groups[0]["lr"] == opt.param_groups[0]["lr"]
+    assert fresh_scaler.get_scale() == scaler.get_scale()
+
+
+def test_refused_load_changes_nothing(directory):
+    """The issue's reproduction: a tensor and a GradScaler saved, growth_factor 0.5 written into the
+    (resealed) manifest: CheckpointError, and neither the tensor nor the scaler changed."""
+    comm = torchloom.world_comm()
+    weights = torch.arange(6.0)
+    scaler = torchloom.GradScaler(init_scale=64.0)
+    ckpt = torchloom.Checkpointer(comm, directory, async_=False)
+    ckpt.tensor("weights", weights).scaler(scaler)
+    ckpt.save(torchloom.TrainingProgress(step=1))
+    weights.mul_(-1)
+    scaler.update(8.0)
+    path = torchloom.Checkpointer.find_latest(directory)
+    reseal(os.path.join(path, "manifest.json"), lambda m: m["scaler"].update(growth_factor=0.5))
+    with pytest.raises(torchloom.CheckpointError, match="growth_factor must be > 1.0"):
+        ckpt.load(path)
+    assert torch.equal(weights, -torch.arange(6.0))
+    assert scaler.get_scale() == 8.0
+
+
+def test_edited_manifest_is_refused(directory):
+    comm = torchloom.world_comm()
+    model, opt, sched, scaler = make("adamw", 3)
+    ckpt = torchloom.Checkpointer(comm, directory, async_=False)
+    ckpt.model(model).optimizer(opt).object("lr_scheduler", sched)
+    steps(model, opt, sched, scaler, 1, 2)
+    ckpt.save(torchloom.TrainingProgress(step=2))
+    path = torchloom.Checkpointer.find_latest(directory)
+    manifest_path = os.path.join(path, "manifest.json")
+    with open(manifest_path) as f:
+        text = f.read()
+    with open(manifest_path, "w") as f:
+        f.write(text.replace('"last_epoch": 2', '"last_epoch": 9'))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(torchloom.CheckpointError, match="was changed after it was written"):
+        ckpt.load(path)
+    assert sched.last_epoch == 2
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), k
+
+
+def test_optimizer_of_another_kind_or_groups_is_refused_before_anything_changes(directory):
+    comm = torchloom.world_comm()
+    model, opt, sched, scaler = make("adamw", 4)
+    ckpt = torchloom.Checkpointer(comm, directory, async_=False)
+    ckpt.model(model).optimizer(opt)
+    steps(model, opt, sched, scaler, 1, 2)
+    ckpt.save(torchloom.TrainingProgress(step=2))
+    other, other_opt, _, _ = make("sgd", 5)
+    before = {k: v.clone() for k, v in other.state_dict().items()}
+    loader = torchloom.Checkpointer(comm, directory)
+    loader.model(other).optimizer(other_opt)
+    with pytest.raises(torchloom.CheckpointError, match="the checkpoint's optimizer is AdamW; the live one is SGD"):
+        loader.load_latest()
+    for k, v in other.state_dict().items():
+        assert torch.equal(v, before[k]), k
+    assert not other_opt.state
+
+
+def test_state_of_any_object_round_trips_with_tensors_tuples_and_non_finite_floats(directory):
+    class Sampler:
+        def __init__(self):
+            self.position, self.order, self.extra = 0, torch.arange(4), (1, float("inf"), {3: "x"})
+
+        def state_dict(self):
+            return {"position": self.position, "order": self.order, "extra": self.extra}
+
+        def load_state_dict(self, state):
+            if state["position"] < 0:
+                raise ValueError("negative position")
+            self.position, self.order, self.extra = state["position"], state["order"].clone(), state["extra"]
+
+    comm = torchloom.world_comm()
+    sampler = Sampler()
+    sampler.position, sampler.order = 17, torch.tensor([3, 1, 0, 2])
+    ckpt = torchloom.Checkpointer(comm, directory, async_=False)
+    ckpt.object("sampler", sampler)
+    ckpt.save(torchloom.TrainingProgress(step=5))
+    restored = Sampler()
+    loader = torchloom.Checkpointer(comm, directory)
+    loader.object("sampler", restored)
+    loader.load_latest()
+    assert restored.position == 17 and torch.equal(restored.order, torch.tensor([3, 1, 0, 2]))
+    assert restored.extra == (1, float("inf"), {3: "x"})
+    # A state the object refuses (checked on a deep copy first): nothing changed.
+    sampler.position = -1
+    ckpt.save(torchloom.TrainingProgress(step=6))
+    with pytest.raises(torchloom.CheckpointError, match="negative position"):
+        loader.load_latest()
+    assert restored.position == 17
