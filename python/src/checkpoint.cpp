@@ -75,6 +75,22 @@ void bind_checkpoint(py::module_& m) {
       .def("load", &loom::Checkpointer::load, py::arg("path"), release_gil())
       .def("latest", &loom::Checkpointer::latest, release_gil())
       .def_static("find_latest", &loom::Checkpointer::find_latest, py::arg("directory"));
+
+  m.def(
+      "consolidate_checkpoint",
+      [](const std::string& checkpoint, const std::string& out, bool optimizer) {
+        loom::ConsolidateInfo info;
+        {
+          py::gil_scoped_release release;
+          info = loom::consolidate_checkpoint(checkpoint, out, {.optimizer = optimizer});
+        }
+        py::dict d;
+        d["tensors"] = info.tensors;
+        d["bytes"] = info.bytes;
+        return d;
+      },
+      py::arg("checkpoint"), py::arg("out"), py::arg("optimizer") = false,
+      "The full tensors of a checkpoint as one safetensors file (loom::consolidate_checkpoint).");
 }
 
 }  // namespace torchloom_py

@@ -37,6 +37,7 @@
 #include "train/checkpoint_load_plan.h"
 #include "train/checkpoint_manifest.h"
 #include "train/checkpoint_providers.h"
+#include "train/checkpoint_read.h"
 #include "train/checkpoint_storage.h"
 
 namespace loom {
@@ -72,12 +73,6 @@ std::string random_nonce() {
 // Messages can carry bytes from a damaged file or the system: never let them make dump() throw
 // on one rank while the others wait in the exchange.
 std::string dump_text(const json& j) { return j.dump(-1, ' ', false, json::error_handler_t::replace); }
-
-at::Tensor narrow_to(at::Tensor t, const Box& box, const std::vector<int64_t>& origin) {
-  for (size_t d = 0; d < box.start.size(); ++d)
-    t = t.narrow(static_cast<int64_t>(d), box.start[d] - origin[d], box.size[d]);
-  return t;
-}
 
 }  // namespace
 
@@ -165,9 +160,6 @@ struct Checkpointer::Impl {
 
   CheckpointInfo write_and_publish(ShardWrite write, Manifest manifest, std::string staging, std::string final_name,
                                    std::string nonce, CheckpointInfo info, trace::Clock::time_point started);
-  // Reads what the plan assigns to this rank and assembles each need; bytes read are added up.
-  LoadedTensors read(const std::string& path, const Manifest& m, const std::vector<Need>& needs, const LoadPlan& plan,
-                     uint64_t& bytes_read);
 };
 
 Checkpointer::Checkpointer(std::shared_ptr<Communicator> world, CheckpointOptions options)
@@ -488,60 +480,6 @@ std::optional<CheckpointInfo> Checkpointer::load_latest() {
   return load(*path);
 }
 
-LoadedTensors Checkpointer::Impl::read(const std::string& path, const Manifest& m, const std::vector<Need>& needs,
-                                       const LoadPlan& plan, uint64_t& bytes_read) {
-  // Shards this rank verifies are read whole (checksummed); from the others only the entries (or
-  // rows) needed. Each datum is kept with its origin in global coordinates.
-  std::map<std::pair<int, std::string>, std::pair<at::Tensor, std::vector<int64_t>>> data;
-  for (const auto& [index, names] : plan.verify) {
-    for (auto& [name, t] : storage->read_verified_shard(path, m, index, names)) {
-      bytes_read += static_cast<uint64_t>(t.numel()) * t.element_size();
-      const TensorRecord& r = m.tensors.at(name);
-      for (const auto& slice : r.slices)
-        if (slice.shard == index)
-          data[{index, name}] = {t, slice_box(r.shape, r.split_dim, slice.offset, slice.length).start};
-    }
-  }
-  std::map<int, std::unique_ptr<ShardReader>> open;
-  for (const auto& p : plan.pieces) {
-    if (plan.verify.count(p.shard)) continue;
-    const std::string& name = needs[p.need].name;
-    if (!open.count(p.shard)) open.emplace(p.shard, storage->open_shard(path, m, p.shard));
-    std::vector<int64_t> origin = p.saved.start;
-    at::Tensor t;
-    if (p.rows_only) {
-      t = open.at(p.shard)->read_rows(name, p.inter.start[0] - p.saved.start[0], p.inter.size[0]);
-      origin[0] = p.inter.start[0];
-    } else {
-      t = open.at(p.shard)->read_rows(name, 0, -1);
-    }
-    bytes_read += static_cast<uint64_t>(t.numel()) * t.element_size();
-    data[{p.shard, name}] = {t, origin};
-  }
-  // Each need from its pieces (the data itself when one piece is exactly the need).
-  std::map<size_t, std::vector<const Piece*>> by_need;
-  for (const auto& p : plan.pieces) by_need[p.need].push_back(&p);
-  LoadedTensors assembled;
-  for (size_t n = 0; n < needs.size(); ++n) {
-    const Need& need = needs[n];
-    const auto& list = by_need[n];
-    if (list.size() == 1) {
-      const auto& [t, origin] = data.at({list[0]->shard, need.name});
-      if (origin == need.box.start && t.sizes().vec() == need.local_shape) {
-        assembled[need.name] = t;
-        continue;
-      }
-    }
-    at::Tensor out = host_empty(need.local_shape, need.record->dtype);
-    for (const Piece* p : list) {
-      const auto& [t, origin] = data.at({p->shard, need.name});
-      narrow_to(out, p->inter, need.box.start).copy_(narrow_to(t, p->inter, origin));
-    }
-    assembled[need.name] = out;
-  }
-  return assembled;
-}
-
 CheckpointInfo Checkpointer::load(const std::string& path) {
   auto& s = *impl_;
   s.finish_pending(/*rethrow=*/true);
@@ -577,7 +515,7 @@ CheckpointInfo Checkpointer::load(const std::string& path) {
       if (!plan.uncovered.empty())
         throw CheckpointError(s.where + ": the saved slices in " + path + " do not cover what this rank needs:" +
                               join_lines(plan.uncovered));
-      loaded = s.read(path, m, needs, plan, bytes_read);
+      loaded = read_planned(*s.storage, path, m, needs, plan, bytes_read);
       for (StateProvider* provider : s.providers()) provider->verify(context, loaded, problems);
     }
   } catch (const std::exception& e) {

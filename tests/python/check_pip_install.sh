@@ -27,4 +27,6 @@ torchloom.finalize()
 PY
 info=$(PYTHONPATH="$scratch/site" "$python" -m torchloom.info)
 grep "^torchloom " <<<"$info"
+# The checkpoint tools are a subpackage: installed with it.
+PYTHONPATH="$scratch/site" "$python" -m torchloom.checkpoint --help | grep -q consolidate
 echo "pip install: OK"

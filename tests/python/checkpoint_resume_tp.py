@@ -66,6 +66,30 @@ def full_weights(model, ps):
     return out
 
 
+def check_consolidated(work_dir, ckpt_dir, model, opt):
+    """python -m torchloom.checkpoint consolidate on the TP 2 checkpoint, read back with the
+    safetensors package: the joined tensors equal what the TP 1 load put in the model and optimizer."""
+    import subprocess
+    from safetensors.torch import load_file
+    out = os.path.join(work_dir, "consolidated.safetensors")
+    done = subprocess.run([sys.executable, "-m", "torchloom.checkpoint", "consolidate", ckpt_dir, out, "--optimizer"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "tensors" in done.stdout and not done.stderr, (done.stdout, done.stderr)
+    tensors = load_file(out)
+    names = {f"model.{n}" for n, _ in model.named_parameters()}
+    assert names <= set(tensors), sorted(tensors)
+    for n, p in model.named_parameters():
+        assert torch.equal(tensors[f"model.{n}"], p.detach()), n
+        assert torch.equal(tensors[f"optim/model.{n}/exp_avg"], opt.state[p]["exp_avg"]), n
+    assert not any(k.startswith("rng") or k.startswith("objects/") for k in tensors), sorted(tensors)
+    # A damaged checkpoint: exit status 2 and the reason, no output file.
+    bad = subprocess.run([sys.executable, "-m", "torchloom.checkpoint", "consolidate", work_dir + "/nowhere",
+                          out + ".bad"], capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "no complete checkpoint" in bad.stderr, (bad.returncode, bad.stderr)
+    print(f"consolidated {len(tensors)} tensors from the TP 2 checkpoint: equal to the TP 1 load", flush=True)
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--phase", choices=["save", "resume"], required=True)
@@ -106,6 +130,8 @@ def main():
     assert info is not None and info.progress.step == SAVE_AT, info
     assert sched.last_epoch == SAVE_AT, sched.state_dict()
     assert opt.param_groups[0]["lr"] == 0.02 * 0.5, opt.param_groups[0]["lr"]
+    if comm.rank == 0:
+        check_consolidated(args.dir, ckpt_dir, model, opt)
     for step in range(SAVE_AT + 1, STEPS + 1):
         train_step(model, opt, sched, ps, step)
     expected = torch.load(os.path.join(args.dir, "final.pt"))

@@ -192,4 +192,20 @@ class Checkpointer {
   std::unique_ptr<Impl> impl_;
 };
 
+// Take a checkpoint anywhere: its full tensors, slices joined, as one safetensors file (what
+// `python -m torchloom.checkpoint consolidate DIR OUT.safetensors` calls). One process, no
+// communication; the manifest's and every shard's checksum are verified first. Names are the saved
+// names without their "model/" or "extra/" prefix (optimizer state, when asked for, keeps
+// "optim/<param>/<key>"); RNG states are left out. `out` is written beside itself, fsync'ed and
+// renamed into place. loom::CheckpointError for a damaged checkpoint or colliding names.
+struct ConsolidateOptions {
+  bool optimizer = false;  // include the optimizer's state tensors
+};
+struct ConsolidateInfo {
+  size_t tensors = 0;
+  uint64_t bytes = 0;  // of tensor data written
+};
+ConsolidateInfo consolidate_checkpoint(const std::string& checkpoint, const std::string& out,
+                                       const ConsolidateOptions& options = {});
+
 }  // namespace loom

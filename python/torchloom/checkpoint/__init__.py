@@ -33,8 +33,8 @@ from typing import Any, Dict, List, Optional, Tuple, Union
 
 import torch
 
-from . import _C
-from ._C import CheckpointInfo, TrainingProgress
+from .. import _C
+from .._C import CheckpointInfo, TrainingProgress
 
 _DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
            "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
@@ -141,7 +141,7 @@ class Checkpointer:
     def model(self, module: torch.nn.Module, prefix: str = "model.") -> "Checkpointer":
         """Every parameter and buffer of module (state_dict names, under prefix); the slices of
         torchloom tensor-parallel layers as slices of their global tensors."""
-        from .tensor_parallel import _ParallelLayer
+        from ..tensor_parallel import _ParallelLayer
         sliced: Dict[int, Tuple[List[int], int, int]] = {}
         for _, sub in module.named_modules():
             if isinstance(sub, _ParallelLayer):
