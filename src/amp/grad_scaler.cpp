@@ -10,6 +10,7 @@
 #include <torch/optim/optimizer.h>
 
 #include <cmath>
+#include <limits>
 #include <tuple>
 
 #include "loom/error.h"
@@ -229,7 +230,10 @@ void GradScaler::load_state_dict(const std::map<std::string, double>& state) {
   const double scale = state.at("scale"), growth = state.at("growth_factor"), backoff = state.at("backoff_factor");
   const double interval = state.at("growth_interval"), tracker = state.at("_growth_tracker");
   auto bad = [&](const std::string& what) { return InvalidArgumentError(where("load_state_dict") + ": " + what); };
-  if (!(scale > 0) || !std::isfinite(scale)) throw bad("scale must be positive and finite, found " + std::to_string(scale));
+  // The scale lives in a float32 tensor (as in PyTorch): a double beyond float32's range cannot.
+  if (!(scale > 0) || !(scale <= std::numeric_limits<float>::max()))
+    throw bad("scale must be positive and at most " + std::to_string(std::numeric_limits<float>::max()) +
+              " (float32), found " + std::to_string(scale));
   if (!(growth > 1)) throw bad("growth_factor must be > 1.0, found " + std::to_string(growth));
   if (!(backoff > 0 && backoff < 1)) throw bad("backoff_factor must be in (0, 1), found " + std::to_string(backoff));
   if (!(interval >= 1) || interval != std::floor(interval))

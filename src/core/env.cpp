@@ -63,7 +63,7 @@ const std::vector<Variable>& all_variables() {
        "loom::init() plans placement with it where NVML sees no GPU (on a machine without GPUs the ranks stand in "
        "for the described GPUs), and prints the plan."},
       {"LOOM_METRICS", "",
-       "Where per-rank training metrics go in Prometheus' text format (loom::MetricsExporter): file:DIR writes DIR/torchloom_rank<r>.prom for node_exporter's textfile collector, port:N serves them over HTTP on port N plus the local rank. Unset: off."},
+       "Where per-rank training metrics go in Prometheus' text format (loom::MetricsExporter): file:DIR writes DIR/torchloom_rank<r>.prom for node_exporter's textfile collector, port:N serves them over HTTP on 127.0.0.1, port N plus the local rank; port:ADDR:N, port:[ADDR]:N or port:*:N listens on a numeric IPv4 or IPv6 address or on every interface. Unset: off."},
       {"LOOM_METRICS_INTERVAL", "5",
        "Seconds between rewrites of the metrics file (0 to 3600; 0: on every recorded step)."},
       {"LOOM_TP", "1",

@@ -326,16 +326,19 @@ void Checkpointer::save(const TrainingProgress& progress, const std::map<std::st
   // This rank's shard: the tensors the plan gives it, in name order.
   std::vector<TensorSpec> specs;
   std::vector<at::Tensor> tensors;
+  json offsets = json::object();  // where this shard's split slices start, for the load's cross-check
   for (const auto& t : state.tensors) {
     if (!plan.writes[s.rank].count(t.name)) continue;
     specs.push_back({t.name, t.tensor.scalar_type(), t.tensor.sizes().vec()});
     tensors.push_back(t.tensor);
+    if (t.split_dim >= 0) offsets[t.name] = t.offset;
   }
   ShardWrite write;
   write.inject_failure = test_hooks().fail_write_rank == s.rank;
   try {
     write.header = build_header(specs, {{"format", "pt"},
-                                        {"torchloom.step", std::to_string(progress.step)},
+                                        {kShardStepKey, std::to_string(progress.step)},
+                                        {kShardSlicesKey, dump_text(offsets)},
                                         {"torchloom.rank", std::to_string(s.rank)}});
     if (s.options.async) {
       write.regions = s.staging.stage(tensors);

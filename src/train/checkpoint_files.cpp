@@ -43,15 +43,35 @@ File& File::operator=(File&& other) noexcept {
 File File::open_read(const std::string& path, const std::string& where) {
   File f;
   f.path_ = path;
-  f.fd_ = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  // Non-blocking, so that a FIFO planted in the directory cannot hold the rank in open(), where no
+  // timeout applies; anything but a regular file is refused (no effect on reads of regular files).
+  f.fd_ = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
   if (f.fd_ < 0) fail(where, "cannot open " + path, errno);
+  struct stat st {};
+  if (::fstat(f.fd_, &st) != 0) fail(where, "cannot stat " + path, errno);
+  if (!S_ISREG(st.st_mode))
+    throw CheckpointError(where + ": " + path + " is not a regular file (" +
+                          (S_ISFIFO(st.st_mode)  ? "a FIFO"
+                           : S_ISDIR(st.st_mode) ? "a directory"
+                           : S_ISCHR(st.st_mode) || S_ISBLK(st.st_mode) ? "a device"
+                                                                          : "a socket or other special file") +
+                          "); a checkpoint holds only regular files");
+  return f;
+}
+
+File File::adopt(int fd, const std::string& path) {
+  File f;
+  f.path_ = path;
+  f.fd_ = fd;
   return f;
 }
 
 File File::create(const std::string& path, const std::string& where) {
   File f;
   f.path_ = path;
-  f.fd_ = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  // O_EXCL | O_NOFOLLOW: shards go into a staging directory of a fresh name; a file already there
+  // (or a planted symlink) is an error, not something to truncate.
+  f.fd_ = ::open(path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0644);
   if (f.fd_ < 0) fail(where, "cannot create " + path, errno);
   return f;
 }
@@ -122,12 +142,21 @@ std::string parent_of(const std::string& path) {
 }
 
 void write_file_atomic(const std::string& path, std::string_view content, const std::string& where) {
-  const std::string tmp = path + ".tmp";
-  File f = File::create(tmp, where);
-  f.write_all(content.data(), content.size(), where);
-  f.sync(where);
-  f.close(where);
-  rename_path(tmp, path, where);
+  // A fresh name (mkstemp: O_EXCL, never a planted symlink, never another job's file), then rename.
+  std::string tmp = path + ".tmp-XXXXXX";
+  const int fd = ::mkostemp(tmp.data(), O_CLOEXEC);
+  if (fd < 0) fail(where, "cannot create a temporary file beside " + path, errno);
+  ::fchmod(fd, 0644);  // mkstemp creates 0600; checkpoints are read by the other ranks' users too
+  File f = File::adopt(fd, tmp);
+  try {
+    f.write_all(content.data(), content.size(), where);
+    f.sync(where);
+    f.close(where);
+    rename_path(tmp, path, where);
+  } catch (...) {
+    ::unlink(tmp.c_str());
+    throw;
+  }
   fsync_directory(parent_of(path), where);
 }
 

@@ -22,9 +22,12 @@ class File {
   File& operator=(File&& other) noexcept;
   File(const File&) = delete;
 
+  // Regular files only (a FIFO or device is a CheckpointError, never a blocking open).
   static File open_read(const std::string& path, const std::string& where);
-  // Creates or truncates.
+  // Creates a new file; one that exists already (or a symlink) is an error.
   static File create(const std::string& path, const std::string& where);
+  // Takes ownership of an open descriptor (e.g. from mkstemp).
+  static File adopt(int fd, const std::string& path);
 
   int fd() const { return fd_; }
   const std::string& path() const { return path_; }

@@ -162,6 +162,18 @@ std::vector<Region> regions_in_place(const std::vector<at::Tensor>& tensors, std
 
 void check_header_against_manifest(const ShardHeader& header, const Manifest& manifest, int index,
                                    const std::string& where) {
+  // What the shard says of itself (written from format version 2): its step, and where each of its
+  // split slices starts. A shard of another step, or slices the manifest places elsewhere, is refused
+  // even when the manifest's checksum holds (a shard copied in from another checkpoint).
+  if (auto step = header.metadata.find(kShardStepKey); step != header.metadata.end() &&
+                                                        step->second != std::to_string(manifest.step))
+    throw CheckpointError(where + ": the shard was written at step " + step->second + "; the manifest is of step " +
+                          std::to_string(manifest.step));
+  nlohmann::json offsets = nullptr;
+  if (auto slices = header.metadata.find(kShardSlicesKey); slices != header.metadata.end()) {
+    offsets = nlohmann::json::parse(slices->second, nullptr, /*allow_exceptions=*/false);
+    if (!offsets.is_object()) throw CheckpointError(where + ": its " + kShardSlicesKey + " metadata is not a JSON object");
+  }
   for (const auto& [name, record] : manifest.tensors) {
     for (const auto& slice : record.slices) {
       if (slice.shard != index) continue;
@@ -173,6 +185,14 @@ void check_header_against_manifest(const ShardHeader& header, const Manifest& ma
         throw CheckpointError(where + ": tensor " + name + " is " + std::string(c10::toString(entry->dtype)) + " " +
                               shape_to_string(entry->shape) + "; the manifest says " +
                               std::string(c10::toString(record.dtype)) + " " + shape_to_string(expected));
+      if (offsets.is_object() && record.split_dim >= 0) {
+        const auto it = offsets.find(name);
+        if (it == offsets.end() || !it->is_number_integer() || it->get<int64_t>() != slice.offset)
+          throw CheckpointError(where + ": tensor " + name + " holds the slice at offset " +
+                                (it == offsets.end() ? std::string("(not recorded)") : it->dump()) +
+                                " along dim " + std::to_string(record.split_dim) + "; the manifest says offset " +
+                                std::to_string(slice.offset));
+      }
     }
   }
 }

@@ -62,8 +62,13 @@ class Staging {
 // where a tensor is not already one; `keep_alive` receives the owners.
 std::vector<Region> regions_in_place(const std::vector<at::Tensor>& tensors, std::vector<at::Tensor>& keep_alive);
 
+// Shard metadata (safetensors __metadata__, strings): the step the shard was written at, and a
+// JSON object of the offsets of its split slices by tensor name.
+inline constexpr const char* kShardStepKey = "torchloom.step";
+inline constexpr const char* kShardSlicesKey = "torchloom.slices";
+
 // Checks that the shard header holds every slice the manifest assigns to shard `index`, with the
-// manifest's dtype and shape.
+// manifest's dtype and shape, and (where the shard records them) its step and slice offsets.
 void check_header_against_manifest(const ShardHeader& header, const Manifest& manifest, int index,
                                    const std::string& where);
 

@@ -148,7 +148,8 @@ void PosixStorage::install(const std::string& staging, const std::string& final_
 void PosixStorage::rotate(const std::string& keep, const std::string& nonce) {
   // Leftovers of saves that crashed or were refused, and of interrupted deletions.
   for (const auto& name : list_directory(directory_))
-    if ((name.rfind(".step_", 0) == 0 && name.find(".tmp-") != std::string::npos) || name.rfind(".trash-", 0) == 0)
+    if ((name.rfind(".step_", 0) == 0 && name.find(".tmp-") != std::string::npos) || name.rfind(".trash-", 0) == 0 ||
+        name.rfind("latest.tmp-", 0) == 0)
       remove_tree(join_path(directory_, name));
   if (keep_last_ <= 0) return;
   auto found = complete_checkpoints(directory_);

@@ -1,15 +1,14 @@
 // Prometheus metrics: counters and gauges kept under a mutex, rendered as text exposition format
 // (https://prometheus.io/docs/instrumenting/exposition_formats/), written to a file atomically or
-// served over HTTP by one thread.
+// served over HTTP (train/metrics_server.h). GPU gauges come from a sampler thread
+// (train/metrics_gpu_sampler.h), so neither sink calls NVML on the training thread.
 #include "loom/train/metrics.h"
 
-#include <arpa/inet.h>
-#include <netinet/in.h>
-#include <poll.h>
-#include <sys/socket.h>
+#include <fcntl.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
-#include <atomic>
+#include <algorithm>
 #include <cerrno>
 #include <chrono>
 #include <cstdio>
@@ -18,12 +17,13 @@
 #include <fstream>
 #include <mutex>
 #include <sstream>
-#include <thread>
 
 #include "loom/config.h"
 #include "loom/error.h"
+#include "loom/log.h"
 #include "loom/runtime.h"
-#include "topology/nvml_loader.h"
+#include "train/metrics_gpu_sampler.h"
+#include "train/metrics_server.h"
 
 namespace loom {
 namespace {
@@ -70,6 +70,42 @@ std::string escape_label(const std::string& v) {
   return out;
 }
 
+// Writes `text` to `path` atomically: a temporary file made by mkstemp in the same directory
+// (a fresh name no other process or planted symlink can share; node_exporter reads only *.prom),
+// then rename. Throws loom::Error naming the file and the failing step.
+void write_file_atomic(const std::filesystem::path& path, const std::string& text) {
+  std::string tmp = (path.parent_path() / ("." + path.filename().string() + ".XXXXXX")).string();
+  auto fail = [&](const std::string& step) {
+    const std::string reason = std::strerror(errno);
+    return Error(ErrorContext("LOOM_METRICS")(step + " " + tmp + " failed: " + reason));
+  };
+  const int fd = ::mkostemp(tmp.data(), O_CLOEXEC);
+  if (fd < 0) throw fail("creating");
+  size_t done = 0;
+  while (done < text.size()) {
+    const ssize_t n = ::write(fd, text.data() + done, text.size() - done);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) {
+      const Error e = fail("writing");
+      ::close(fd);
+      ::unlink(tmp.c_str());
+      throw e;
+    }
+    done += static_cast<size_t>(n);
+  }
+  // mkstemp makes the file 0600; the collector may run as another user.
+  if (::fchmod(fd, 0644) != 0 || ::close(fd) != 0) {
+    const Error e = fail("closing");
+    ::unlink(tmp.c_str());
+    throw e;
+  }
+  if (::rename(tmp.c_str(), path.c_str()) != 0) {  // the collector never reads half a file
+    const Error e = fail("renaming to " + path.string() + ":");
+    ::unlink(tmp.c_str());
+    throw e;
+  }
+}
+
 }  // namespace
 
 struct MetricsExporter::Impl {
@@ -77,17 +113,16 @@ struct MetricsExporter::Impl {
   int rank = 0;
   std::string file;
   double interval = 5;
-  std::optional<unsigned> gpu;
-  int listen_fd = -1;
-  int served_port = 0;
-  std::atomic<bool> stop{false};
-  std::thread server;
+  bool write_failing = false;  // the last write of the file failed (logged once per run of failures)
 
   mutable std::mutex mutex;
   StepMetrics last;
   uint64_t steps = 0, tokens = 0, bytes = 0;
   double step_seconds = 0, exposed = 0, checkpoint = 0;
   Clock::time_point last_write{};
+  // Last, so they are destroyed first (the server renders, rendering reads the sampler).
+  std::unique_ptr<detail::GpuSampler> gpu;
+  std::unique_ptr<detail::MetricsServer> server;
 
   std::string render() const {
     std::ostringstream out;
@@ -115,8 +150,7 @@ struct MetricsExporter::Impl {
     }
     metric("loom_host_memory_resident_bytes", "gauge", "Resident memory of this process, in bytes.", resident_bytes());
     if (gpu) {
-      std::string why;
-      if (auto g = topo::detail::read_nvml_gauges(*gpu, why)) {
+      if (auto g = gpu->latest()) {
         metric("loom_gpu_utilization_percent", "gauge", "GPU utilisation (NVML), in percent.", g->utilization_percent);
         metric("loom_gpu_memory_used_bytes", "gauge", "GPU memory in use (NVML), in bytes.", g->memory_used_bytes);
         metric("loom_gpu_memory_total_bytes", "gauge", "GPU memory (NVML), in bytes.", g->memory_total_bytes);
@@ -132,59 +166,25 @@ struct MetricsExporter::Impl {
   }
 
   void write_file() {
-    const std::string text = render();
-    const std::string tmp = file + ".tmp";
-    {
-      std::ofstream out(tmp, std::ios::trunc);
-      out << text;
-      if (!out.flush())
-        throw Error(ErrorContext("LOOM_METRICS")("writing " + tmp + " failed: " + std::strerror(errno)));
-    }
-    std::error_code ec;
-    std::filesystem::rename(tmp, file, ec);  // the collector never reads half a file
-    if (ec) throw Error(ErrorContext("LOOM_METRICS")("renaming " + tmp + " to " + file + " failed: " + ec.message()));
+    write_file_atomic(file, render());
     last_write = Clock::now();
   }
 
-  void serve() {
-    while (!stop) {
-      pollfd p{listen_fd, POLLIN, 0};
-      if (::poll(&p, 1, 200) <= 0) continue;
-      const int fd = ::accept(listen_fd, nullptr, nullptr);
-      if (fd < 0) continue;
-      char request[1024];
-      (void)::recv(fd, request, sizeof(request), 0);  // any path answers: GET /metrics is what Prometheus sends
-      const std::string body = render();
-      const std::string response = "HTTP/1.1 200 OK\r\nContent-Type: text/plain; version=0.0.4\r\nContent-Length: " +
-                                   std::to_string(body.size()) + "\r\nConnection: close\r\n\r\n" + body;
-      size_t sent = 0;
-      while (sent < response.size()) {
-        const ssize_t n = ::send(fd, response.data() + sent, response.size() - sent, MSG_NOSIGNAL);
-        if (n <= 0) break;
-        sent += static_cast<size_t>(n);
-      }
-      ::close(fd);
+  // record()'s write: a failure (a full or unmounted disk) is logged, not thrown into the training
+  // loop; it is logged again only after a write has succeeded in between.
+  bool write_file_logged() {
+    try {
+      write_file();
+    } catch (const Error& e) {
+      last_write = Clock::now();  // retry at the next interval, not at every step
+      if (!write_failing) LOOM_LOG(warn, e.what() << "; training goes on, the metrics file is retried every "
+                                                  << interval << " s");
+      write_failing = true;
+      return false;
     }
-  }
-
-  void listen_on(int port) {
-    listen_fd = ::socket(AF_INET, SOCK_STREAM, 0);
-    const int one = 1;
-    ::setsockopt(listen_fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
-    sockaddr_in addr{};
-    addr.sin_family = AF_INET;
-    addr.sin_addr.s_addr = htonl(INADDR_ANY);
-    addr.sin_port = htons(static_cast<uint16_t>(port));
-    if (listen_fd < 0 || ::bind(listen_fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0 ||
-        ::listen(listen_fd, 16) != 0) {
-      const std::string reason = std::strerror(errno);
-      if (listen_fd >= 0) ::close(listen_fd);
-      listen_fd = -1;
-      throw ConfigError(ErrorContext("LOOM_METRICS")("cannot serve metrics on port " + std::to_string(port) + ": " +
-                                                     reason));
-    }
-    served_port = port;
-    server = std::thread([this] { serve(); });
+    if (write_failing) LOOM_LOG(warn, "metrics: " << file << " written again");
+    write_failing = false;
+    return true;
   }
 };
 
@@ -197,41 +197,40 @@ MetricsExporter::MetricsExporter(const std::string& target) : impl_(std::make_un
   impl_->labels = "rank=\"" + std::to_string(w.rank) + "\",local_rank=\"" + std::to_string(w.local_rank) +
                   "\",host=\"" + escape_label(w.hostname) + "\"";
   impl_->interval = config().metrics_interval;
-  impl_->gpu = nvml_index(rt->cuda_device());
   if (target.empty()) return;
   if (target.rfind("file:", 0) == 0) {
     const std::string dir = target.substr(5);
+    if (dir.empty()) throw ConfigError(ErrorContext("LOOM_METRICS")("expected file:DIR; found \"" + target + "\""));
     std::error_code ec;
     std::filesystem::create_directories(dir, ec);
     impl_->file = (std::filesystem::path(dir) / ("torchloom_rank" + std::to_string(w.rank) + ".prom")).string();
-    impl_->write_file();  // an unwritable directory is reported now, not after the run
-  } else if (target.rfind("port:", 0) == 0) {
-    int port = 0;
     try {
-      port = std::stoi(target.substr(5));
-    } catch (const std::exception&) {
+      impl_->write_file();  // an unwritable directory is reported now, not after the run
+    } catch (const Error& e) {
+      throw ConfigError(e.what());
     }
-    if (port <= 0 || port + w.local_rank > 65535)
-      throw ConfigError(ErrorContext("LOOM_METRICS")("expected port:N with 1 <= N + local rank <= 65535; found \"" +
-                                                     target + "\""));
-    impl_->listen_on(port + w.local_rank);
+  } else if (target.rfind("port:", 0) == 0) {
+    detail::ListenAddress where = detail::parse_listen_address(target.substr(5), "LOOM_METRICS");
+    if (where.port + w.local_rank > 65535)
+      throw ConfigError(ErrorContext("LOOM_METRICS")("port " + std::to_string(where.port) + " + local rank " +
+                                                     std::to_string(w.local_rank) + " is above 65535 (\"" + target +
+                                                     "\")"));
+    where.port += w.local_rank;
+    impl_->server = std::make_unique<detail::MetricsServer>(where, [impl = impl_.get()] { return impl->render(); });
   } else {
-    throw ConfigError(ErrorContext("LOOM_METRICS")("expected file:DIR or port:N; found \"" + target + "\""));
+    throw ConfigError(ErrorContext("LOOM_METRICS")("expected file:DIR or port:[ADDR:]N; found \"" + target + "\""));
+  }
+  // Started last: a target refused above leaves no thread behind.
+  if (auto index = nvml_index(rt->cuda_device())) {
+    const double seconds = std::clamp(impl_->interval, 1.0, 10.0);
+    impl_->gpu = std::make_unique<detail::GpuSampler>(*index, std::chrono::milliseconds(long(seconds * 1000)));
   }
 }
 
 MetricsExporter::~MetricsExporter() {
-  if (!impl_->file.empty()) {
-    try {
-      impl_->write_file();
-    } catch (const std::exception&) {  // a destructor does not throw; flush() reports
-    }
-  }
-  if (impl_->server.joinable()) {
-    impl_->stop = true;
-    impl_->server.join();
-  }
-  if (impl_->listen_fd >= 0) ::close(impl_->listen_fd);
+  impl_->server.reset();  // stops at once, whatever the clients do
+  if (!impl_->file.empty()) impl_->write_file_logged();
+  impl_->gpu.reset();
 }
 
 void MetricsExporter::record(const StepMetrics& step) {
@@ -247,15 +246,13 @@ void MetricsExporter::record(const StepMetrics& step) {
   }
   if (!impl_->file.empty() &&
       std::chrono::duration<double>(Clock::now() - impl_->last_write).count() >= impl_->interval)
-    impl_->write_file();
+    impl_->write_file_logged();
 }
 
-void MetricsExporter::flush() {
-  if (!impl_->file.empty()) impl_->write_file();
-}
+bool MetricsExporter::flush() { return impl_->file.empty() || impl_->write_file_logged(); }
 
 std::string MetricsExporter::render() const { return impl_->render(); }
 std::string MetricsExporter::path() const { return impl_->file; }
-int MetricsExporter::port() const { return impl_->served_port; }
+int MetricsExporter::port() const { return impl_->server ? impl_->server->port() : 0; }
 
 }  // namespace loom

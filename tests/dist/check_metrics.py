@@ -7,10 +7,16 @@
    all-reduced (every step reduces every parameter once, in float32: steps x parameters x 4),
    a finite loss, resident memory, exposed communication within the step time.
 2. LOOM_METRICS=port:N: the same program at 1 rank answers an HTTP scrape while it trains.
+3. Hostile clients: while a short run trains, a silent client and a slow one (a byte a second) hold
+   connections open at all times (reconnecting when the server closes them) and 100 scrapes run at
+   once; every scrape is answered, and the job exits within a second of printing its final loss
+   (the exporter never waits on a client). A client on another interface than loopback is not
+   served by default (port:N binds 127.0.0.1).
 
   check_metrics.py --mpirun mpirun --program build/examples/train_gpt
 """
 import argparse
+import concurrent.futures
 import math
 import os
 import re
@@ -18,6 +24,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.request
 
@@ -113,13 +120,151 @@ def port_mode(a):
               "scraped tokens = steps x batch x sequence")
 
 
+def free_port():
+    with socket.socket() as s:  # a free port, released for the program to take
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def non_loopback_address():
+    """An IPv4 address of this machine other than 127.x, or None (a UDP connect sends nothing)."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect(("192.0.2.1", 9))
+            address = s.getsockname()[0]
+        return None if address.startswith("127.") else address
+    except OSError:
+        return None
+
+
+def hostile_clients_mode(a):
+    port = free_port()
+    env = dict(os.environ, LOOM_METRICS=f"port:{port}", OMP_NUM_THREADS="1")
+    # stdbuf: the rank's stdout line by line, so "final loss" is seen when printed, not at exit.
+    cmd = [a.mpirun, "--oversubscribe", "--bind-to", "none", "-np", "1", "stdbuf", "-oL", a.program, "--tp", "1",
+           "--steps", "800", "--lr", "0.03", "--progress", "lines", "--log-every", "100"] + MODEL[:-2]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines = []  # (time, line)
+    reader = threading.Thread(target=lambda: lines.extend((time.monotonic(), l) for l in proc.stdout), daemon=True)
+    reader.start()
+    stop = threading.Event()
+    counts = {"silent": 0, "slow": 0, "slow_closed": 0}
+
+    def connect():
+        while not stop.is_set():
+            try:
+                return socket.create_connection(("127.0.0.1", port), timeout=1)
+            except OSError:
+                time.sleep(0.05)
+        return None
+
+    def silent():  # connects and sends nothing; reconnects when the server gives up on it
+        while not stop.is_set():
+            s = connect()
+            if s is None:
+                return
+            counts["silent"] += 1
+            with s:
+                s.settimeout(0.2)
+                while not stop.is_set():
+                    try:
+                        if s.recv(4096) == b"":
+                            break
+                    except socket.timeout:
+                        continue
+                    except OSError:
+                        break
+
+    def slow():  # a request one byte a second; reconnects when cut off
+        request = b"GET /metrics HTTP/1.1\r\nHost: x\r\nX-Slow: " + b"a" * 64 + b"\r\n\r\n"
+        while not stop.is_set():
+            s = connect()
+            if s is None:
+                return
+            counts["slow"] += 1
+            with s:
+                try:
+                    for i in range(len(request)):
+                        s.sendall(request[i:i + 1])
+                        if stop.wait(1.0):
+                            break
+                except OSError:
+                    counts["slow_closed"] += 1
+
+    workers = [threading.Thread(target=f, daemon=True) for f in (silent, slow)]
+    for w in workers:
+        w.start()
+
+    def scrape(_):
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+            return r.status, r.read().decode()
+
+    results = []
+    try:
+        deadline = time.monotonic() + 90
+        while counts["silent"] == 0 or counts["slow"] == 0:  # both hostile clients are connected
+            if time.monotonic() > deadline or proc.poll() is not None:
+                check(False, "the endpoint opened and took a silent and a slow client")
+                return
+            time.sleep(0.05)
+        time.sleep(0.2)
+        start = time.monotonic()
+        with concurrent.futures.ThreadPoolExecutor(max_workers=100) as pool:
+            results = list(pool.map(lambda i: _try(scrape, i), range(100)))
+        took = time.monotonic() - start
+        ok = [r for r in results if isinstance(r, tuple) and r[0] == 200 and "loom_steps_total" in r[1]]
+        check(len(ok) == 100, f"100 concurrent scrapes beside a silent and a slow client: {len(ok)} answered in "
+                              f"{took:.2f} s ({[r for r in results if r not in ok][:3]})")
+        check(proc.poll() is None and not any("final loss" in l for _, l in lines),
+              "the scrapes ran while the job trained (else the run is too short for this check)")
+        addr = non_loopback_address()
+        if addr:
+            try:
+                socket.create_connection((addr, port), timeout=2).close()
+                check(False, f"port:{port} is not reachable on {addr} (loopback only by default)")
+            except OSError:
+                check(True, f"port:{port} is not reachable on {addr} (loopback only by default)")
+        try:
+            proc.wait(timeout=60)  # the run trains for a few seconds
+        except subprocess.TimeoutExpired:
+            check(False, "the job ended within 60 s with a silent and a slow client connected")
+            return
+        exited = time.monotonic()
+    finally:
+        stop.set()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    reader.join(timeout=10)
+    final = [t for t, l in lines if l.startswith("final loss")]
+    check(proc.returncode == 0, f"train_gpt exit status {proc.returncode} with hostile clients connected")
+    check(len(final) == 1, "the run printed its final loss")
+    if final:
+        after = exited - final[0]
+        print(f"exit {after:.3f} s after the final loss; silent connections {counts['silent']}, "
+              f"slow connections {counts['slow']} (cut off {counts['slow_closed']})")
+        check(after < 1.0, f"the job exited {after:.3f} s after its final loss (limit 1 s) with a silent and a "
+                           "slow client connected")
+    if failures:
+        print("".join(l for _, l in lines[-30:]))
+
+
+def _try(f, *args):
+    try:
+        return f(*args)
+    except Exception as e:  # a failed scrape is counted, not raised
+        return repr(e)
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--mpirun", required=True)
     p.add_argument("--program", required=True)
+    p.add_argument("--only", choices=["file", "port", "hostile"], help="run one part only")
     a = p.parse_args()
-    file_mode(a)
-    port_mode(a)
+    for name, mode in (("file", file_mode), ("port", port_mode), ("hostile", hostile_clients_mode)):
+        if a.only in (None, name):
+            mode(a)
     if failures:
         sys.exit(f"FAILED: {len(failures)} check(s)")
     print("OK")

@@ -11,6 +11,7 @@
 #include <torch/optim.h>
 
 #include <filesystem>
+#include <fstream>
 #include <map>
 #include <memory>
 #include <set>
@@ -256,6 +257,45 @@ TEST(CheckpointDist, RoundTripIsBitwiseAndReplicatedTensorsAreWrittenOnce) {
   EXPECT_EQ(m.tensors.at("model/block.ln1_weight").slices.size(), 1u);
   EXPECT_EQ(writers_of_model_state.size(), static_cast<size_t>(std::min(world->size(), 4)))
       << "the writes are spread over every rank";
+  cleanup(dir);
+}
+
+// The reproduction, resealed: the slices of a TP-split tensor swapped between two shards in
+// a manifest whose own checksum was recomputed. Each shard records where its slices start, so the
+// rank verifying it refuses, and every rank's state stays as it was.
+TEST(CheckpointDist, ShardsRecordTheirSlicesSoASwappedManifestIsRefused) {
+  auto world = test::world();
+  if (default_tp() < 2) GTEST_SKIP() << "needs TP 2";
+  const std::string dir = shared_dir("swapped_slices");
+  const auto& ps = state(2);
+  Job a(ps, 21);
+  a.train(2);
+  Checkpointer ca(world, {.directory = dir, .async = false});
+  a.attach(ca);
+  ca.save({.step = 2});
+  if (world->rank() == 0) {
+    const std::string path = dir + "/step_000002/manifest.json";
+    auto manifest = nlohmann::ordered_json::parse(ckpt::read_small_file(path, 1 << 24, "test"));
+    auto& slices = manifest["tensors"]["model/head.weight"]["slices"];
+    ASSERT_EQ(slices.size(), 2u);
+    std::swap(slices[0]["shard"], slices[1]["shard"]);
+    std::ofstream(path, std::ios::trunc) << ckpt::reseal_manifest(manifest.dump(1));
+  }
+  world->barrier()->wait();
+  Job b(ps, 77);
+  b.train(1);
+  Checkpointer cb(world, {.directory = dir});
+  b.attach(cb);
+  const auto before = snapshot(b);
+  std::string message;
+  try {
+    cb.load_latest();
+  } catch (const CheckpointError& e) {
+    message = e.what();
+  }
+  EXPECT_NE(message.find("tensor model/head.weight holds the slice at offset"), std::string::npos) << message;
+  EXPECT_NE(message.find("nothing was changed"), std::string::npos) << message;
+  expect_same(before, snapshot(b));
   cleanup(dir);
 }
 

@@ -12,7 +12,9 @@
 #include <atomic>
 #include <cstdio>
 #include <cstdlib>
+#include <chrono>
 #include <filesystem>
+#include <sys/stat.h>
 #include <fstream>
 #include <new>
 #include <nlohmann/json.hpp>
@@ -670,6 +672,21 @@ TEST(CheckpointCorruption, MissingShard) {
   expect_load_fails(s, {"cannot open " + s.shard, "No such file"});
 }
 
+// A FIFO where a shard or the latest pointer should be: a clear error at once, never a rank
+// blocked in open() (where no timeout applies).
+TEST(CheckpointCorruption, FifoInsteadOfAShardOrLatestDoesNotBlock) {
+  auto s = save_one("fifo");
+  fs::remove(s.shard);
+  ASSERT_EQ(::mkfifo(s.shard.c_str(), 0644), 0);
+  const auto start = std::chrono::steady_clock::now();
+  expect_load_fails(s, {s.shard, "is not a regular file (a FIFO)"});
+  const std::string latest = s.dir + "/latest";
+  fs::remove(latest);
+  ASSERT_EQ(::mkfifo(latest.c_str(), 0644), 0);
+  EXPECT_EQ(loom::Checkpointer::find_latest(s.dir), s.step_dir);  // the pointer is skipped, the scan finds it
+  EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(), 5.0);
+}
+
 TEST(CheckpointCorruption, HeaderClaims2To60Bytes) {
   auto s = save_one("huge_header");
   std::string bytes = read_file(s.shard);
@@ -785,28 +802,83 @@ TEST(CheckpointCorruption, ParameterNamesAndShapesAreListedAsADiff) {
       << message2;
 }
 
-TEST(CheckpointCorruption, LoaderFuzzOnlyRaisesCheckpointError) {
+// The manifest with one of its numbers or strings replaced by a hostile value.
+std::string hostile_value(const std::string& manifest, std::mt19937_64& rng) {
+  nlohmann::ordered_json doc = nlohmann::ordered_json::parse(manifest);
+  std::vector<nlohmann::ordered_json*> leaves;
+  std::function<void(nlohmann::ordered_json&)> walk = [&](nlohmann::ordered_json& j) {
+    if (j.is_structured()) {
+      for (auto& child : j) walk(child);
+    } else if (!j.is_null()) {
+      leaves.push_back(&j);
+    }
+  };
+  walk(doc);
+  const nlohmann::ordered_json values[] = {-1,  0,    1,     0.5,  -0.5, 1e308, -1e308, 1e-320, 2,    7,
+                                           true, false, "x", "",  int64_t(1) << 62, -(int64_t(1) << 62),
+                                           uint64_t(UINT64_MAX), nullptr, nlohmann::ordered_json::array(),
+                                           nlohmann::ordered_json::object()};
+  *leaves[rng() % leaves.size()] = values[rng() % (sizeof(values) / sizeof(values[0]))];
+  return doc.dump(1);
+}
+
+// Random mutations of the shard and the manifest (half of the manifest's resealed, so the checks
+// behind its checksum are reached too), from a fresh seed each run (printed; LOOM_FUZZ_SEED replays
+// one), for at most 10 s: every load either succeeds or raises CheckpointError having changed
+// nothing at all.
+TEST(CheckpointCorruption, LoaderFuzzRefusesWithCheckpointErrorAndChangesNothing) {
   auto s = save_one("loader_fuzz");
   const std::string shard = read_file(s.shard), manifest = read_file(s.manifest);
-  std::mt19937_64 rng(7);
+  const char* fixed = std::getenv("LOOM_FUZZ_SEED");
+  const uint64_t seed = fixed ? std::strtoull(fixed, nullptr, 10) : std::random_device{}();
+  std::printf("loader fuzz seed %llu (LOOM_FUZZ_SEED=%llu replays it)\n", static_cast<unsigned long long>(seed),
+              static_cast<unsigned long long>(seed));
+  SCOPED_TRACE("LOOM_FUZZ_SEED=" + std::to_string(seed));
+  std::mt19937_64 rng(seed);
   Training b("adam", 3);
+  b.steps(1);
   loom::Checkpointer c(nullptr, {.directory = s.dir});
   b.attach(c);
-  int refused = 0;
-  for (int i = 0; i < 150; ++i) {
-    const bool on_shard = i % 3 != 0;
-    write_file(on_shard ? s.shard : s.manifest, mutate(on_shard ? shard : manifest, rng));
+  auto before = snapshot(b);
+  int refused = 0, loaded = 0, iterations = 0;
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  for (; iterations < 2000 && std::chrono::steady_clock::now() < deadline; ++iterations) {
+    // 0: manifest bytes, 1: the same resealed, 2: shard bytes, 3: one value of the manifest replaced
+    // by a hostile one and resealed (reaches the range checks of every provider).
+    const int target = static_cast<int>(rng() % 4);
+    if (target == 2) {
+      write_file(s.shard, mutate(shard, rng));
+    } else if (target == 3) {
+      write_file(s.manifest, ckpt::reseal_manifest(hostile_value(manifest, rng)));
+    } else {
+      std::string edited = mutate(manifest, rng);
+      if (target == 1) {
+        try {
+          edited = ckpt::reseal_manifest(edited);
+        } catch (const std::exception&) {
+          // Not JSON any more: written as it is.
+        }
+      }
+      write_file(s.manifest, edited);
+    }
     try {
       c.load(s.step_dir);
+      ++loaded;
+      before = snapshot(b);  // a harmless edit (a resealed user value, say) loaded: the new baseline
     } catch (const loom::CheckpointError&) {
       ++refused;
+      const auto after = snapshot(b);
+      bool same = after.size() == before.size();
+      for (const auto& [k, v] : before) same = same && after.count(k) && at::equal(v, after.at(k));
+      ASSERT_TRUE(same) << "iteration " << iterations << ": a refused load changed the state";
     } catch (const std::exception& e) {
-      FAIL() << "iteration " << i << ": " << e.what();
+      FAIL() << "iteration " << iterations << ": not a CheckpointError: " << e.what();
     }
     write_file(s.shard, shard);
     write_file(s.manifest, manifest);
   }
-  EXPECT_GT(refused, 100);
+  std::printf("loader fuzz: %d mutations, %d refused, %d loaded\n", iterations, refused, loaded);
+  EXPECT_GT(refused, iterations / 2);
 }
 
 // ---- Directory management --------------------------------------------------------------------------
