@@ -12,6 +12,9 @@
    once; every scrape is answered, and the job exits within a second of printing its final loss
    (the exporter never waits on a client). A client on another interface than loopback is not
    served by default (port:N binds 127.0.0.1).
+4. File sink safety: a symlink planted at the old fixed temporary name (torchloom_rank0.prom.tmp)
+   is not followed (its target is unchanged), and removing the metrics directory mid-run costs one
+   logged warning, not the run (exit 0, final loss printed).
 
   check_metrics.py --mpirun mpirun --program build/examples/train_gpt
 """
@@ -249,6 +252,37 @@ def hostile_clients_mode(a):
         print("".join(l for _, l in lines[-30:]))
 
 
+def sink_mode(a):
+    directory = tempfile.mkdtemp(prefix="loom_metrics_sink_")
+    victim = os.path.join(tempfile.mkdtemp(prefix="loom_metrics_victim_"), "victim")
+    with open(victim, "w") as f:
+        f.write("victim\n")
+    os.symlink(victim, os.path.join(directory, "torchloom_rank0.prom.tmp"))
+    env = dict(os.environ, LOOM_METRICS="file:" + directory, LOOM_METRICS_INTERVAL="0", OMP_NUM_THREADS="1")
+    cmd = [a.mpirun, "--oversubscribe", "--bind-to", "none", "-np", "1", a.program, "--tp", "1",
+           "--steps", "300", "--lr", "0.03", "--progress", "lines", "--log-every", "100"] + MODEL[:-2]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    target = os.path.join(directory, "torchloom_rank0.prom")
+    deadline = time.monotonic() + 90
+    while not os.path.exists(target) and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    with open(victim) as f:
+        check(f.read() == "victim\n", "a symlink at the old fixed temporary name was not followed")
+    time.sleep(0.3)  # a few steps' writes
+    subprocess.run(["rm", "-rf", directory])  # the metrics disk goes away mid-run
+    try:
+        out, _ = proc.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, _ = proc.communicate()
+    check(proc.returncode == 0 and "final loss" in out,
+          f"the run went on after its metrics directory vanished (exit {proc.returncode})")
+    warnings = [l for l in out.splitlines() if "LOOM_METRICS" in l and "failed" in l]
+    check(len(warnings) == 1, f"one warning for the failed metrics writes, not one per step: {warnings[:3]}")
+    if failures:
+        print(out[-3000:])
+
+
 def _try(f, *args):
     try:
         return f(*args)
@@ -260,9 +294,9 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--mpirun", required=True)
     p.add_argument("--program", required=True)
-    p.add_argument("--only", choices=["file", "port", "hostile"], help="run one part only")
+    p.add_argument("--only", choices=["file", "port", "hostile", "sink"], help="run one part only")
     a = p.parse_args()
-    for name, mode in (("file", file_mode), ("port", port_mode), ("hostile", hostile_clients_mode)):
+    for name, mode in (("file", file_mode), ("port", port_mode), ("hostile", hostile_clients_mode), ("sink", sink_mode)):
         if a.only in (None, name):
             mode(a)
     if failures:

@@ -5,8 +5,12 @@
 //   file:DIR   DIR/torchloom_rank<r>.prom, replaced atomically (write, rename) at most every
 //              LOOM_METRICS_INTERVAL seconds and at flush(): node_exporter's textfile collector
 //              (--collector.textfile.directory=DIR) publishes them with the node's other metrics.
-//   port:N     an HTTP endpoint on port N + local rank (/metrics), served by a thread, for a
-//              Prometheus scrape job listing each rank's port.
+//   port:N     an HTTP endpoint on 127.0.0.1, port N + local rank (/metrics), served by a thread,
+//              for a Prometheus scrape job listing each rank's port. Loopback only unless an address
+//              is given: port:ADDR:N (a numeric IPv4 address), port:[ADDR]:N (IPv6) or port:*:N
+//              (every interface). Clients are served concurrently, each with a deadline (5 s for the
+//              request, 5 s for the response): a silent or slow client never delays another scrape,
+//              the training or the process's exit (docs/monitoring.md).
 //   (unset)    off: record() only keeps the numbers (render() still gives the text).
 //
 //   loom::MetricsExporter metrics;                     // from LOOM_METRICS
@@ -19,8 +23,12 @@
 //
 // Every sample carries the labels rank, local_rank and host. Counters (_total) add up what each
 // record() reported; gauges hold the last value. Host memory is this process's resident set; where
-// NVML is present (a GPU driver), the process's GPU adds utilisation, memory, temperature and PCIe
-// throughput.
+// NVML is present (a GPU driver) and a sink is set, the process's GPU adds utilisation, memory,
+// temperature and PCIe throughput, sampled by a thread of the exporter every LOOM_METRICS_INTERVAL
+// seconds (clamped to 1..10 s), never on the training thread.
+//
+// A failed write of the file (full or unmounted disk) is logged, once until a write succeeds again,
+// and never thrown out of record() or flush(): metrics do not end a training run.
 #pragma once
 
 #include <cstdint>
@@ -42,18 +50,20 @@ struct StepMetrics {
 
 class MetricsExporter {
  public:
-  // target: "file:DIR", "port:N" or "" (off); by default LOOM_METRICS. Throws loom::ConfigError for
-  // anything else, for a directory that cannot be written or a port that cannot be bound.
+  // target: "file:DIR", "port:[ADDR:]N" or "" (off); by default LOOM_METRICS. Throws
+  // loom::ConfigError for anything else, for a directory that cannot be written or a port that
+  // cannot be bound.
   MetricsExporter();
   explicit MetricsExporter(const std::string& target);
-  ~MetricsExporter();  // writes the file one last time; stops the endpoint
+  ~MetricsExporter();  // stops the endpoint at once (open connections are closed); writes the file a last time
   MetricsExporter(const MetricsExporter&) = delete;
   MetricsExporter& operator=(const MetricsExporter&) = delete;
 
   void record(const StepMetrics& step);
-  // Writes the file now (file:), whatever the interval.
-  void flush();
-  // The exposition text of everything recorded so far, with fresh memory and GPU readings.
+  // Writes the file now (file:), whatever the interval. false when the write failed (logged).
+  bool flush();
+  // The exposition text of everything recorded so far, with a fresh memory reading and the last GPU
+  // sample.
   std::string render() const;
   // The file written (file:), or "" .
   std::string path() const;
