@@ -112,6 +112,13 @@ Parsed parse_arguments(const std::vector<std::string>& raw, const std::string& e
   if (!o.plan && o.program.empty()) throw UsageError("the program is missing after --");
   if (!o.program.empty() && !o.program[0].empty() && o.program[0][0] == '-')
     throw UsageError("the program '" + o.program[0] + "' starts with '-': mpirun would read it as an option");
+  // mpirun reads a ':' anywhere on its command line as the start of another program (MPMD), even
+  // after the first program's name: "-- ./train : -np 1 /bin/sh" would start /bin/sh too.
+  for (size_t i = 0; i < o.program.size(); ++i)
+    if (o.program[i] == ":")
+      throw UsageError("program argument " + std::to_string(i) +
+                       " is ':', which mpirun would read as the start of a second program; loomrun cannot pass "
+                       "a lone ':' through mpirun (quote it into another argument, or read it from a file)");
   if (o.topology.empty()) o.topology = env_topology;
   o.topology = absolute(o.topology);
   return parsed;

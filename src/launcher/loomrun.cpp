@@ -4,8 +4,9 @@
 //   loomrun -np 8 --tp 2 --topology dgx.txt --plan            # where each rank would run, and why
 //   loomrun -np 2 --dry-run -- ./train                         # the exact mpirun command
 //
-// Exit status: the job's (mpirun's), 128 + signal when mpirun died of one, 2 for bad arguments,
-// 127 when mpirun cannot be started.
+// Exit status: the job's (mpirun's), 128 + signal when mpirun died of one, 2 for bad arguments or
+// inputs (and for any unexpected error: a message, never an abort with a core dump), 127 when
+// mpirun cannot be started.
 #include <limits.h>
 #include <stdlib.h>
 #include <unistd.h>
@@ -57,9 +58,7 @@ int print_plan(const Options& o, const Launch& launch) {
   return 0;
 }
 
-}  // namespace
-
-int main(int argc, char** argv) {
+int run(int argc, char** argv) {
   Options o;
   Launch launch;
   try {
@@ -122,4 +121,21 @@ int main(int argc, char** argv) {
   }
   if (!error.empty()) std::cerr << "loomrun: " << error << "\n";
   return status;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  // Anything the handlers in run() did not expect (an allocation refused, a filesystem error, a
+  // bug) still ends with a message and the usage status, not std::terminate.
+  try {
+    return run(argc, argv);
+  } catch (const std::bad_alloc&) {
+    std::cerr << "loomrun: out of memory (an input larger than loomrun can hold?)\n";
+  } catch (const std::exception& e) {
+    std::cerr << "loomrun: " << e.what() << "\n";
+  } catch (...) {
+    std::cerr << "loomrun: unexpected error\n";
+  }
+  return kUsageExit;
 }

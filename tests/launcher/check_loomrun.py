@@ -260,6 +260,15 @@ def case_errors(loomrun):
                           (["-np", "2", "--hostfile", "/nonexistent", "--", "true"], "cannot read it")]:
         out = subprocess.run([loomrun] + args, env=env_with(), capture_output=True, text=True, timeout=60)
         check(out.returncode == 2 and message in out.stderr, f"errors: {args} gave {out.returncode} {out.stderr!r}")
+    # mpirun reads a lone ':' as the start of a second program: refused, nothing started.
+    out = subprocess.run([loomrun, "-np", "1", "--", "/bin/echo", "A", ":", "-np", "1", "/bin/echo", "INJECTED"],
+                         env=env_with(), capture_output=True, text=True, timeout=60)
+    check(out.returncode == 2 and "is ':'" in out.stderr and "INJECTED" not in out.stdout,
+          f"errors: a ':' program argument gave {out.returncode} {out.stdout!r} {out.stderr!r}")
+    out = subprocess.run([loomrun, "-np", "1", "--", "/bin/echo", "A:", "a : b", "::"], env=env_with(),
+                         capture_output=True, text=True, timeout=60)
+    check(out.returncode == 0 and out.stdout.strip() == "A: a : b ::",
+          f"errors: colons inside arguments gave {out.returncode} {out.stdout!r} {out.stderr!r}")
     out = subprocess.run([loomrun, "-np", "1", "--mpirun", "/nonexistent/mpirun", "--", "true"], env=env_with(),
                          capture_output=True, text=True, timeout=60)
     check(out.returncode == 127 and "cannot run /nonexistent/mpirun" in out.stderr,
