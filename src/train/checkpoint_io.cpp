@@ -174,6 +174,16 @@ void check_header_against_manifest(const ShardHeader& header, const Manifest& ma
     offsets = nlohmann::json::parse(slices->second, nullptr, /*allow_exceptions=*/false);
     if (!offsets.is_object()) throw CheckpointError(where + ": its " + kShardSlicesKey + " metadata is not a JSON object");
   }
+  // Both ways: every entry of the shard is a slice the manifest places here (an entry the manifest
+  // does not list is state a damaged manifest forgot).
+  for (const auto& entry : header.tensors) {
+    auto it = manifest.tensors.find(entry.name);
+    const bool placed = it != manifest.tensors.end() &&
+                        std::any_of(it->second.slices.begin(), it->second.slices.end(),
+                                    [&](const SliceRecord& slice) { return slice.shard == index; });
+    if (!placed)
+      throw CheckpointError(where + ": holds tensor " + entry.name + ", which the manifest does not place in it");
+  }
   for (const auto& [name, record] : manifest.tensors) {
     for (const auto& slice : record.slices) {
       if (slice.shard != index) continue;

@@ -14,6 +14,7 @@
 #include <ATen/ops/zeros.h>
 
 #include <algorithm>
+#include <set>
 #include <sstream>
 #include <type_traits>
 
@@ -259,6 +260,31 @@ std::unique_ptr<OptimizerParamState> make_state(Kind kind, const std::function<a
   return nullptr;
 }
 
+// The state tensors a parameter with state must have, and may have, for these saved options
+// (LibTorch creates them together at a parameter's first step).
+void state_keys(Kind kind, const json& options, std::set<std::string>& required, std::set<std::string>& allowed) {
+  switch (kind) {
+    case Kind::SGD:
+      allowed = {"momentum_buffer"};
+      return;
+    case Kind::Adam:
+    case Kind::AdamW:
+      required = {"exp_avg", "exp_avg_sq"};
+      if (options["amsgrad"].get<bool>()) required.insert("max_exp_avg_sq");
+      allowed = required;
+      return;
+    case Kind::RMSprop:
+      required = {"square_avg"};
+      if (options["momentum"].get<double>() > 0) required.insert("momentum_buffer");
+      if (options["centered"].get<bool>()) required.insert("grad_avg");
+      allowed = required;
+      return;
+    case Kind::Adagrad:
+      required = allowed = {"sum"};
+      return;
+  }
+}
+
 }  // namespace
 
 void OptimizerState::collect(int /*rank*/, SaveState& out) {
@@ -378,6 +404,33 @@ void OptimizerState::plan(const LoadContext& context, std::vector<Need>& needs, 
   for (auto it = saved["steps"].begin(); it != saved["steps"].end(); ++it)
     if (!it.value().is_number_integer() || it.value().get<int64_t>() < 0)
       problems.push_back("optimizer step count of " + it.key() + " is " + it.value().dump());
+  if (problems.size() != before) return;
+
+  // Each parameter's state is complete for the saved options (a manifest that lost one of them
+  // would leave an optimizer that fails at its next step), and nothing else.
+  std::map<std::string, std::set<std::string>> saved_keys;  // parameter -> state keys
+  for (const auto& [name, r] : context.manifest.tensors)
+    if (name.rfind("optim/", 0) == 0) {
+      const size_t slash = name.find_last_of('/');
+      saved_keys[name.substr(6, slash - 6)].insert(name.substr(slash + 1));
+    }
+  for (size_t g = 0; g < live.size(); ++g) {
+    std::set<std::string> required, allowed;
+    state_keys(*kind, groups[g]["options"], required, allowed);
+    for (const auto& n : groups[g]["params"]) {
+      const std::string param = n.get<std::string>();
+      auto it = saved_keys.find(param);
+      if (it == saved_keys.end()) continue;  // no state yet (never stepped)
+      for (const auto& key : required)
+        if (!it->second.count(key))
+          problems.push_back("optimizer state of " + param + " lacks " + key + ", which " + kind_name(*kind) +
+                             " with these options keeps for every parameter with state");
+      for (const auto& key : it->second)
+        if (!allowed.count(key))
+          problems.push_back("optimizer state of " + param + " has " + key + ", which " + kind_name(*kind) +
+                             " with these options does not keep");
+    }
+  }
   if (problems.size() != before) return;
 
   // State tensors follow their parameter's live layout.
