@@ -107,6 +107,7 @@ if(LOOM_BUILD_TESTS)
     ${LOOM_TOPOLOGY_DIR}/tests/unit/test_placement.cpp
     ${LOOM_TOPOLOGY_DIR}/tests/unit/test_placement_render.cpp
     ${LOOM_TOPOLOGY_DIR}/tests/unit/test_loomrun.cpp
+    ${LOOM_TOPOLOGY_DIR}/tests/unit/test_input_limits.cpp
   )
   target_link_libraries(loom_topology_tests PRIVATE loom_launcher loom_topology nlohmann_json::nlohmann_json
                         GTest::gtest GTest::gtest_main)

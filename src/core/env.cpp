@@ -100,8 +100,17 @@ static std::string number_text(double value) {
   return text;
 }
 
+// A value as a message shows it: at most 80 bytes, control characters as '?' (a value can be up to
+// 128 KiB, and it goes into logs and terminals).
+static std::string shown(const std::string& text) {
+  std::string out;
+  for (char c : text.substr(0, 80)) out += (static_cast<unsigned char>(c) < 0x20 || c == 0x7f) ? '?' : c;
+  return text.size() > 80 ? out + "... (" + std::to_string(text.size()) + " bytes)" : out;
+}
+
 static ConfigError malformed(const char* name, const std::string& text, const std::string& expected) {
-  return ConfigError(ErrorContext("environment variable")(std::string(name) + "='" + text + "': expected " + expected));
+  return ConfigError(
+      ErrorContext("environment variable")(std::string(name) + "='" + shown(text) + "': expected " + expected));
 }
 
 std::chrono::milliseconds seconds(const Environment& env, const char* name, double min_seconds, double max_seconds) {

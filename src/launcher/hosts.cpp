@@ -31,18 +31,33 @@ int positive(const std::string& text) {
   return value;
 }
 
-void add_unique(std::vector<Host>& hosts, Host h, const std::string& where) {
-  for (const auto& existing : hosts)
-    if (existing.name == h.name)
+// A long -H value or line, as shown in a message: its start, printable.
+std::string excerpt(const std::string& text) {
+  std::string out;
+  for (char c : text.substr(0, 60)) out += (static_cast<unsigned char>(c) < 0x20 || c == 0x7f) ? '?' : c;
+  return text.size() > 60 ? out + "..." : out;
+}
+
+// Hosts in order, duplicates found through a set (a scan of the list per host was quadratic).
+struct HostList {
+  std::vector<Host> hosts;
+  std::set<std::string> names;
+  void add(Host h, const std::string& where) {
+    if (!names.insert(h.name).second)
       throw UsageError(where + "host '" + h.name + "' is listed twice; give it once with all its slots (" + h.name +
                        ":N)");
-  hosts.push_back(std::move(h));
-}
+    if (hosts.size() >= kMaxHosts)
+      throw UsageError(where + "more than " + std::to_string(kMaxHosts) +
+                       " hosts: exceeds the limit (docs/limits.md)");
+    hosts.push_back(std::move(h));
+  }
+};
 
 }  // namespace
 
 std::vector<Host> parse_host_list(const std::string& text) {
-  std::vector<Host> hosts;
+  HostList hosts;
+  const std::string shown = excerpt(text);
   size_t pos = 0;
   while (pos <= text.size()) {
     size_t comma = text.find(',', pos);
@@ -50,52 +65,65 @@ std::vector<Host> parse_host_list(const std::string& text) {
     size_t colon = item.find(':');
     Host h{item.substr(0, colon), 1};
     if (!valid_host_name(h.name))
-      throw UsageError("-H '" + text + "': '" + item + "' is not host or host:slots (the host name is " +
+      throw UsageError("-H '" + shown + "': '" + excerpt(item) + "' is not host or host:slots (the host name is " +
                        (h.name.empty() ? "empty" : "not a valid name") + ")");
     if (colon != std::string::npos) {
       h.slots = positive(item.substr(colon + 1));
       if (h.slots < 0)
-        throw UsageError("-H '" + text + "': '" + item +
+        throw UsageError("-H '" + shown + "': '" + excerpt(item) +
                          "' is not host or host:slots (slots must be a positive integer, found '" +
-                         item.substr(colon + 1) + "')");
+                         excerpt(item.substr(colon + 1)) + "')");
     }
-    add_unique(hosts, h, "-H '" + text + "': ");
+    hosts.add(h, "-H '" + shown + "': ");
     if (comma == std::string::npos) break;
     pos = comma + 1;
   }
-  return hosts;
+  return std::move(hosts.hosts);
 }
 
 std::vector<Host> parse_hostfile(const std::string& path) {
-  std::ifstream in(path);
+  std::ifstream in(path, std::ios::binary);
   if (!in) throw UsageError("--hostfile " + path + ": cannot read it (" + std::strerror(errno) + ")");
-  std::vector<Host> hosts;
+  // Read at most the limit and one byte more, whatever the file is (/dev/zero has no end and no
+  // newline: getline would grow one line until memory ran out).
+  std::string content(kMaxHostfileBytes + 1, '\0');
+  in.read(content.data(), static_cast<std::streamsize>(content.size()));
+  if (in.bad()) throw UsageError("--hostfile " + path + ": cannot read it (" + std::strerror(errno) + ")");
+  content.resize(static_cast<size_t>(in.gcount()));
+  if (content.size() > kMaxHostfileBytes)
+    throw UsageError("--hostfile " + path + ": more than " + std::to_string(kMaxHostfileBytes) +
+                     " bytes: exceeds the limit (docs/limits.md)");
+  HostList hosts;
+  std::istringstream lines(content);
   std::string line;
   int number = 0;
-  while (std::getline(in, line)) {
+  while (std::getline(lines, line)) {
     ++number;
     const std::string where = "--hostfile " + path + ", line " + std::to_string(number) + ": ";
+    if (line.size() > kMaxHostfileLine)
+      throw UsageError(where + "longer than " + std::to_string(kMaxHostfileLine) +
+                       " bytes: exceeds the limit (docs/limits.md)");
     if (size_t hash = line.find('#'); hash != std::string::npos) line.resize(hash);
     std::istringstream words(line);
     std::string name, word;
     if (!(words >> name)) continue;
-    if (!valid_host_name(name)) throw UsageError(where + "'" + name + "' is not a host name");
+    if (!valid_host_name(name)) throw UsageError(where + "'" + excerpt(name) + "' is not a host name");
     Host h{name, 1};
     while (words >> word) {
       size_t eq = word.find('=');
       std::string key = word.substr(0, eq), value = eq == std::string::npos ? "" : word.substr(eq + 1);
       if (key == "slots" || key == "max_slots" || key == "max-slots") {
         int n = positive(value);
-        if (n < 0) throw UsageError(where + "'" + word + "': expected a positive integer");
+        if (n < 0) throw UsageError(where + "'" + excerpt(word) + "': expected a positive integer");
         if (key == "slots") h.slots = n;
       } else {
-        throw UsageError(where + "'" + word + "': expected slots=N or max_slots=N");
+        throw UsageError(where + "'" + excerpt(word) + "': expected slots=N or max_slots=N");
       }
     }
-    add_unique(hosts, h, where);
+    hosts.add(h, where);
   }
-  if (hosts.empty()) throw UsageError("--hostfile " + path + ": no hosts in it");
-  return hosts;
+  if (hosts.hosts.empty()) throw UsageError("--hostfile " + path + ": no hosts in it");
+  return std::move(hosts.hosts);
 }
 
 int local_core_count() {

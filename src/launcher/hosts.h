@@ -12,6 +12,12 @@ struct Host {
   int slots = 1;
 };
 
+// Limits on what describes the hosts (docs/limits.md): a list or file longer, or with more hosts,
+// is refused with a UsageError naming the limit.
+inline constexpr size_t kMaxHosts = 100000;
+inline constexpr size_t kMaxHostfileBytes = 16u * 1024 * 1024;
+inline constexpr size_t kMaxHostfileLine = 4096;
+
 // "a:4,b:4" or "a,b" (1 slot each). Throws UsageError naming the bad entry.
 std::vector<Host> parse_host_list(const std::string& text);
 

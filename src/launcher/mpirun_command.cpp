@@ -47,7 +47,9 @@ Launch build_launch(const Options& o, const LaunchContext& ctx) {
     for (const auto& h : hosts) list += (list.empty() ? "" : ",") + h.name + ":" + std::to_string(h.slots);
     a.insert(a.end(), {"-H", list});
   }
-  const int slots = std::accumulate(hosts.begin(), hosts.end(), 0, [](int s, const Host& h) { return s + h.slots; });
+  // 64-bit: up to 100000 hosts of up to 10^6 slots each.
+  const long long slots =
+      std::accumulate(hosts.begin(), hosts.end(), 0LL, [](long long s, const Host& h) { return s + h.slots; });
   const std::string where = local ? "this machine's " + std::to_string(slots) + " cores"
                                   : "the " + std::to_string(slots) + " slots of the hosts";
   if (o.np > slots) {

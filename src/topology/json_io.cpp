@@ -9,6 +9,7 @@
 #include <set>
 
 #include "loom/topology/topology.h"
+#include "topology/limits.h"
 
 namespace loom::topo {
 
@@ -16,9 +17,9 @@ namespace {
 
 using json = nlohmann::json;
 
-constexpr int kMaxGpusPerNode = 512;
-constexpr long long kMaxNodes = 100000;
-constexpr long long kMaxLinkCells = 16LL * 1024 * 1024;
+constexpr int kMaxGpusPerNode = limits::kGpusPerNode;
+constexpr long long kMaxNodes = limits::kNodes;
+constexpr long long kMaxLinkCells = limits::kLinkCells;
 
 // A semantic error at a JSON pointer; turned into a ParseError with line/column at the top.
 struct JsonError {
@@ -37,10 +38,28 @@ std::string type_name(const json& j) {
   return j.type_name();
 }
 
+// A value for a message: never the whole of a large array or object (dumping one would cost time
+// and memory in proportion to it, and nlohmann's serializer recurses once per nesting level).
 std::string shown(const json& j) {
-  std::string s = j.dump();
+  if (j.is_array()) return j.empty() ? "[]" : "an array of " + std::to_string(j.size()) + " values";
+  if (j.is_object()) return j.empty() ? "{}" : "an object of " + std::to_string(j.size()) + " members";
+  std::string s = j.is_string() && j.get_ref<const std::string&>().size() > 40
+                      ? json(j.get_ref<const std::string&>().substr(0, 40)).dump(-1, ' ', false,
+                                                                                 json::error_handler_t::replace)
+                      : j.dump(-1, ' ', false, json::error_handler_t::replace);
   return s.size() > 40 ? s.substr(0, 40) + "..." : s;
 }
+
+// What a node costs once expanded: CPU ids in its lists plus bytes of its strings. Counted as the
+// reader goes, so a list of a million sockets each "0-65535" is refused before it is built.
+struct Budget {
+  long long items = 0;
+  void add(long long n, const std::string& at) {
+    items += n;
+    if (items > limits::kExpandedItems)
+      error(at, "the topology " + limits::exceeded(limits::kExpandedItems, "CPU ids and string bytes in all"));
+  }
+};
 
 void allow_keys(const json& obj, const std::string& at, std::initializer_list<const char*> keys) {
   for (auto it = obj.begin(); it != obj.end(); ++it) {
@@ -202,17 +221,21 @@ std::string expand_hostname(const std::string& pattern, size_t node_index, long 
   return name;
 }
 
-Node read_node(const json& j, const std::string& at, long long& link_cells) {
+Node read_node(const json& j, const std::string& at, long long& link_cells, Budget& budget) {
   require_object(j, at);
   allow_keys(
       j, at,
       {"hostname", "replicate", "sockets", "numa_nodes", "gpus", "nics", "links", "nic_links", "source", "notes"});
   Node node;
   if (j.contains("source")) node.source = read_string(j["source"], at + "/source");
+  budget.add(static_cast<long long>(node.source.size()), at + "/source");
   if (j.contains("notes")) {
     if (!j["notes"].is_array()) error(at + "/notes", "expected an array of strings, found " + type_name(j["notes"]));
-    for (size_t i = 0; i < j["notes"].size(); ++i)
-      node.notes.push_back(read_string(j["notes"][i], at + "/notes/" + std::to_string(i)));
+    for (size_t i = 0; i < j["notes"].size(); ++i) {
+      const std::string nat = at + "/notes/" + std::to_string(i);
+      node.notes.push_back(read_string(j["notes"][i], nat));
+      budget.add(static_cast<long long>(node.notes.back().size()), nat);
+    }
   }
   auto read_places = [&](const char* key, auto make) {
     if (!j.contains(key)) return;
@@ -228,6 +251,7 @@ Node read_node(const json& j, const std::string& at, long long& link_cells) {
       int id = static_cast<int>(read_int(arr[i]["id"], eat + "/id", 0, 65535));
       if (!ids.insert(id).second) error(eat + "/id", "id " + std::to_string(id) + " appears twice");
       CpuList cpus = arr[i].contains("cpus") ? read_cpus(arr[i]["cpus"], eat + "/cpus") : CpuList{};
+      budget.add(static_cast<long long>(cpus.size()) + 1, eat);
       make(id, std::move(cpus));
     }
   };
@@ -258,6 +282,7 @@ Node read_node(const json& j, const std::string& at, long long& link_cells) {
           error(gat + "/numa", "NUMA node " + std::to_string(g.numa) + " is not in this node's \"numa_nodes\"");
       }
       if (gpus[i].contains("cpus")) g.cpus = read_cpus(gpus[i]["cpus"], gat + "/cpus");
+      budget.add(static_cast<long long>(g.cpus.size() + g.name.size() + g.pci_bus_id.size()) + 1, gat);
       node.gpus.push_back(std::move(g));
     }
   } else {
@@ -266,6 +291,9 @@ Node read_node(const json& j, const std::string& at, long long& link_cells) {
   if (j.contains("nics")) {
     const json& nics = j["nics"];
     if (!nics.is_array()) error(at + "/nics", "expected an array of NIC names or objects, found " + type_name(nics));
+    if (nics.size() > static_cast<size_t>(limits::kNicsPerNode))
+      error(at + "/nics", "the NIC count " + std::to_string(nics.size()) + " " +
+                              limits::exceeded(limits::kNicsPerNode, "NICs per node"));
     for (size_t i = 0; i < nics.size(); ++i) {
       const std::string nat = at + "/nics/" + std::to_string(i);
       Nic n;
@@ -278,6 +306,7 @@ Node read_node(const json& j, const std::string& at, long long& link_cells) {
         n.name = read_string(nics[i]["name"], nat + "/name");
         if (nics[i].contains("pci_bus_id")) n.pci_bus_id = read_string(nics[i]["pci_bus_id"], nat + "/pci_bus_id");
       }
+      budget.add(static_cast<long long>(n.name.size() + n.pci_bus_id.size()) + 1, nat);
       node.nics.push_back(std::move(n));
     }
   }
@@ -321,10 +350,12 @@ Topology read_topology(const json& root) {
   if (!nodes.is_array() || nodes.empty())
     error("/nodes", "expected a non-empty array of node objects, found " + shown(nodes));
   long long link_cells = 0;
+  Budget budget;
   std::set<std::string> hostnames;
   for (size_t i = 0; i < nodes.size(); ++i) {
     const std::string at = "/nodes/" + std::to_string(i);
-    Node node = read_node(nodes[i], at, link_cells);
+    const long long before = budget.items;
+    Node node = read_node(nodes[i], at, link_cells, budget);
     long long replicate =
         nodes[i].contains("replicate") ? read_int(nodes[i]["replicate"], at + "/replicate", 1, kMaxNodes) : 1;
     if (static_cast<long long>(topo.nodes.size()) + replicate > kMaxNodes)
@@ -335,6 +366,11 @@ Topology read_topology(const json& root) {
             "the topology has more than " + std::to_string(kMaxLinkCells) + " link entries in all (too large)");
     const std::string pattern =
         nodes[i].contains("hostname") ? read_string(nodes[i]["hostname"], at + "/hostname") : "";
+    // Every copy costs what the node costs, and its hostname.
+    const long long per_copy = budget.items - before + static_cast<long long>(pattern.size()) + 8;
+    if (per_copy > 0 && replicate - 1 > (limits::kExpandedItems - budget.items) / per_copy)
+      budget.add(limits::kExpandedItems, at + "/replicate");
+    budget.add((replicate - 1) * per_copy + static_cast<long long>(pattern.size()), at + "/replicate");
     for (long long r = 0; r < replicate; ++r) {
       Node copy = node;
       copy.hostname = expand_hostname(pattern, topo.nodes.size(), replicate);
@@ -508,9 +544,55 @@ json cost_json(const LinkCost& c) {
   return {{"bandwidth_gbps", c.bandwidth_gbps}, {"latency_us", c.latency_us}};
 }
 
+// Nesting depth and value count of the JSON text, by one linear scan before anything is built:
+// nlohmann's parser is iterative, but its serializer and destructor of a deep value are not, and a
+// 64 MB file of "[]," would become a gigabyte of json values.
+void check_json_bounds(std::string_view text, const std::string& source_name) {
+  int depth = 0;
+  long long values = 0;
+  bool in_string = false;
+  for (size_t i = 0; i < text.size(); ++i) {
+    const char c = text[i];
+    if (in_string) {
+      if (c == '\\')
+        ++i;
+      else if (c == '"')
+        in_string = false;
+      continue;
+    }
+    auto fail = [&](const std::string& message) {
+      auto [line, column] = line_column(text, i);
+      throw ParseError(source_name, line, column, message);
+    };
+    switch (c) {
+      case '"':
+        in_string = true;
+        ++values;
+        break;
+      case '[':
+      case '{':
+        if (++depth > limits::kJsonDepth)
+          fail("the nesting " + limits::exceeded(limits::kJsonDepth, "levels of arrays and objects"));
+        ++values;
+        break;
+      case ']':
+      case '}':
+        --depth;  // unbalanced text is the parser's to report
+        break;
+      case ',':
+        ++values;
+        break;
+      default:
+        break;
+    }
+    if (values > limits::kJsonValues) fail("the file " + limits::exceeded(limits::kJsonValues, "JSON values"));
+  }
+}
+
 }  // namespace
 
 Topology topology_from_json(std::string_view text, std::string source_name) {
+  check_json_bounds(text, source_name);
   json root;
   try {
     root = json::parse(text.begin(), text.end());

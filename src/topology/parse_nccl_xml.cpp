@@ -11,6 +11,7 @@
 #include <set>
 
 #include "loom/topology/topology.h"
+#include "topology/limits.h"
 #include "topology/pcie_path.h"
 #include "topology/xml_scan.h"
 
@@ -24,8 +25,7 @@ using detail::XmlElement;
 struct FoundGpu {
   int dev = -1;
   std::string bus_id;
-  int numa = -1;
-  CpuList cpus;
+  int numa = -1;  // the enclosing <cpu>: its CPU list is numa_[numa] (not copied per GPU)
   PciPlace place;
   std::map<std::string, int> nvlinks_to_gpu;  // target bus id -> count
   int nvlinks_to_switch = 0;
@@ -106,13 +106,17 @@ class NcclXmlParser {
     int numa = cpu.attribute("numaid") ? int_attribute(cpu, "numaid", 10) : cpu_index;
     CpuList cpus;
     if (const std::string* mask = cpu.attribute("affinity")) cpus = mask_to_cpus(cpu, *mask);
-    if (!numa_.emplace(numa, cpus).second) fail(cpu, "<cpu numaid=\"" + std::to_string(numa) + "\"> appears twice");
+    cpu_ids_ += static_cast<long long>(cpus.size());
+    if (cpu_ids_ > limits::kNodeCpuIds)
+      fail(cpu, "the <cpu> affinity masks " + limits::exceeded(limits::kNodeCpuIds, "CPU ids in all"));
+    if (!numa_.emplace(numa, std::move(cpus)).second)
+      fail(cpu, "<cpu numaid=\"" + std::to_string(numa) + "\"> appears twice");
     std::vector<int> chain;
-    for (const auto& child : cpu.children) walk(child, numa, cpus, chain);
+    for (const auto& child : cpu.children) walk(child, numa, chain);
   }
 
   // Depth-first over <pci>; `chain` holds the ids of the enclosing <pci> elements.
-  void walk(const XmlElement& e, int numa, const CpuList& cpus, std::vector<int>& chain) {
+  void walk(const XmlElement& e, int numa, std::vector<int>& chain) {
     if (e.name == "nic") {
       // A <nic> directly under <cpu> (no <pci>): a NIC without a PCI place.
       for (const auto& net : e.children)
@@ -128,28 +132,28 @@ class NcclXmlParser {
     bool is_device = false;
     for (const auto& child : e.children) {
       if (child.name == "gpu") {
-        add_gpu(child, lower(*bus), numa, cpus, chain);
+        add_gpu(child, lower(*bus), numa, chain);
         is_device = true;
       } else if (child.name == "nic") {
         for (const auto& net : child.children)
           if (net.name == "net") add_nic(net, numa, chain, lower(*bus));
         is_device = true;
       } else if (child.name == "pci") {
-        walk(child, numa, cpus, chain);
+        walk(child, numa, chain);
       }
     }
     // Leaves without <gpu>/<nic> (an NCCL_TOPO_FILE override) are kept by PCI class for later.
-    if (!is_device && e.children.empty()) bare_leaves_.push_back({&e, lower(*bus), numa, cpus, chain});
+    if (!is_device && e.children.empty()) bare_leaves_.push_back({&e, lower(*bus), numa, chain});
     chain.pop_back();
   }
 
-  void add_gpu(const XmlElement& g, const std::string& bus, int numa, const CpuList& cpus,
-               const std::vector<int>& chain) {
+  void add_gpu(const XmlElement& g, const std::string& bus, int numa, const std::vector<int>& chain) {
+    if (gpus_.size() >= static_cast<size_t>(limits::kGpusPerNode))
+      fail(g, "the <gpu> elements " + limits::exceeded(limits::kGpusPerNode, "GPUs per node"));
     FoundGpu gpu;
     gpu.dev = g.attribute("dev") ? int_attribute(g, "dev", 10) : static_cast<int>(gpus_.size());
     gpu.bus_id = bus;
     gpu.numa = numa;
-    gpu.cpus = cpus;
     gpu.place = {numa, -1, chain};
     gpu.where = &g;
     for (const auto& link : g.children) {
@@ -170,6 +174,8 @@ class NcclXmlParser {
   void add_nic(const XmlElement& net, int numa, const std::vector<int>& chain, std::string bus = "") {
     const std::string* name = net.attribute("name");
     if (!name || name->empty()) fail(net, "<net> has no 'name' attribute");
+    if (nics_.size() >= static_cast<size_t>(limits::kNicsPerNode))
+      fail(net, "the <net> elements " + limits::exceeded(limits::kNicsPerNode, "NICs per node"));
     nics_.push_back({*name, std::move(bus), {numa, -1, chain}});
   }
 
@@ -184,15 +190,18 @@ class NcclXmlParser {
       for (const auto& leaf : bare_leaves_) {
         const std::string& cls = pci_class_[leaf.chain.back()];
         if (cls.rfind("0x0302", 0) == 0 || cls.rfind("0x0300", 0) == 0) {
+          if (gpus_.size() >= static_cast<size_t>(limits::kGpusPerNode))
+            fail(*leaf.element, "the GPU <pci> elements " + limits::exceeded(limits::kGpusPerNode, "GPUs per node"));
           FoundGpu gpu;
           gpu.dev = static_cast<int>(gpus_.size());
           gpu.bus_id = leaf.bus;
           gpu.numa = leaf.numa;
-          gpu.cpus = leaf.cpus;
           gpu.place = {leaf.numa, -1, leaf.chain};
           gpu.where = leaf.element;
           gpus_.push_back(std::move(gpu));
         } else if (cls.rfind("0x0207", 0) == 0 || cls.rfind("0x0200", 0) == 0) {
+          if (nics_.size() >= static_cast<size_t>(limits::kNicsPerNode))
+            fail(*leaf.element, "the NIC <pci> elements " + limits::exceeded(limits::kNicsPerNode, "NICs per node"));
           nics_.push_back({"pci:" + leaf.bus, leaf.bus, {leaf.numa, -1, leaf.chain}});
         }
       }
@@ -211,7 +220,13 @@ class NcclXmlParser {
         fail(*gpus_[i].where, "<gpu dev=\"" + std::to_string(gpus_[i].dev) + "\">: expected the GPUs to be numbered " +
                                   "0.." + std::to_string(gpus_.size() - 1) + " without gaps or repeats");
     const int g = static_cast<int>(gpus_.size());
-    for (const auto& f : gpus_) node.gpus.push_back({f.dev, "", f.bus_id, f.numa, f.cpus});
+    // Each GPU of the model keeps its own copy of its <cpu>'s list: bound the copies too.
+    long long gpu_cpu_ids = 0;
+    for (const auto& f : gpus_)
+      if ((gpu_cpu_ids += static_cast<long long>(numa_.at(f.numa).size())) > limits::kNodeCpuIds)
+        fail(*f.where, "the GPUs' CPU lists (each GPU's <cpu> affinity) " +
+                           limits::exceeded(limits::kNodeCpuIds, "CPU ids in all"));
+    for (const auto& f : gpus_) node.gpus.push_back({f.dev, "", f.bus_id, f.numa, numa_.at(f.numa)});
     for (const auto& n : nics_) node.nics.push_back({n.name, n.bus_id});
     node.gpu_links.assign(g, std::vector<Link>(g));
     for (int a = 0; a < g; ++a)
@@ -247,7 +262,6 @@ class NcclXmlParser {
     const XmlElement* element;
     std::string bus;
     int numa;
-    CpuList cpus;
     std::vector<int> chain;
   };
 
@@ -259,6 +273,7 @@ class NcclXmlParser {
   std::vector<BareLeaf> bare_leaves_;
   std::map<int, std::string> pci_class_;
   int next_pci_id_ = 0;
+  long long cpu_ids_ = 0;
 };
 
 }  // namespace

@@ -12,6 +12,7 @@
 #include <set>
 
 #include "loom/topology/topology.h"
+#include "topology/limits.h"
 #include "topology/text_lines.h"
 
 namespace loom::topo {
@@ -73,8 +74,10 @@ std::string quoted(std::string_view t) {
 
 class NvidiaSmiParser {
  public:
-  NvidiaSmiParser(std::string_view text, std::string source)
-      : source_(std::move(source)), lines_(detail::split_lines(text)) {}
+  NvidiaSmiParser(std::string_view text, std::string source) : source_(std::move(source)) {
+    check_text_bounds(text);
+    lines_ = detail::split_lines(text);
+  }
 
   Topology parse() {
     size_t i = 0;
@@ -102,6 +105,21 @@ class NvidiaSmiParser {
  private:
   [[noreturn]] void fail(int line, int column, const std::string& message) const {
     throw ParseError(source_, line, column, message);
+  }
+
+  // Lines and fields, counted before the text is split (the split keeps 24 bytes per field).
+  void check_text_bounds(std::string_view text) const {
+    size_t lines = 1, fields = 0;
+    bool in_field = false;
+    for (size_t i = 0; i < text.size(); ++i) {
+      const char c = text[i];
+      const bool space = c == ' ' || c == '\t' || c == '\r' || c == '\v' || c == '\f' || c == '\n';
+      if (!space && !in_field && ++fields > limits::kTextFields)
+        fail(static_cast<int>(lines), 1, "the text " + limits::exceeded(limits::kTextFields, "fields"));
+      in_field = !space;
+      if (c == '\n' && ++lines > limits::kTextLines)
+        fail(static_cast<int>(lines), 1, "the text " + limits::exceeded(limits::kTextLines, "lines"));
+    }
   }
 
   void parse_header(const TextLine& line) {
@@ -135,6 +153,12 @@ class NvidiaSmiParser {
              "expected the header row of `nvidia-smi topo -m` to start with 'GPU0', found " + quoted(name));
       if (!is_device_title(name))
         fail(line.number, t[k].column, "expected a GPU or NIC column title, found " + quoted(name));
+      if (is_gpu_title(name) ? gpu_count_ >= limits::kGpusPerNode
+                             : static_cast<int>(columns_.size()) - gpu_count_ >= limits::kNicsPerNode)
+        fail(line.number, t[k].column,
+             "the header's " + std::string(is_gpu_title(name) ? "GPU" : "NIC") + " columns " +
+                 limits::exceeded(is_gpu_title(name) ? limits::kGpusPerNode : limits::kNicsPerNode,
+                                  is_gpu_title(name) ? "GPUs per node" : "NICs per node"));
       if (is_gpu_title(name)) {
         const std::string expected = "GPU" + std::to_string(gpu_count_);
         if (gpu_count_ != static_cast<int>(columns_.size()))
@@ -145,6 +169,7 @@ class NvidiaSmiParser {
         ++gpu_count_;
       }
       if (!seen.insert(name).second) fail(line.number, t[k].column, "the header names " + quoted(name) + " twice");
+      column_names_.insert(std::string(name));
       columns_.push_back({std::string(name), is_gpu_title(name)});
       ++k;
     }
@@ -219,7 +244,11 @@ class NvidiaSmiParser {
           if (!cpus)
             fail(line.number, f.column,
                  col.name + " CPU Affinity: expected a CPU list such as 0-11,24-35 or N/A, found " + quoted(f.text));
-          gpu_cpus_[gpu] = *cpus;
+          cpu_ids_ += static_cast<long long>(cpus->size());
+          if (cpu_ids_ > limits::kNodeCpuIds)
+            fail(line.number, f.column,
+                 "the CPU Affinity lists " + limits::exceeded(limits::kNodeCpuIds, "CPU ids in all"));
+          gpu_cpus_[gpu] = std::move(*cpus);
           break;
         }
         case Affinity::Numa: {
@@ -285,8 +314,7 @@ class NvidiaSmiParser {
         fail(line.number, t[0].column,
              "expected a NIC legend entry such as 'NIC0: mlx5_0', found " + quoted(line.text));
       std::string title(key.substr(0, key.size() - 1));
-      auto it = std::find_if(columns_.begin(), columns_.end(), [&](const Column& c) { return c.name == title; });
-      if (it == columns_.end())
+      if (!column_names_.count(title))
         fail(line.number, t[0].column,
              "the NIC legend names '" + title + "', which is not a column of the header on line " +
                  std::to_string(header_line_));
@@ -312,20 +340,25 @@ class NvidiaSmiParser {
     }
     const bool numa_known = std::any_of(gpu_numa_.begin(), gpu_numa_.end(), [](int n) { return n >= 0; });
     if (numa_known) {
-      std::map<int, std::set<int>> cpus;
+      // Sorted vectors, not sets: memory stays that of the CPU lists themselves.
+      std::map<int, CpuList> cpus;
       for (const auto& gpu : node.gpus)
-        if (gpu.numa >= 0) cpus[gpu.numa].insert(gpu.cpus.begin(), gpu.cpus.end());
-      for (const auto& [id, set] : cpus) node.numa_nodes.push_back({id, CpuList(set.begin(), set.end())});
+        if (gpu.numa >= 0) cpus[gpu.numa].insert(cpus[gpu.numa].end(), gpu.cpus.begin(), gpu.cpus.end());
+      for (auto& [id, list] : cpus) {
+        std::sort(list.begin(), list.end());
+        list.erase(std::unique(list.begin(), list.end()), list.end());
+        node.numa_nodes.push_back({id, std::move(list)});
+      }
     } else {
       // No NUMA column (older drivers) or N/A: GPUs with the same CPU affinity share a NUMA node.
-      std::vector<CpuList> distinct;
+      // A map finds equal lists in log time (a linear search was quadratic in the GPUs).
+      std::map<CpuList, int> distinct;
       for (auto& gpu : node.gpus) {
         if (gpu.cpus.empty()) continue;
-        auto it = std::find(distinct.begin(), distinct.end(), gpu.cpus);
-        gpu.numa = static_cast<int>(it - distinct.begin());
-        if (it == distinct.end()) distinct.push_back(gpu.cpus);
+        auto [it, added] = distinct.emplace(gpu.cpus, static_cast<int>(distinct.size()));
+        gpu.numa = it->second;
+        if (added) node.numa_nodes.push_back({it->second, gpu.cpus});
       }
-      for (size_t k = 0; k < distinct.size(); ++k) node.numa_nodes.push_back({static_cast<int>(k), distinct[k]});
       if (!distinct.empty())
         node.notes.push_back("NUMA nodes inferred from the CPU Affinity column (no NUMA Affinity given)");
     }
@@ -344,6 +377,8 @@ class NvidiaSmiParser {
   std::vector<TextLine> lines_;
   int header_line_ = 0;
   std::vector<Column> columns_;
+  std::set<std::string> column_names_;
+  long long cpu_ids_ = 0;
   int gpu_count_ = 0;
   std::vector<Affinity> affinity_;
   std::vector<std::vector<Cell>> cells_;

@@ -149,8 +149,10 @@ class XmlReader {
   }
 
   XmlElement element(int depth) {
-    if (depth > kMaxXmlDepth) fail("elements nested deeper than " + std::to_string(kMaxXmlDepth));
-    if (++elements_ > kMaxXmlElements) fail("more than " + std::to_string(kMaxXmlElements) + " elements");
+    if (depth > kMaxXmlDepth)
+      fail("elements nested deeper than " + std::to_string(kMaxXmlDepth) + ": exceeds the limit (docs/limits.md)");
+    if (++elements_ > kMaxXmlElements)
+      fail("more than " + std::to_string(kMaxXmlElements) + " elements: exceeds the limit (docs/limits.md)");
     XmlElement e;
     // Where the start tag is, for later messages: counted incrementally (start tags only move forward).
     for (; line_scan_pos_ < pos_; ++line_scan_pos_) {
@@ -183,6 +185,13 @@ class XmlReader {
       if (peek() != '=') fail("expected '=' after attribute '" + key + "', found " + found());
       ++pos_;
       skip_space();
+      // Bounded per element, so the duplicate check (a scan of the element's attributes) stays linear.
+      if (e.attributes.size() >= static_cast<size_t>(kMaxXmlAttributes))
+        fail_at(key_at, "<" + e.name + "> has more than " + std::to_string(kMaxXmlAttributes) +
+                            " attributes: exceeds the limit (docs/limits.md)");
+      if (++attributes_ > kMaxXmlAttributesTotal)
+        fail_at(key_at, "the document has more than " + std::to_string(kMaxXmlAttributesTotal) +
+                            " attributes: exceeds the limit (docs/limits.md)");
       if (e.attribute(key)) fail_at(key_at, "attribute '" + key + "' given twice in <" + e.name + ">");
       e.attributes.emplace_back(std::move(key), attribute_value());
     }
@@ -212,6 +221,7 @@ class XmlReader {
   const std::string& source_;
   size_t pos_ = 0;
   int elements_ = 0;
+  int attributes_ = 0;
   size_t line_scan_pos_ = 0;
   int line_at_ = 1;
   int column_at_ = 1;

@@ -25,6 +25,8 @@ struct XmlElement {
 
 inline constexpr int kMaxXmlDepth = 64;
 inline constexpr int kMaxXmlElements = 100000;
+inline constexpr int kMaxXmlAttributes = 64;             // per element (NCCL writes at most ~12)
+inline constexpr int kMaxXmlAttributesTotal = 1000000;  // in the document
 
 // The document's root element. Throws loom::topo::ParseError naming `source`, line and column.
 XmlElement parse_xml(std::string_view text, const std::string& source);

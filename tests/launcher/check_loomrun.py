@@ -20,6 +20,7 @@ import json
 import os
 import pty
 import select
+import resource
 import signal
 import subprocess
 import sys
@@ -275,6 +276,31 @@ def case_errors(loomrun):
           f"errors: missing mpirun gave {out.returncode} {out.stderr!r}")
 
 
+def case_hostile(loomrun, tmp):
+    """Issue 23's reproductions through loomrun, under a 4 GB address-space limit: each a clean
+    error and exit 2 in bounded time (before: a segmentation fault, std::bad_alloc and abort)."""
+    deep = os.path.join(tmp, "deep.json")
+    with open(deep, "w") as f:
+        f.write('{"nodes":[' + "[" * 1000000 + "]" * 1000000 + "]}")
+    wide = os.path.join(tmp, "wide.txt")
+    with open(wide, "w") as f:
+        f.write("GPU0 " + " ".join("n%d" % i for i in range(30000)) + "\n")
+    attrs = os.path.join(tmp, "attrs.xml")
+    with open(attrs, "w") as f:
+        f.write("<system " + " ".join('a%d=""' % i for i in range(100000)) + "/>\n")
+    limit = lambda: resource.setrlimit(resource.RLIMIT_AS, (4 << 30, 4 << 30))
+    for args, message in [(["--topology", deep, "--plan"], "exceeds the limit of 32 levels"),
+                          (["--topology", wide, "--plan"], "exceeds the limit of 256 NICs per node"),
+                          (["--topology", attrs, "--plan"], "attributes: exceeds the limit"),
+                          (["--hostfile", "/dev/zero", "--", "true"], "bytes: exceeds the limit")]:
+        start = time.monotonic()
+        out = subprocess.run([loomrun, "-np", "1"] + args, env=env_with(), capture_output=True, text=True,
+                             timeout=60, preexec_fn=limit)
+        took = time.monotonic() - start
+        check(out.returncode == 2 and message in out.stderr and took < 10,
+              f"hostile: {args[:2]} gave {out.returncode} in {took:.1f} s: {out.stderr[:300]!r}")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--loomrun", required=True)
@@ -297,6 +323,7 @@ def main():
             "binding": lambda: case_binding(args.loomrun, tmp),
             "plan": lambda: case_plan(args.loomrun, tmp, fixtures),
             "errors": lambda: case_errors(args.loomrun),
+            "hostile": lambda: case_hostile(args.loomrun, tmp),
         }
         for name, run in cases.items():
             if args.only and name != args.only:
