@@ -52,26 +52,31 @@ std::vector<int> parse_slurm_tasks_per_node(const std::string& text) {
   std::vector<int> per_node;
   size_t pos = 0;
   auto fail = [&]() -> ConfigError {
-    return ConfigError("launch environment (slurm): SLURM_TASKS_PER_NODE='" + text +
-                       "' is not of the form 4(x2),2");
+    return ConfigError("launch environment (slurm): SLURM_TASKS_PER_NODE='" + text.substr(0, 80) +
+                       (text.size() > 80 ? "..." : "") + "' is not of the form 4(x2),2");
   };
   while (pos < text.size()) {
     size_t end = text.find(',', pos);
     std::string item = text.substr(pos, end == std::string::npos ? std::string::npos : end - pos);
     pos = end == std::string::npos ? text.size() : end + 1;
-    int tasks = 0, repeat = 1;
+    // Ranges checked on the long values before narrowing, and nodes counted before the vector grows:
+    // "1(x2000000000)" asked for 8 GB.
+    long tasks = 0, repeat = 1;
     char* p = nullptr;
-    tasks = static_cast<int>(std::strtol(item.c_str(), &p, 10));
-    if (p == item.c_str() || tasks < 1) throw fail();
+    tasks = std::strtol(item.c_str(), &p, 10);
+    if (p == item.c_str() || tasks < 1 || tasks > 1000000) throw fail();
     if (*p == '(') {
       if (p[1] != 'x') throw fail();
       char* q = nullptr;
-      repeat = static_cast<int>(std::strtol(p + 2, &q, 10));
-      if (q == p + 2 || *q != ')' || q[1] != '\0' || repeat < 1) throw fail();
+      repeat = std::strtol(p + 2, &q, 10);
+      if (q == p + 2 || *q != ')' || q[1] != '\0' || repeat < 1 || repeat > 100000) throw fail();
     } else if (*p != '\0') {
       throw fail();
     }
-    per_node.insert(per_node.end(), repeat, tasks);
+    if (per_node.size() + static_cast<size_t>(repeat) > 100000)
+      throw ConfigError("launch environment (slurm): SLURM_TASKS_PER_NODE describes more than 100000 nodes: exceeds "
+                        "the limit (docs/limits.md)");
+    per_node.insert(per_node.end(), static_cast<size_t>(repeat), static_cast<int>(tasks));
   }
   if (per_node.empty()) throw fail();
   return per_node;

@@ -156,6 +156,19 @@ TEST(World, SlurmTasksPerNodeMustDescribeTheNode) {
   EXPECT_EQ(error_of(env), "launch environment (slurm): SLURM_TASKS_PER_NODE='2(y2)' is not of the form 4(x2),2");
 }
 
+// Hostile counts: refused before anything is allocated ("1(x2000000000)" asked for 8 GB), and
+// values beyond int are not truncated into range.
+TEST(World, SlurmTasksPerNodeIsBounded) {
+  Environment env = {{"SLURM_PROCID", "0"}, {"SLURM_NTASKS", "2"}, {"SLURM_LOCALID", "0"},
+                     {"SLURM_NODEID", "0"}, {"SLURM_NNODES", "1"}, {"SLURM_STEP_ID", "0"}};
+  for (const char* bad : {"1(x2000000000)", "4294967298", "2(x4294967297)", "1(x60000),1(x60000)"}) {
+    env["SLURM_TASKS_PER_NODE"] = bad;
+    EXPECT_NE(error_of(env).find("SLURM_TASKS_PER_NODE"), std::string::npos) << bad;
+  }
+  env["SLURM_TASKS_PER_NODE"] = "1(x60000),1(x60000)";
+  EXPECT_NE(error_of(env).find("more than 100000 nodes"), std::string::npos) << error_of(env);
+}
+
 TEST(World, CurrentEnvironmentSeesVariables) {
   setenv("LOOM_WORLD_TEST_MARKER", "42", 1);
   auto env = loom::current_environment();
