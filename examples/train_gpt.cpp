@@ -91,6 +91,8 @@ struct Options {
   bool deterministic = false;
   std::string progress = "auto";
   int loss_digits = 4;
+  std::string score;  // a text file scored at the end (fp32, no dropout), e.g. against an export
+  int64_t score_windows = 16;
 };
 
 // ---- data ----------------------------------------------------------------------------------
@@ -471,7 +473,16 @@ int train(Options o) {
       const auto save_start = Clock::now();
       char first_text[32];
       std::snprintf(first_text, sizeof(first_text), "%.17g", first);
-      checkpointer->save({.step = step, .epoch = 0, .sample = step * o.batch}, {{"first_loss", first_text}});
+      // The model's shape rides along, so that an export need not be told it.
+      checkpointer->save({.step = step, .epoch = 0, .sample = step * o.batch},
+                         {{"first_loss", first_text},
+                          {"gpt.layers", std::to_string(o.layers)},
+                          {"gpt.hidden", std::to_string(o.hidden)},
+                          {"gpt.heads", std::to_string(o.heads)},
+                          {"gpt.seq", std::to_string(o.seq)},
+                          {"gpt.vocab", std::to_string(vocab)},
+                          {"gpt.activation", "gelu"},
+                          {"gpt.layernorm_eps", "1e-05"}});
       checkpoint_stall = seconds_since(save_start);
       time.checkpoint += checkpoint_stall;
     }
@@ -537,6 +548,27 @@ int train(Options o) {
     context.push_back(next);
     sample += static_cast<char>(next);
   }
+  // The mean next-byte loss over the first --score-windows contiguous windows of a file, in fp32
+  // without dropout: the number an exported model (export --format hf-gpt2) must reproduce.
+  if (!o.score.empty()) {
+    std::ifstream in(o.score, std::ios::binary);
+    const std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    const int64_t count = std::min<int64_t>(o.score_windows, (static_cast<int64_t>(bytes.size()) - 1) / o.seq);
+    if (count < 1)
+      throw loom::InvalidArgumentError("train_gpt: --score " + o.score + " holds " + std::to_string(bytes.size()) +
+                                       " bytes; expected at least --seq + 1 = " + std::to_string(o.seq + 1));
+    torch::Tensor ids = torch::empty({o.seq + 1, count}, torch::kLong);
+    for (int64_t w = 0; w < count; ++w)
+      for (int64_t i = 0; i <= o.seq; ++i) ids[i][w] = static_cast<int64_t>(static_cast<unsigned char>(bytes[w * o.seq + i]));
+    torch::NoGradGuard no_grad;
+    model->eval();
+    torch::Tensor logits = model(ids.narrow(0, 0, o.seq).to(device)).to(at::kFloat);
+    const double score = loom::vocab_parallel_cross_entropy(logits, ids.narrow(0, 1, o.seq).to(device), ps.tp_group())
+                             .item<double>();
+    if (log) std::printf("score %s: %lld windows of %lld bytes, loss %.9f\n", o.score.c_str(), (long long)count,
+                         (long long)o.seq, score);
+  }
+
   const bool learned = last < 0.6 * first;
   if (log) {
     std::printf("sample (prompt from the held-out text, then generated):\n----\n%s\n----\n", printable(sample).c_str());
@@ -567,6 +599,8 @@ int main(int argc, char** argv) {
   app.add_option("--log-every", o.log_every, "log a line every this many steps")->check(CLI::PositiveNumber);
   app.add_option("--eval-every", o.eval_every, "held-out loss every this many steps (0: only at the end)")
       ->check(CLI::NonNegativeNumber);
+  app.add_option("--score", o.score, "at the end, print the fp32 loss over contiguous windows of this file");
+  app.add_option("--score-windows", o.score_windows, "windows of --seq bytes scored")->check(CLI::PositiveNumber);
   app.add_option("--data", o.data, "text file, or directory of text files (default: this project's docs)");
   app.add_option("--data-bytes", o.data_bytes, "read at most this many bytes of --data")->check(CLI::PositiveNumber);
   app.add_option("--held-out", o.held_out, "share of the text kept for the held-out loss")->check(CLI::Range(0.01, 0.5));

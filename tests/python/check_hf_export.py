@@ -1,0 +1,65 @@
+"""train_gpt -> checkpoint -> export --format hf-gpt2 -> transformers: the same loss.
+
+Trains examples/train_gpt briefly at TP 2 (2 ranks, so the exported weights are joined from
+slices), with a checkpoint at the end and --score on a text file (the fp32 mean next-byte loss over
+contiguous windows, computed by train_gpt's own model); exports the checkpoint with
+`python -m torchloom.checkpoint export --format hf-gpt2`; loads the directory with transformers'
+GPT2LMHeadModel.from_pretrained and computes the loss over the same windows. They must agree to
+float32 rounding (the TP model reduces its row-parallel products in another order): 1e-4.
+
+Usage: check_hf_export.py --mpirun MPIEXEC --train-gpt PATH --work DIR --text FILE
+"""
+import argparse
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+import torch
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--mpirun", required=True)
+    parser.add_argument("--train-gpt", required=True)
+    parser.add_argument("--work", required=True)
+    parser.add_argument("--text", required=True)
+    args = parser.parse_args()
+    shutil.rmtree(args.work, ignore_errors=True)
+    os.makedirs(args.work)
+    ckpt, out = os.path.join(args.work, "ckpt"), os.path.join(args.work, "hf-gpt2")
+    seq, windows = 32, 8
+    train = subprocess.run(
+        [args.mpirun, "--oversubscribe", "--bind-to", "none", "-np", "2", args.train_gpt, "--tp", "2", "--steps", "100",
+         "--layers", "2", "--hidden", "64", "--heads", "4", "--seq", str(seq), "--batch", "8", "--eval-every", "0",
+         "--checkpoint-dir", ckpt, "--score", args.text, "--score-windows", str(windows), "--progress", "lines"],
+        capture_output=True, text=True, timeout=300)
+    if train.returncode != 0:
+        print(train.stdout[-3000:], train.stderr[-3000:])
+        return 1
+    found = re.search(r"score .*: (\d+) windows of (\d+) bytes, loss ([0-9.]+)", train.stdout)
+    assert found, train.stdout[-2000:]
+    ours = float(found.group(3))
+
+    export = subprocess.run([sys.executable, "-m", "torchloom.checkpoint", "export", "--format", "hf-gpt2", ckpt, out],
+                            capture_output=True, text=True, timeout=120)
+    assert export.returncode == 0, export.stderr
+    print(export.stdout.strip())
+
+    from transformers import GPT2LMHeadModel
+    model = GPT2LMHeadModel.from_pretrained(out, torch_dtype=torch.float32).eval()
+    with open(args.text, "rb") as f:
+        data = torch.tensor(list(f.read()), dtype=torch.long)
+    count = int(found.group(1))
+    ids = torch.stack([data[w * seq: w * seq + seq + 1] for w in range(count)])  # [windows, seq + 1]
+    with torch.no_grad():
+        logits = model(ids[:, :seq]).logits
+        theirs = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1)).item()
+    print(f"held-out loss over {count} windows of {seq} bytes: train_gpt {ours:.6f}, transformers GPT-2 {theirs:.6f}, "
+          f"difference {abs(ours - theirs):.2e}")
+    return 0 if abs(ours - theirs) < 1e-4 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
