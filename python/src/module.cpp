@@ -66,7 +66,12 @@ loom::Timeout to_timeout(const py::object& timeout) {
   if (!(seconds >= 0))
     throw loom::InvalidArgumentError("timeout must be a non-negative number of seconds, found " +
                                      std::to_string(seconds));
-  return loom::Timeout(static_cast<int64_t>(seconds * 1000.0 + 0.5));
+  // Saturate instead of converting out of range (undefined behaviour for inf and for anything from
+  // 9.2e15 s): a timeout beyond what int64 milliseconds hold means "practically forever", and the
+  // deadline arithmetic saturates in turn.
+  const double ms = seconds * 1000.0 + 0.5;
+  if (ms >= 9.2e18) return loom::Timeout::max();
+  return loom::Timeout(static_cast<int64_t>(ms));
 }
 
 bool set_python_error(std::exception_ptr error) {

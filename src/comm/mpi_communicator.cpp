@@ -16,6 +16,7 @@
 
 #include "comm/fingerprint.h"
 #include "comm/mpi_check.h"
+#include "comm/mpi_counts.h"
 #include "comm/mpi_in_band.h"
 #include "comm/mpi_state.h"
 #include "comm/mpi_types.h"
@@ -477,12 +478,24 @@ class MpiCommunicator final : public Communicator {
     MPI_Status status;
     check_mpi(MPI_Improbe(leg.peer, leg.tag, comm_, &arrived, &message, &status), op, "MPI_Improbe");
     if (!arrived) return false;
-    int bytes = 0;
-    MPI_Get_count(&status, MPI_BYTE, &bytes);
+    // 64-bit: MPI_Get_count in bytes is MPI_UNDEFINED above 2 GiB, which made every such receive a
+    // "mismatch" whose drain then failed (mpi_counts.h).
+    MPI_Count count_x = 0;
+    MPI_Get_elements_x(&status, MPI_BYTE, &count_x);
+    const auto bytes = static_cast<int64_t>(count_x);
     const auto expected_bytes = static_cast<int64_t>(leg.tensor.nbytes());
     if (bytes != expected_bytes) {
-      at::Tensor scratch = at::empty({std::max(bytes, 1)}, at::kByte);
-      check_mpi(MPI_Mrecv(scratch.data_ptr(), bytes, MPI_BYTE, &message, MPI_STATUS_IGNORE), op, "MPI_Mrecv");
+      // Drain the whole message (the sender completes), in units that keep the count within int.
+      const detail::ByteUnits units = detail::byte_units(bytes);
+      at::Tensor scratch = at::empty({std::max<int64_t>(units.unit * units.count, 1)}, at::kByte);
+      MPI_Datatype unit = MPI_BYTE;
+      if (units.unit > 1) {
+        MPI_Type_contiguous(static_cast<int>(units.unit), MPI_BYTE, &unit);
+        MPI_Type_commit(&unit);
+      }
+      const int rc = MPI_Mrecv(scratch.data_ptr(), units.count, unit, &message, MPI_STATUS_IGNORE);
+      if (unit != MPI_BYTE) MPI_Type_free(&unit);
+      check_mpi(rc, op, "MPI_Mrecv");
       const auto element = static_cast<int64_t>(leg.tensor.element_size());
       const std::string received = bytes % element == 0 ? std::to_string(bytes / element) + " elements"
                                                         : std::to_string(bytes) + " bytes";

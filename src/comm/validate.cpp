@@ -1,6 +1,8 @@
 // Argument checks shared by every backend: run on the calling rank before anything is sent.
 #include <ATen/core/Tensor.h>
 
+#include <algorithm>
+#include <cstdint>
 #include <sstream>
 
 #include "comm/op.h"
@@ -76,6 +78,88 @@ void check_peer(const Op& op, int peer, int tag, bool send) {
     reject(op, "tag " + std::to_string(tag) + " is out of range: expected 0.." + std::to_string(kMaxTag));
   if (peer == op.info.rank)
     reject(op, std::string("peer ") + std::to_string(peer) + " is this rank itself: expected another rank");
+}
+
+// The bytes a (contiguous) tensor covers. Tensors on different devices never overlap; an empty
+// tensor covers nothing.
+struct Span {
+  uintptr_t begin = 0, end = 0;
+};
+Span span_of(const at::Tensor& t) {
+  const auto begin = reinterpret_cast<uintptr_t>(t.data_ptr());
+  return {begin, begin + t.nbytes()};
+}
+bool overlap(const at::Tensor& a, const at::Tensor& b) {
+  if (a.numel() == 0 || b.numel() == 0 || a.device() != b.device()) return false;
+  const Span x = span_of(a), y = span_of(b);
+  return x.begin < y.end && y.begin < x.end;
+}
+
+// MPI forbids a collective's buffers to alias (MPI 4.0, section 2.6.2) unless passed as
+// MPI_IN_PLACE, and NCCL allows only its documented in-place forms: anything else gives wrong
+// results or an error depending on sizes and transport, so it is refused before anything is sent.
+[[noreturn]] void reject_alias(const Op& op, const std::string& what, const std::string& allowed) {
+  reject(op, what + ": one operation's buffers must not overlap (" + allowed + ")");
+}
+
+void check_aliasing(const Op& op, const at::Device& device) {
+  switch (op.info.type) {
+    case OpType::AllGather: {
+      const auto& in = op.inputs.front();
+      if (!op.list_output) {
+        const auto& out = op.outputs.front();
+        // In place: the input is exactly this rank's chunk of the output.
+        const auto own = reinterpret_cast<uintptr_t>(out.data_ptr()) + static_cast<uintptr_t>(op.info.rank) * in.nbytes();
+        if (overlap(in, out) && reinterpret_cast<uintptr_t>(in.data_ptr()) != own)
+          reject_alias(op, "the input overlaps the output other than as this rank's chunk",
+                       "in place, the input must be exactly chunk " + std::to_string(op.info.rank) + " of the output");
+        break;
+      }
+      // Outputs must be disjoint (each is written with its rank's data): sorted by address, each
+      // checked against the next, so a large group costs n log n.
+      std::vector<std::pair<Span, size_t>> spans;
+      for (size_t r = 0; r < op.outputs.size(); ++r)
+        if (op.outputs[r].numel() > 0) spans.push_back({span_of(op.outputs[r]), r});
+      std::sort(spans.begin(), spans.end(), [](const auto& a, const auto& b) { return a.first.begin < b.first.begin; });
+      for (size_t i = 1; i < spans.size(); ++i)
+        if (spans[i].first.begin < spans[i - 1].first.end &&
+            op.outputs[spans[i].second].device() == op.outputs[spans[i - 1].second].device())
+          reject_alias(op,
+                       "outputs " + std::to_string(std::min(spans[i - 1].second, spans[i].second)) + " and " +
+                           std::to_string(std::max(spans[i - 1].second, spans[i].second)) + " overlap",
+                       "give each rank's output its own memory");
+      break;
+    }
+    case OpType::ReduceScatter: {
+      const auto& in = op.inputs.front();
+      const auto& out = op.outputs.front();
+      if (!overlap(in, out)) break;
+      const auto own = reinterpret_cast<uintptr_t>(in.data_ptr()) + static_cast<uintptr_t>(op.info.rank) * out.nbytes();
+      // NCCL reduces in place when the output is this rank's chunk of the input; MPI cannot.
+      if (device.is_cuda() && reinterpret_cast<uintptr_t>(out.data_ptr()) == own) break;
+      reject_alias(op, "the output overlaps the input",
+                   device.is_cuda() ? "in place, the output must be exactly chunk " + std::to_string(op.info.rank) +
+                                          " of the input"
+                                    : "the host (MPI) backend has no in-place reduce_scatter: use a separate output");
+    }
+    case OpType::AllToAll:
+      if (overlap(op.inputs.front(), op.outputs.front()))
+        reject_alias(op, "the output overlaps the input", "use a separate output");
+      break;
+    case OpType::SendRecvBatch:
+      // A receive may not share memory with any other buffer of the batch (sends may share).
+      for (size_t i = 0; i < op.batch.size(); ++i) {
+        if (op.batch[i].kind != P2POp::Kind::Recv || !op.batch[i].tensor.defined()) continue;
+        for (size_t j = 0; j < op.batch.size(); ++j)
+          if (j != i && op.batch[j].tensor.defined() && overlap(op.batch[i].tensor, op.batch[j].tensor))
+            reject_alias(op, "receive " + std::to_string(i) + " overlaps " +
+                                 (op.batch[j].kind == P2POp::Kind::Recv ? "receive " : "send ") + std::to_string(j),
+                         "each receive needs its own memory");
+      }
+      break;
+    default:
+      break;
+  }
 }
 
 }  // namespace
@@ -156,6 +240,7 @@ void validate(const Op& op, const at::Device& device) {
         reject(op, "expected a name for the new communicator, found an empty one");
       break;
   }
+  check_aliasing(op, device);
 }
 
 }  // namespace loom::detail

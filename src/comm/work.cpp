@@ -5,6 +5,7 @@
 #include <cstdio>
 #include <thread>
 
+#include "comm/deadline.h"
 #include "comm/durations.h"
 #include "loom/comm/communicator.h"
 #include "loom/error.h"
@@ -139,7 +140,8 @@ void Work::wait(Timeout timeout) {
     nudge();
   }
   if (timeout != kDefaultTimeout || wait_blocks_host()) {
-    const auto deadline = timeout == kDefaultTimeout ? Clock::time_point::max() : begin + timeout;
+    const auto deadline =
+        timeout == kDefaultTimeout ? Clock::time_point::max() : detail::deadline_after<Clock>(begin, timeout);
     if (!wait_until(deadline))
       throw TimeoutError(info_.describe() + ": wait(" + detail::seconds_text(timeout) + " s) gave up after " +
                          detail::seconds_text(Clock::now() - begin) +

@@ -102,7 +102,13 @@ std::string flush() {
   events.push_back(
       {{"name", "process_name"}, {"ph", "M"}, {"pid", r.rank}, {"args", {{"name", "rank " + std::to_string(r.rank)}}}});
   const std::string file = file_of(r.path, r.rank);
-  write_file(file, nlohmann::json{{"traceEvents", events}, {"displayTimeUnit", "ms"}}.dump() + "\n", "writing");
+  // Names can carry bytes that are not UTF-8 (a checkpoint path in Latin-1): replaced by U+FFFD, so
+  // the timeline is written and finalize() does not throw nlohmann's type_error (review finding 10).
+  write_file(file,
+             nlohmann::json{{"traceEvents", events}, {"displayTimeUnit", "ms"}}.dump(
+                 -1, ' ', false, nlohmann::json::error_handler_t::replace) +
+                 "\n",
+             "writing");
   return file;
 }
 

@@ -180,7 +180,7 @@ namespace {
 void teardown_locked() {
   try {
     trace::flush();
-  } catch (const Error& e) {
+  } catch (const std::exception& e) {  // any error: teardown must reach NCCL and MPI
     LOOM_LOG(error, e.what());
   }
   if (g_runtime) {
@@ -222,7 +222,7 @@ void exit_without_finalize(int status, void*) {
   nccl::abort_all("the process exits after an error without loom::finalize()");
   try {
     trace::flush();
-  } catch (const Error& e) {
+  } catch (const std::exception& e) {  // any error: teardown must reach NCCL and MPI
     LOOM_LOG(error, e.what());
   }
   g_finalized = true;
