@@ -602,6 +602,10 @@ Topology topology_from_json(std::string_view text, std::string source_name) {
     size_t colon = what.find(": ", what.find("parse error"));
     throw ParseError(source_name, line, column,
                      "expected valid JSON: " + (colon == std::string::npos ? what : what.substr(colon + 2)));
+  } catch (const json::exception& e) {
+    // Not a syntax error but still the text's fault, e.g. out_of_range for a number beyond a
+    // double (1e400) (found by tests/fuzz/fuzz_topology_json.cpp): no position is known.
+    throw ParseError(source_name, 0, 0, std::string("expected valid JSON: ") + e.what());
   }
   try {
     Topology topo = read_topology(root);
@@ -646,7 +650,10 @@ std::string to_json(const Topology& topology, int indent) {
     nodes.push_back(std::move(node));
   }
   root["nodes"] = std::move(nodes);
-  return root.dump(indent);
+  // Names read from other formats can hold bytes that are not UTF-8 (an XML attribute, an
+  // nvidia-smi title): replaced by U+FFFD rather than thrown (found by tests/fuzz/fuzz_nccl_xml.cpp;
+  // init() all-gathers this text).
+  return root.dump(indent, ' ', false, json::error_handler_t::replace);
 }
 
 }  // namespace loom::topo

@@ -216,3 +216,18 @@ TEST(InputLimits, AHostfileWithoutEndIsRefused) {
   const std::string line = usage_error_of([&] { loom::launcher::parse_hostfile(path); });
   EXPECT_NE(line.find("line 2: longer than 4096 bytes"), std::string::npos) << line;
 }
+
+// Found by the fuzzers (tests/fuzz/regressions): nlohmann's exceptions other than parse_error
+// escaped, and names that are not UTF-8 made to_json() (which init() all-gathers) throw.
+TEST(InputLimits, FuzzFindingsStayFixed) {
+  const std::string overflow = parse_error_of([] { topology_from_json("{\"nodes\":[{\"gpus\":1e400}]}", "n.json"); });
+  EXPECT_NE(overflow.find("expected valid JSON"), std::string::npos) << overflow;
+  const Topology t = parse_nccl_topology_xml(
+      "<system><cpu numaid=\"0\"><pci busid=\"0000:01:00.0\"><gpu dev=\"0\"/></pci>"
+      "<nic><net name=\"mlx\xff\xfe\"/></nic></cpu></system>",
+      "u.xml");
+  std::string json;
+  EXPECT_NO_THROW(json = to_json(t));
+  EXPECT_NE(json.find("mlx\xEF\xBF\xBD"), std::string::npos);
+  EXPECT_EQ(topology_from_json(json, "again").nodes[0].nics.size(), 1u);
+}

@@ -1,0 +1,78 @@
+#!/usr/bin/env bash
+# libFuzzer targets for every parser of outside input, with AddressSanitizer and UBSan, built with
+# clang into build-fuzz/ (optional: not part of scripts/run_tests.sh; needs clang, which
+# scripts/setup.sh does not install: apt-get install clang).
+#
+#   bash scripts/fuzz.sh                 # every target for FUZZ_SECONDS (default 60) each
+#   FUZZ_SECONDS=600 bash scripts/fuzz.sh nccl_xml
+#   bash scripts/fuzz.sh --replay        # only the seeds and kept regressions, once each (seconds)
+#
+# Targets: topology_json, nvidia_smi, nccl_xml, hosts (-H and hostfiles), loomrun_args, env_values.
+# Properties: no crash or sanitizer report; a refusal is the parser's typed error (any other
+# exception is reported as a crash); an accepted topology validates and survives a JSON round
+# trip; memory stays bounded (-malloc_limit_mb, -rss_limit_mb); the parsers keep no state, so a
+# refused input changes nothing. Each run uses a fresh seed, printed by libFuzzer ("INFO: Seed:");
+# replay one with FUZZ_SEED. A crashing input is written to build-fuzz/crashes/<target>/; copy it
+# to tests/fuzz/regressions/<target>/ (with the fix) so every later run replays it.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+CXX=${FUZZ_CXX:-clang++}
+command -v "$CXX" >/dev/null || { echo "fuzz.sh: $CXX not found (apt-get install clang)"; exit 2; }
+DIR=${FUZZ_BUILD_DIR:-build-fuzz}
+ALL=(topology_json nvidia_smi nccl_xml hosts loomrun_args env_values)
+REPLAY=0
+TARGETS=()
+for a in "$@"; do
+  if [[ "$a" == --replay ]]; then REPLAY=1; else TARGETS+=("$a"); fi
+done
+((${#TARGETS[@]})) || TARGETS=("${ALL[@]}")
+
+FLAGS=(-std=c++20 -O1 -g -fno-omit-frame-pointer -fsanitize=fuzzer-no-link,address,undefined
+       -fno-sanitize-recover=all -Iinclude -Isrc -Itests/fuzz)
+TOPOLOGY=(model cpu_list link_costs text_lines parse_nvidia_smi xml_scan pcie_path parse_nccl_xml json_io load_file
+          merge nvml_loader detect cost_model ordering grouping placement cpu_share explain render)
+LAUNCHER=(launcher/launcher_args launcher/hosts launcher/mpirun_command)
+CORE=(core/env core/error_context)
+mkdir -p "$DIR/obj"
+compile() {  # source -> object, when newer
+  local src=$1 obj=$DIR/obj/$(echo "$1" | tr / _).o
+  if [[ ! -f "$obj" || "$src" -nt "$obj" || src/topology/limits.h -nt "$obj" ]]; then
+    "$CXX" "${FLAGS[@]}" $(pkg-config --cflags hwloc) -c "$src" -o "$obj"
+  fi
+  echo "$obj"
+}
+OBJS=()
+for s in "${TOPOLOGY[@]}"; do OBJS+=("$(compile src/topology/$s.cpp)"); done
+for s in "${LAUNCHER[@]}" "${CORE[@]}"; do OBJS+=("$(compile src/$s.cpp)"); done
+for t in "${TARGETS[@]}"; do
+  "$CXX" "${FLAGS[@]/fuzzer-no-link/fuzzer}" "tests/fuzz/fuzz_$t.cpp" "${OBJS[@]}" $(pkg-config --libs hwloc) -ldl \
+         -o "$DIR/fuzz_$t"
+done
+
+status=0
+printf '%-14s %8s %10s %8s %s\n' target seconds executions crashes seed
+for t in "${TARGETS[@]}"; do
+  seeds=tests/fuzz/corpus/$t
+  kept=tests/fuzz/regressions/$t
+  mkdir -p "$DIR/corpus/$t" "$DIR/crashes/$t"
+  log=$DIR/fuzz_$t.log
+  # The seeds and every kept regression input, once each.
+  inputs=("$seeds"/*)
+  [[ -d "$kept" ]] && inputs+=("$kept"/*)
+  if ! "$DIR/fuzz_$t" -rss_limit_mb=2048 -malloc_limit_mb=1024 "${inputs[@]}" > "$log.replay" 2>&1; then
+    echo "$t: a seed or kept regression fails (see $log.replay)"; status=1
+  fi
+  ((REPLAY)) && continue
+  seconds=${FUZZ_SECONDS:-60}
+  set +e
+  "$DIR/fuzz_$t" "$DIR/corpus/$t" "$seeds" -max_total_time="$seconds" -rss_limit_mb=2048 -malloc_limit_mb=1024 \
+      -max_len=65536 -timeout=10 -artifact_prefix="$DIR/crashes/$t/" ${FUZZ_SEED:+-seed=$FUZZ_SEED} > "$log" 2>&1
+  rc=$?
+  set -e
+  runs=$(grep -oE '^#[0-9]+' "$log" | tail -1 | tr -d '#')
+  seed=$(grep -oE 'Seed: [0-9]+' "$log" | head -1 | cut -d' ' -f2)
+  crashes=$(ls "$DIR/crashes/$t" | wc -l)
+  printf '%-14s %8s %10s %8s %s\n' "$t" "$seconds" "${runs:-0}" "$crashes" "$seed"
+  if ((rc != 0)); then echo "$t: libFuzzer exited $rc (see $log; inputs in $DIR/crashes/$t)"; status=1; fi
+done
+exit $status

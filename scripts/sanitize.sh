@@ -1,0 +1,65 @@
+#!/usr/bin/env bash
+# The CPU test subset under sanitizers, in a build directory of its own (the regular build/ is
+# untouched). Each run prints its figures and exits non-zero on any sanitizer report.
+#
+#   bash scripts/sanitize.sh                  # AddressSanitizer + UndefinedBehaviorSanitizer, build-asan/
+#   bash scripts/sanitize.sh thread           # ThreadSanitizer on the comm core's own tests, build-tsan/
+#   SANITIZE_BUILD_ONLY=1 bash scripts/sanitize.sh   # configure and build, run nothing
+#
+# What runs (kept small: a build of LibTorch-heavy code with sanitizers is slow):
+#   address,undefined  loom_unit_tests and loom_topology_tests whole; loom_dist_tests at 2 ranks for
+#                      collectives, point-to-point, bad and hostile input, async operations
+#   thread             the comm core's unit tests (waiter hand-off, device-fault paths) and the
+#                      metrics server; loom_dist_tests at 2 ranks for async operations (progress
+#                      thread, watchdog) and point-to-point
+# LibTorch, MPI and the system libraries are not instrumented. Suppressions, each explained, are
+# in tests/sanitize/.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+SANITIZE=${1:-address,undefined}
+case "$SANITIZE" in
+  address,undefined|address|undefined) DIR=${BUILD_DIR:-build-asan} ;;
+  thread) DIR=${BUILD_DIR:-build-tsan} ;;
+  *) echo "sanitize.sh: expected address,undefined (default), address, undefined or thread; found '$SANITIZE'" >&2; exit 2 ;;
+esac
+PYTHON=${PYTHON:-python3}
+TORCH_PREFIX=$("$PYTHON" -c 'import torch; print(torch.utils.cmake_prefix_path)')
+if [[ ! -f "$DIR/build.ninja" ]]; then
+  cmake -S . -B "$DIR" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DLOOM_SANITIZE="$SANITIZE" \
+        -DLOOM_WITH_NCCL=OFF -DLOOM_BUILD_BENCHMARKS=OFF -DLOOM_BUILD_PYTHON=OFF \
+        -DCMAKE_PREFIX_PATH="$TORCH_PREFIX" -DPython3_EXECUTABLE="$(command -v "$PYTHON")" ${CMAKE_ARGS:-}
+fi
+TARGETS=(loom_unit_tests loom_topology_tests loom_dist_tests)
+cmake --build "$DIR" -j "${BUILD_JOBS:-$(nproc)}" --target "${TARGETS[@]}"
+[[ -n "${SANITIZE_BUILD_ONLY:-}" ]] && exit 0
+
+source scripts/mpi_env.sh
+export LOOM_TIMEOUT=120
+SUPP=$PWD/tests/sanitize
+# halt_on_error: the first report fails the run; the reports go to stderr with the test's output.
+export ASAN_OPTIONS=halt_on_error=1:detect_leaks=1:abort_on_error=1
+export LSAN_OPTIONS=suppressions=$SUPP/lsan.supp:print_suppressions=0
+export UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1
+export TSAN_OPTIONS=halt_on_error=1:second_deadlock_stack=1:suppressions=$SUPP/tsan.supp
+MPIRUN=(mpirun $LOOM_MPIRUN_FLAGS -x ASAN_OPTIONS -x LSAN_OPTIONS -x UBSAN_OPTIONS -x TSAN_OPTIONS -x LOOM_TIMEOUT)
+
+status=0
+run() {  # name, command...
+  local name=$1; shift
+  local start=$SECONDS
+  if "$@" > "$DIR/sanitize_$name.log" 2>&1; then result=ok; else result=FAILED; status=1; fi
+  local reports
+  reports=$(grep -c -E "ERROR: (AddressSanitizer|LeakSanitizer)|runtime error:|WARNING: ThreadSanitizer" "$DIR/sanitize_$name.log" || true)
+  printf '%-28s %-6s %3d s  %s sanitizer report(s)  (%s)\n' "$name" "$result" $((SECONDS - start)) "$reports" "$DIR/sanitize_$name.log"
+  [[ "$reports" == 0 ]] || status=1
+}
+if [[ "$SANITIZE" == thread ]]; then
+  run unit_comm_core "$DIR/tests/loom_unit_tests" --gtest_filter='CommCore*:MetricsServer*:Overflow*'
+  run dist_np2_async "${MPIRUN[@]}" -np 2 "$DIR/tests/loom_dist_tests" --gtest_filter='Async*:PointToPoint*:InputSafety*'
+else
+  run unit "$DIR/tests/loom_unit_tests"
+  run topology "$DIR/loom_topology_tests"
+  run dist_np2 "${MPIRUN[@]}" -np 2 "$DIR/tests/loom_dist_tests" \
+      --gtest_filter='Collectives*:PointToPoint*:BadInput*:InputSafety*:Async*'
+fi
+exit $status
