@@ -86,10 +86,11 @@ std::vector<Host> parse_hostfile(const std::string& path) {
   if (!in) throw UsageError("--hostfile " + path + ": cannot read it (" + std::strerror(errno) + ")");
   // Read at most the limit and one byte more, whatever the file is (/dev/zero has no end and no
   // newline: getline would grow one line until memory ran out).
-  std::string content(kMaxHostfileBytes + 1, '\0');
-  in.read(content.data(), static_cast<std::streamsize>(content.size()));
+  std::string content;
+  char chunk[65536];
+  while (content.size() <= kMaxHostfileBytes && in.read(chunk, sizeof(chunk)).gcount() > 0)
+    content.append(chunk, static_cast<size_t>(in.gcount()));
   if (in.bad()) throw UsageError("--hostfile " + path + ": cannot read it (" + std::strerror(errno) + ")");
-  content.resize(static_cast<size_t>(in.gcount()));
   if (content.size() > kMaxHostfileBytes)
     throw UsageError("--hostfile " + path + ": more than " + std::to_string(kMaxHostfileBytes) +
                      " bytes: exceeds the limit (docs/limits.md)");
