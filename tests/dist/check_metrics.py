@@ -34,7 +34,10 @@ import urllib.request
 from prometheus_client.parser import text_string_to_metric_families
 
 STEPS, BATCH, SEQ = 12, 8, 16
-MODEL = ["--hidden", "32", "--layers", "1", "--heads", "2", "--seq", str(SEQ), "--batch", str(BATCH),
+# The project's docs as the text (the runs' lengths and losses were tuned on it, not on the main
+# job's corpus).
+DOCS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "docs")
+MODEL = ["--data", DOCS, "--hidden", "32", "--layers", "1", "--heads", "2", "--seq", str(SEQ), "--batch", str(BATCH),
          "--accumulate", "2", "--eval-every", "0", "--sample-bytes", "8", "--log-every", "4"]
 failures = []
 
@@ -260,7 +263,7 @@ def sink_mode(a):
     os.symlink(victim, os.path.join(directory, "torchloom_rank0.prom.tmp"))
     env = dict(os.environ, LOOM_METRICS="file:" + directory, LOOM_METRICS_INTERVAL="0", OMP_NUM_THREADS="1")
     cmd = [a.mpirun, "--oversubscribe", "--bind-to", "none", "-np", "1", a.program, "--tp", "1",
-           "--steps", "300", "--lr", "0.03", "--progress", "lines", "--log-every", "100"] + MODEL[:-2]
+           "--steps", "3000", "--lr", "0.03", "--progress", "lines", "--log-every", "1000"] + MODEL[:-2]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     target = os.path.join(directory, "torchloom_rank0.prom")
     deadline = time.monotonic() + 90
