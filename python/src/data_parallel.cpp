@@ -5,6 +5,8 @@
 
 #include "loom/parallel/data_parallel.h"
 
+#include <limits>
+
 namespace torchloom_py {
 namespace {
 
@@ -30,8 +32,14 @@ loom::ReducerOptions reducer_options(double bucket_cap_mb, double first_bucket_c
     throw loom::InvalidArgumentError("DistributedDataParallel: bucket_cap_mb must be positive, found " +
                                      std::to_string(bucket_cap_mb));
   loom::ReducerOptions o;
-  o.bucket_cap_bytes = static_cast<size_t>(bucket_cap_mb * 1024 * 1024);
-  o.first_bucket_cap_bytes = static_cast<size_t>(first_bucket_cap_mb * 1024 * 1024);
+  // Saturating: float('inf') (one bucket for everything) or any value beyond size_t must not reach
+  // a float-to-integer conversion out of range (undefined behaviour).
+  auto bytes = [](double mb) {
+    const double b = mb * 1024 * 1024;
+    return b >= 1.8e19 ? std::numeric_limits<size_t>::max() : static_cast<size_t>(b);
+  };
+  o.bucket_cap_bytes = bytes(bucket_cap_mb);
+  o.first_bucket_cap_bytes = bytes(first_bucket_cap_mb);
   o.find_unused_parameters = find_unused_parameters;
   o.static_graph = static_graph;
   o.gradient_as_bucket_view = gradient_as_bucket_view;
