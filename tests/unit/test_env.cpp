@@ -169,7 +169,7 @@ TEST(Config, FuzzedLauncherEnvironmentsGiveAWorldOrAConfigError) {
     for (auto& [k, v] : env) {
       if (random() % 3) continue;
       switch (random() % 4) {
-        case 0: v = std::to_string(static_cast<int>(random()) - (1 << 30)); break;
+        case 0: v = std::to_string(static_cast<long long>(random()) - (1LL << 31)); break;  // 64-bit: no overflow
         case 1: v += static_cast<char>(32 + random() % 95); break;
         case 2: v = v.empty() ? "" : v.substr(0, random() % v.size()); break;
         default: v = "(x" + std::to_string(random() % 5) + ")," + v;
