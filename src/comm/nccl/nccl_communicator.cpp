@@ -23,6 +23,7 @@
 #include <thread>
 
 #include "comm/abort.h"
+#include "comm/deadline.h"
 #include "comm/durations.h"
 #include "comm/nccl/nccl_types.h"
 #include "comm/op.h"
@@ -157,7 +158,8 @@ void NcclCommunicator::shutdown() {
       handle_->abort_locked();
     } else {
       // Finalize flushes what NCCL still holds (nonblocking: poll it, bounded by the timeout).
-      ncclResult_t result = handle_->await(ncclCommFinalize(handle_->comm), Clock::now() + default_timeout());
+      ncclResult_t result = handle_->await(ncclCommFinalize(handle_->comm),
+                                           loom::detail::deadline_after<Clock>(Clock::now(), default_timeout()));
       if (result == ncclSuccess) {
         result = ncclCommDestroy(handle_->comm);
       } else {
@@ -242,7 +244,7 @@ void NcclCommunicator::issue(loom::detail::Op& op, const std::shared_ptr<Work>& 
   c10::cuda::CUDAGuard guard(device_index_);
   const c10::cuda::CUDAStream caller = c10::cuda::getCurrentCUDAStream(device_index_);
   start(*work);
-  const auto deadline = Clock::now() + info.timeout;
+  const auto deadline = loom::detail::deadline_after<Clock>(Clock::now(), info.timeout);
   {
     std::unique_lock<std::timed_mutex> lock(handle_->mutex);
     if (handle_->comm == nullptr) throw CommError(info.describe() + ": the communicator was aborted: " + handle_->abort_reason);
@@ -408,7 +410,7 @@ void NcclCommunicator::group(Clock::time_point deadline, const std::function<boo
 // tells every rank the new communicator's members; then ncclCommSplit, polled to its deadline.
 void NcclCommunicator::issue_split(loom::detail::Op& op, const std::shared_ptr<Work>& work) {
   start(*work);
-  const auto deadline = Clock::now() + op.info.timeout;
+  const auto deadline = loom::detail::deadline_after<Clock>(Clock::now(), op.info.timeout);
   const auto& request = *op.split;
   const auto on_device = at::TensorOptions().dtype(at::kLong).device(at::kCUDA, device_index_);
   at::Tensor mine = at::tensor({static_cast<int64_t>(request.color), static_cast<int64_t>(request.key),
