@@ -13,26 +13,8 @@
 #include "test_util.h"
 
 using namespace loom;
-
-namespace {
-
-template <typename Call>
-std::string rejection(Call call) {
-  try {
-    call();
-  } catch (const InvalidArgumentError& e) {
-    return e.what();
-  } catch (const std::exception& e) {
-    return std::string("wrong exception type: ") + e.what();
-  }
-  return "not rejected";
-}
-
-void expect_contains(const std::string& text, const std::string& part) {
-  EXPECT_NE(text.find(part), std::string::npos) << "message: " << text << "\nexpected to contain: " << part;
-}
-
-}  // namespace
+using loom::test::expect_contains;
+using loom::test::rejection;
 
 TEST(InputSafety, AllGatherInputOverlappingItsOutputIsRefused) {
   auto comm = test::world();

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <ATen/ATen.h>
+#include <gtest/gtest.h>
 
 #include <string>
 #include <vector>
@@ -12,6 +13,23 @@
 #include "loom/runtime.h"
 
 namespace loom::test {
+
+// The message of the InvalidArgumentError `call` raises ("not rejected", or the wrong type's, otherwise).
+template <typename Call>
+std::string rejection(Call call) {
+  try {
+    call();
+  } catch (const InvalidArgumentError& e) {
+    return e.what();
+  } catch (const std::exception& e) {
+    return std::string("wrong exception type: ") + e.what();
+  }
+  return "not rejected";
+}
+
+inline void expect_contains(const std::string& text, const std::string& part) {
+  EXPECT_NE(text.find(part), std::string::npos) << "message: " << text << "\nexpected to contain: " << part;
+}
 
 inline std::shared_ptr<Communicator> world() { return loom::init()->world_comm(); }
 
