@@ -175,3 +175,21 @@ def test_state_of_any_object_round_trips_with_tensors_tuples_and_non_finite_floa
     with pytest.raises(torchloom.CheckpointError, match="negative position"):
         loader.load_latest()
     assert restored.position == 17
+
+
+def test_state_that_cannot_be_saved_is_a_checkpoint_error_through_the_agreement(directory):
+    """An object whose state holds something unsavable: CheckpointError from save() (raised through
+    the save's agreement, as every rank would see it), nothing published."""
+    class Opaque:
+        def state_dict(self):
+            return {"handle": object()}
+
+        def load_state_dict(self, state):
+            pass
+
+    comm = torchloom.world_comm()
+    ckpt = torchloom.Checkpointer(comm, directory, async_=False)
+    ckpt.object("opaque", Opaque())
+    with pytest.raises(torchloom.CheckpointError, match="cannot save objects/opaque/handle of type object"):
+        ckpt.save(torchloom.TrainingProgress(step=1))
+    assert torchloom.Checkpointer.find_latest(directory) is None

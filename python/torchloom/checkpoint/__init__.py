@@ -166,7 +166,7 @@ class Checkpointer:
         """Any torch.optim optimizer over parameters of registered models: state tensors (sliced like
         their parameter) and param_groups, by parameter name. Register the model(s) first."""
         self._optimizer = optimizer
-        self._impl.object(_OPTIMIZER, lambda: self._pending_text[_OPTIMIZER],
+        self._impl.object(_OPTIMIZER, lambda: self._saved_text(_OPTIMIZER),
                           lambda text: self._check_object(_OPTIMIZER, text),
                           lambda text: self._load_object(_OPTIMIZER, text))
         return self
@@ -178,7 +178,7 @@ class Checkpointer:
         if not hasattr(obj, "state_dict") or not hasattr(obj, "load_state_dict"):
             raise TypeError(f"checkpoint object {name!r}: expected state_dict() and load_state_dict()")
         self._objects[name] = obj
-        self._impl.object(name, lambda: self._pending_text[name], lambda text: self._check_object(name, text),
+        self._impl.object(name, lambda: self._saved_text(name), lambda text: self._check_object(name, text),
                           lambda text: self._load_object(name, text))
         return self
 
@@ -197,14 +197,20 @@ class Checkpointer:
         wait(), or the next save, waits for the writing)."""
         self._impl.wait()  # the previous save's tensors must not be replaced while it writes
         self._forget_dynamic()
-        if self._optimizer is not None:
-            self._pending_text[_OPTIMIZER] = self._encode_optimizer()
-        for name, obj in self._objects.items():
-            tensors: Dict[str, torch.Tensor] = {}
-            encoded = _encode(obj.state_dict(), f"objects/{name}", tensors)
-            for key, t in tensors.items():
-                self._register(key, t)
-            self._pending_text[name] = json.dumps(encoded)
+        # An error here is raised from inside the C++ save (by the objects' save callbacks), so that
+        # it reaches every rank through the save's agreement instead of leaving the others waiting.
+        self._save_error: Optional[BaseException] = None
+        try:
+            if self._optimizer is not None:
+                self._pending_text[_OPTIMIZER] = self._encode_optimizer()
+            for name, obj in self._objects.items():
+                tensors: Dict[str, torch.Tensor] = {}
+                encoded = _encode(obj.state_dict(), f"objects/{name}", tensors)
+                for key, t in tensors.items():
+                    self._register(key, t)
+                self._pending_text[name] = json.dumps(encoded)
+        except (TypeError, ValueError) as e:
+            self._save_error = e
         self._impl.save(progress, user or {})
         return SaveHandle(self)
 
@@ -240,6 +246,11 @@ class Checkpointer:
         return _C.Checkpointer.find_latest(directory)
 
     # ---- Internals -------------------------------------------------------------------------------
+
+    def _saved_text(self, name: str) -> str:
+        if getattr(self, "_save_error", None) is not None:
+            raise self._save_error
+        return self._pending_text[name]
 
     def _register(self, key: str, t: torch.Tensor, slice_: Optional[Tuple[List[int], int, int]] = None) -> None:
         if slice_ is None:
