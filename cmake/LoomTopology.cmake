@@ -11,7 +11,7 @@
 #   loomrun              the launcher
 #   loom_topology_tests  single-process GoogleTest (parsers, planner, launcher arguments)
 #   placement_bench      modelled planned-vs-naive all-reduce times and planner run time
-# CTest: topology_unit, loomrun_processes (real mpirun jobs), placement_bench_smoke.
+# CTest: topology_unit, loomrun_processes and loomrun_options (real mpirun jobs), placement_bench_smoke.
 
 include(GNUInstallDirs)
 find_package(PkgConfig REQUIRED)
@@ -60,6 +60,7 @@ endif()
 add_library(loom_launcher STATIC
   ${LOOM_TOPOLOGY_DIR}/src/launcher/launcher_args.cpp
   ${LOOM_TOPOLOGY_DIR}/src/launcher/hosts.cpp
+  ${LOOM_TOPOLOGY_DIR}/src/launcher/slurm.cpp
   ${LOOM_TOPOLOGY_DIR}/src/launcher/mpirun_command.cpp
   ${LOOM_TOPOLOGY_DIR}/src/launcher/launcher_exec.cpp
 )
@@ -127,6 +128,13 @@ if(LOOM_BUILD_TESTS)
            COMMAND ${Python3_EXECUTABLE} ${LOOM_TOPOLOGY_DIR}/tests/launcher/check_loomrun.py
                    --loomrun $<TARGET_FILE:loomrun>)
   set_tests_properties(loomrun_processes PROPERTIES TIMEOUT 240
+    ENVIRONMENT "OMP_NUM_THREADS=1;OMPI_MCA_btl=self,vader,tcp;OMPI_MCA_pml=ob1")
+  # -x and the variables a remote host needs, --mca, --mpi-arg, --output-dir, --tag-output,
+  # --max-restarts and Slurm allocations, with real mpirun jobs (fake hosts where root allows).
+  add_test(NAME loomrun_options
+           COMMAND ${Python3_EXECUTABLE} ${LOOM_TOPOLOGY_DIR}/tests/launcher/check_loomrun_options.py
+                   --loomrun $<TARGET_FILE:loomrun>)
+  set_tests_properties(loomrun_options PROPERTIES TIMEOUT 240
     ENVIRONMENT "OMP_NUM_THREADS=1;OMPI_MCA_btl=self,vader,tcp;OMPI_MCA_pml=ob1")
 
   if(TARGET placement_bench)

@@ -15,14 +15,14 @@
 
 namespace loom::launcher {
 
-namespace {
-
 bool valid_host_name(const std::string& name) {
   if (name.empty() || name.size() > 253) return false;
   for (char c : name)
     if (!(std::isalnum(static_cast<unsigned char>(c)) || c == '-' || c == '.' || c == '_')) return false;
   return true;
 }
+
+namespace {
 
 int positive(const std::string& text) {
   int value = 0;

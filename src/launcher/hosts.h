@@ -18,6 +18,9 @@ inline constexpr size_t kMaxHosts = 100000;
 inline constexpr size_t kMaxHostfileBytes = 16u * 1024 * 1024;
 inline constexpr size_t kMaxHostfileLine = 4096;
 
+// Letters, digits, '-', '.', '_'; 1 to 253 bytes.
+bool valid_host_name(const std::string& name);
+
 // "a:4,b:4" or "a,b" (1 slot each). Throws UsageError naming the bad entry.
 std::vector<Host> parse_host_list(const std::string& text);
 

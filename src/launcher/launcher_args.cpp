@@ -1,9 +1,12 @@
 #include "launcher/launcher_args.h"
 
 #include <CLI/CLI.hpp>
+#include <cctype>
 #include <climits>
 #include <cmath>
 #include <cstdlib>
+#include <set>
+#include <unistd.h>
 
 namespace loom::launcher {
 
@@ -18,6 +21,67 @@ std::string absolute(const std::string& path) {
   return out;
 }
 
+// For a path that may not exist yet (an output directory): relative to the working directory.
+std::string absolute_lexically(const std::string& path) {
+  if (path.empty() || path[0] == '/') return path;
+  char* cwd = getcwd(nullptr, 0);
+  if (!cwd) return path;
+  std::string out = std::string(cwd) + "/" + path;
+  free(cwd);
+  return out;
+}
+
+// A value as shown in a message: its start, control characters as '?'.
+std::string shown(const std::string& text) {
+  std::string out;
+  for (char c : text.substr(0, 60)) out += (static_cast<unsigned char>(c) < 0x20 || c == 0x7f) ? '?' : c;
+  return text.size() > 60 ? out + "..." : out;
+}
+
+bool identifier(const std::string& name, bool leading_digit_ok) {
+  if (name.empty() || name.size() > kMaxVariableName) return false;
+  if (!leading_digit_ok && std::isdigit(static_cast<unsigned char>(name[0]))) return false;
+  for (char c : name)
+    if (!(std::isalnum(static_cast<unsigned char>(c)) || c == '_')) return false;
+  return true;
+}
+
+// "-x NAME" or "-x NAME=VALUE" (mpirun's syntax). The name is what a POSIX shell accepts, so the
+// variable can be read back in the program's environment.
+Variable parse_variable(const std::string& text) {
+  const size_t eq = text.find('=');
+  Variable v{text.substr(0, eq), std::nullopt};
+  if (eq != std::string::npos) v.value = text.substr(eq + 1);
+  if (!identifier(v.name, false))
+    throw UsageError("-x '" + shown(text) + "': expected NAME or NAME=VALUE, NAME of letters, digits and '_' (at most " +
+                     std::to_string(kMaxVariableName) + ", not starting with a digit); found the name '" +
+                     shown(v.name) + "'");
+  return v;
+}
+
+// mpirun options loomrun gives itself: passed again through --mpi-arg they would contradict it.
+std::string managed_by_loomrun(const std::string& arg) {
+  const std::string option = arg.substr(0, arg.find('='));
+  static const std::set<std::string> ranks = {"-np", "--np", "-n", "-c"};
+  static const std::set<std::string> hosts = {"-H", "-host", "--host", "-hostfile", "--hostfile", "-machinefile",
+                                              "--machinefile"};
+  static const std::set<std::string> output = {"-output-filename", "--output-filename"};
+  if (ranks.count(option)) return "-np";
+  if (hosts.count(option)) return "-H or --hostfile";
+  if (output.count(option)) return "--output-dir";
+  if (option == "-x") return "-x";
+  if (option == "--app" || option == "-app") return "the program after --";
+  return "";
+}
+
+void check_mpi_arg(const std::string& arg) {
+  if (arg.empty()) throw UsageError("--mpi-arg '': expected an mpirun option or its value");
+  if (arg == ":")
+    throw UsageError("--mpi-arg ':': mpirun would read it as the start of a second program (MPMD); not passed on");
+  if (std::string instead = managed_by_loomrun(arg); !instead.empty())
+    throw UsageError("--mpi-arg " + shown(arg) + ": loomrun gives mpirun this option itself; use loomrun's " + instead);
+}
+
 }  // namespace
 
 Parsed parse_arguments(const std::vector<std::string>& raw, const std::string& env_topology) {
@@ -26,14 +90,47 @@ Parsed parse_arguments(const std::vector<std::string>& raw, const std::string& e
   // Everything after the first "--" is the program, untouched (no option parsing, no shell).
   std::vector<std::string> args;
   bool have_separator = false;
+  // The values of -x, --mca and --mpi-arg may start with '-' (--mpi-arg --bind-to), which CLI11
+  // would read as an option: they are taken here, word by word, before CLI11 sees the rest.
+  auto next = [&](size_t& i, const std::string& option, const std::string& what) -> const std::string& {
+    if (i + 1 >= raw.size() || raw[i + 1] == "--")
+      throw UsageError(option + " needs " + what + " (found " + (i + 1 < raw.size() ? "'--'" : "nothing") + ")");
+    return raw[++i];
+  };
+  auto count_one_more = [](size_t size, const std::string& option) {
+    if (size >= kMaxPassedOn)
+      throw UsageError("more than " + std::to_string(kMaxPassedOn) + " " + option +
+                       " entries: exceeds the limit (docs/limits.md)");
+  };
   for (size_t i = 0; i < raw.size(); ++i) {
-    if (raw[i] == "--") {
+    const std::string& word = raw[i];
+    if (word == "--") {
       have_separator = true;
       o.program.assign(raw.begin() + static_cast<long>(i) + 1, raw.end());
       break;
     }
-    // mpirun spells it -np; CLI11 reads single-dash options as one letter.
-    args.push_back(raw[i] == "-np" ? "--np" : raw[i]);
+    if (word == "-x") {
+      count_one_more(o.variables.size(), "-x");
+      o.variables.push_back(parse_variable(next(i, "-x", "NAME or NAME=VALUE")));
+    } else if (word == "--mca" || word == "-mca") {
+      count_one_more(o.mca.size(), "--mca");
+      const std::string key = next(i, "--mca", "KEY VALUE");
+      const std::string value = next(i, "--mca " + shown(key), "a VALUE");
+      if (!identifier(key, true))
+        throw UsageError("--mca '" + shown(key) + "' " + shown(value) +
+                         ": expected an MCA parameter name of letters, digits and '_' (as ompi_info lists them)");
+      if (value == ":")
+        throw UsageError("--mca " + key + " ':': mpirun would read ':' as the start of a second program (MPMD)");
+      o.mca.emplace_back(key, value);
+    } else if (word == "--mpi-arg" || word.rfind("--mpi-arg=", 0) == 0) {
+      count_one_more(o.mpi_args.size(), "--mpi-arg");
+      const std::string arg = word == "--mpi-arg" ? next(i, "--mpi-arg", "an mpirun argument") : word.substr(10);
+      check_mpi_arg(arg);
+      o.mpi_args.push_back(arg);
+    } else {
+      // mpirun spells it -np; CLI11 reads single-dash options as one letter.
+      args.push_back(word == "-np" ? "--np" : word);
+    }
   }
 
   CLI::App app{"loomrun: starts a torchloom job through mpirun (see docs/launcher.md)", "loomrun"};
@@ -54,6 +151,16 @@ Parsed parse_arguments(const std::vector<std::string>& raw, const std::string& e
   app.add_flag("--no-oversubscribe", no_oversubscribe, "more ranks than slots is an error (default: --oversubscribe)");
   app.add_option("--mpirun", o.mpirun, "the mpirun to run (default: mpirun from PATH)");
   app.add_option("--message-bytes", o.message_bytes, "with --plan: message size of the modelled all-reduce");
+  // Listed for --help only: parse_arguments takes their values itself (above).
+  std::vector<std::string> listed_only;
+  app.add_option("-x", listed_only, "NAME or NAME=VALUE: set or forward a variable to every rank (repeatable)");
+  app.add_option("--mca", listed_only, "KEY VALUE: an Open MPI MCA parameter for mpirun (repeatable)");
+  app.add_option("--mpi-arg", listed_only, "ARG: one word passed to mpirun verbatim, before the program (repeatable)");
+  app.add_option("--output-dir", o.output_dir,
+                 "one stdout and stderr file per rank under DIR/attempt_K/ (mpirun --output-filename)");
+  app.add_flag("--tag-output", o.tag_output, "prefix each output line with its rank (mpirun --tag-output)");
+  app.add_option("--max-restarts", o.max_restarts,
+                 "start the job again when it fails, up to N times (LOOM_RESTART_COUNT tells the ranks)");
 
   std::vector<std::string> argv_storage{"loomrun"};
   argv_storage.insert(argv_storage.end(), args.begin(), args.end());
@@ -102,6 +209,17 @@ Parsed parse_arguments(const std::vector<std::string>& raw, const std::string& e
     double s = std::strtod(o.timeout.c_str(), &end);
     if (end == o.timeout.c_str() || *end != '\0' || !(s >= 0.001 && s <= 86400))
       throw UsageError("--timeout " + o.timeout + ": expected seconds between 0.001 and 86400");
+  }
+  if (o.max_restarts < 0 || o.max_restarts > kMaxRestarts)
+    throw UsageError("--max-restarts " + std::to_string(o.max_restarts) + ": expected 0 to " +
+                     std::to_string(kMaxRestarts));
+  if (app.count("--output-dir") > 0) {
+    if (o.output_dir.empty()) throw UsageError("--output-dir '': expected a directory");
+    // Open MPI reads "DIR:nocopy" as DIR plus directives.
+    if (o.output_dir.find(':') != std::string::npos)
+      throw UsageError("--output-dir " + shown(o.output_dir) +
+                       ": a ':' in the path would be read by mpirun as directives (DIR:nocopy); choose another path");
+    o.output_dir = absolute_lexically(o.output_dir);
   }
   if ((o.json || !o.svg.empty()) && !o.plan)
     throw UsageError(std::string(o.json ? "--json" : "--svg") + " needs --plan");

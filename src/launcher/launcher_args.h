@@ -1,7 +1,9 @@
 // loomrun's command line: what the user asked for, checked, before anything is started.
 //
 //   loomrun -np N [-H host1:slots,host2:slots | --hostfile FILE] [--tp T] [--topology FILE]
-//           [--timeline PATH] [--timeout S] [--dry-run] [--plan [--json] [--svg FILE]] -- program args...
+//           [--timeline PATH] [--timeout S] [-x NAME[=VALUE]]... [--mca KEY VALUE]... [--mpi-arg ARG]...
+//           [--output-dir DIR] [--tag-output] [--max-restarts N]
+//           [--dry-run] [--plan [--json] [--svg FILE]] -- program args...
 //
 // parse_arguments() throws UsageError (loomrun exits 2) with a message that says which argument is
 // wrong and what was expected. Internal to the launcher; docs/launcher.md is the user's page.
@@ -22,6 +24,17 @@ class UsageError : public std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
+// Limits on what loomrun passes on (docs/limits.md).
+inline constexpr size_t kMaxPassedOn = 10000;     // -x, --mca and --mpi-arg entries, each kind
+inline constexpr size_t kMaxVariableName = 255;   // -x NAME
+inline constexpr int kMaxRestarts = 1000;
+
+// -x NAME (forward NAME's value from loomrun's environment) or -x NAME=VALUE.
+struct Variable {
+  std::string name;
+  std::optional<std::string> value;
+};
+
 struct Options {
   int np = 0;
   std::vector<Host> hosts;  // from -H or --hostfile; empty: this machine only
@@ -38,6 +51,12 @@ struct Options {
   bool allow_oversubscribe = true;  // --no-oversubscribe: more ranks than slots is an error
   std::string mpirun = "mpirun";
   std::uint64_t message_bytes = 64ull << 20;
+  std::vector<Variable> variables;                          // -x, in order
+  std::vector<std::pair<std::string, std::string>> mca;     // --mca KEY VALUE, in order
+  std::vector<std::string> mpi_args;                        // --mpi-arg ARG: mpirun options, verbatim
+  std::string output_dir;                                   // --output-dir (absolute): one file per rank
+  bool tag_output = false;                                  // --tag-output: rank-prefixed lines
+  int max_restarts = 0;                                     // --max-restarts: start a failed job again
   std::vector<std::string> program;  // after "--": the program and its arguments, verbatim
 };
 

@@ -17,7 +17,8 @@ constexpr int kForwarded[] = {SIGINT, SIGTERM, SIGHUP, SIGQUIT};
 
 }  // namespace
 
-int run_and_wait(const std::vector<std::string>& args, std::string& error) {
+int run_and_wait(const std::vector<std::string>& args, std::string& error, bool* interrupted) {
+  if (interrupted) *interrupted = false;
   if (args.empty()) {
     error = "nothing to run";
     return 127;
@@ -82,6 +83,7 @@ int run_and_wait(const std::vector<std::string>& args, std::string& error) {
     siginfo_t info;
     int sig = sigwaitinfo(&wanted, &info);
     if (sig < 0 || sig == SIGCHLD) continue;
+    if (interrupted) *interrupted = true;
     // From a process (kill, sigqueue): pass it on. From the terminal (SI_KERNEL): mpirun, in the
     // same foreground process group, has it already.
     if (info.si_code == SI_USER || info.si_code == SI_QUEUE || info.si_code == SI_TKILL) kill(child, sig);

@@ -16,6 +16,9 @@ namespace loom::launcher {
 // the child once; one typed at the terminal (Ctrl-C) already reached the child through the
 // terminal's process group, so it is not sent twice (a second SIGINT makes mpirun skip its
 // cleanup). The child also gets SIGTERM if loomrun itself dies, so no job outlives its launcher.
-int run_and_wait(const std::vector<std::string>& argv, std::string& error);
+// `interrupted`, when given, is set when loomrun itself received one of those signals (from a
+// process or the terminal): the job ended because someone asked, so --max-restarts must not start
+// it again.
+int run_and_wait(const std::vector<std::string>& argv, std::string& error, bool* interrupted = nullptr);
 
 }  // namespace loom::launcher

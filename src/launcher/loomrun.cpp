@@ -3,14 +3,16 @@
 //   loomrun -np 16 -H node1:8,node2:8 --tp 2 --topology dgx.txt -- ./train --epochs 3
 //   loomrun -np 8 --tp 2 --topology dgx.txt --plan            # where each rank would run, and why
 //   loomrun -np 2 --dry-run -- ./train                         # the exact mpirun command
+//   loomrun -np 4 --max-restarts 3 --output-dir logs -- ./train --checkpoint-dir ckpt --resume
 //
-// Exit status: the job's (mpirun's), 128 + signal when mpirun died of one, 2 for bad arguments or
+// Exit status: the job's (mpirun's; with --max-restarts, the last attempt's), 128 + signal when mpirun died of one, 2 for bad arguments or
 // inputs (and for any unexpected error: a message, never an abort with a core dump), 127 when
 // mpirun cannot be started.
 #include <limits.h>
 #include <stdlib.h>
 #include <unistd.h>
 
+#include <chrono>
 #include <cstdio>
 #include <fstream>
 #include <iostream>
@@ -58,8 +60,15 @@ int print_plan(const Options& o, const Launch& launch) {
   return 0;
 }
 
+std::string describe(int status) {
+  if (status > 128 && status < 128 + 65)
+    return "exit status " + std::to_string(status) + " (128 + signal " + std::to_string(status - 128) + ")";
+  return "exit status " + std::to_string(status);
+}
+
 int run(int argc, char** argv) {
   Options o;
+  LaunchContext ctx;
   Launch launch;
   try {
     const char* env_topology = std::getenv("LOOM_TOPOLOGY");
@@ -69,7 +78,6 @@ int run(int argc, char** argv) {
       return 0;
     }
     o = parsed.options;
-    LaunchContext ctx;
     ctx.is_root = geteuid() == 0;
     ctx.local_slots = local_core_count();
     ctx.local_hostname = hostname();
@@ -89,32 +97,60 @@ int run(int argc, char** argv) {
   if (o.plan) return print_plan(o, launch);
 
   std::string dir;
-  if (!launch.rankfile.empty()) {
-    std::string rankfile = "XXXXXX/rankfile";
-    if (!o.dry_run) {
-      char pattern[] = "/tmp/loomrun-XXXXXX";
-      if (!mkdtemp(pattern)) {
-        std::perror("loomrun: mkdtemp");
-        return 1;
-      }
-      dir = pattern;
-      rankfile = dir + "/rankfile";
-      std::ofstream(rankfile) << launch.rankfile;
-    } else {
-      rankfile = "/tmp/loomrun-XXXXXX/rankfile";
+  std::string rankfile = "/tmp/loomrun-XXXXXX/rankfile";
+  if (!launch.rankfile.empty() && !o.dry_run) {
+    char pattern[] = "/tmp/loomrun-XXXXXX";
+    if (!mkdtemp(pattern)) {
+      std::perror("loomrun: mkdtemp");
+      return 1;
     }
-    for (auto& arg : launch.argv)
-      if (arg == kRankfilePlaceholder) arg = rankfile;
+    dir = pattern;
+    rankfile = dir + "/rankfile";
+    std::ofstream(rankfile) << launch.rankfile;  // the same for every attempt
   }
+  auto place_rankfile = [&](Launch& l) {
+    for (auto& arg : l.argv)
+      if (arg == kRankfilePlaceholder) arg = rankfile;
+  };
+  place_rankfile(launch);
   if (o.dry_run) {
     for (const auto& note : launch.notes) std::cout << "# " << note << "\n";
     std::cout << shell_quote(launch.argv) << "\n";
     if (!launch.rankfile.empty())
       std::cout << "# rankfile (written to a new /tmp/loomrun-* directory):\n" << launch.rankfile;
+    if (o.max_restarts > 0)
+      std::cout << "# when it fails, started again up to " << o.max_restarts
+                << " time(s), with LOOM_RESTART_COUNT=1, 2, ...\n";
     return 0;
   }
+
+  // --max-restarts: a failed job (non-zero status) starts again; the program resumes from its own
+  // newest complete checkpoint. Not after a signal to loomrun (someone asked the job to end) nor
+  // when mpirun could not be started.
+  int status = 0;
   std::string error;
-  int status = run_and_wait(launch.argv, error);
+  for (int attempt = 0;; ++attempt) {
+    if (attempt > 0) {
+      ctx.attempt = attempt;
+      launch = build_launch(o, ctx);  // the same command, the new restart count
+      place_rankfile(launch);
+    }
+    const auto started = std::chrono::steady_clock::now();
+    bool interrupted = false;
+    status = run_and_wait(launch.argv, error, &interrupted);
+    if (status == 0 || interrupted || !error.empty() || o.max_restarts == 0) break;
+    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
+    char ran[32];
+    std::snprintf(ran, sizeof(ran), "%.1f", seconds);
+    if (attempt >= o.max_restarts) {
+      std::cerr << "loomrun: the job failed again (" << describe(status) << " after " << ran << " s); "
+                << "--max-restarts " << o.max_restarts << " reached, giving up\n";
+      break;
+    }
+    std::cerr << "loomrun: the job failed (" << describe(status) << " after " << ran << " s); starting it again: "
+              << "restart " << attempt + 1 << " of " << o.max_restarts << ", LOOM_RESTART_COUNT=" << attempt + 1
+              << "\n";
+  }
   if (!dir.empty()) {
     std::remove((dir + "/rankfile").c_str());
     rmdir(dir.c_str());

@@ -3,15 +3,32 @@
 #include <algorithm>
 #include <cctype>
 #include <numeric>
+#include <set>
 #include <string_view>
+
+#include "launcher/slurm.h"
 
 namespace loom::launcher {
 
 namespace {
 
+// Forwarded whenever set: what a rank on another host needs to find its programs, libraries and
+// Python packages (mpirun starts remote ranks with the remote login's environment), and the
+// variables torchloom, NCCL, OpenMP and CUDA read.
 bool forwarded(const std::string& name) {
   return name.rfind("NCCL_", 0) == 0 || name.rfind("LOOM_", 0) == 0 || name == "OMP_NUM_THREADS" ||
-         name == "CUDA_VISIBLE_DEVICES";
+         name == "CUDA_VISIBLE_DEVICES" || name == "PATH" || name == "LD_LIBRARY_PATH" || name == "PYTHONPATH" ||
+         name == "VIRTUAL_ENV";
+}
+
+// The first of `options` the user passed through --mpi-arg ("--bind-to" or "--bind-to=core"), or "".
+std::string user_option(const Options& o, std::initializer_list<std::string_view> options) {
+  for (const auto& arg : o.mpi_args)
+    for (auto option : options)
+      if (arg == option || (arg.size() > option.size() && arg.compare(0, option.size(), option) == 0 &&
+                            arg[option.size()] == '='))
+        return std::string(option);
+  return "";
 }
 
 // The topology the plan runs on: one node per host. A single-node description stands for every
@@ -38,8 +55,15 @@ Launch build_launch(const Options& o, const LaunchContext& ctx) {
   a = {o.mpirun, "-np", std::to_string(o.np)};
   if (ctx.is_root) a.push_back("--allow-run-as-root");
 
-  const bool local = o.hosts.empty();
-  std::vector<Host> hosts = local ? std::vector<Host>{{ctx.local_hostname, ctx.local_slots}} : o.hosts;
+  std::vector<Host> hosts = o.hosts;
+  // Inside a Slurm allocation, without -H or --hostfile: the allocation's hosts.
+  if (hosts.empty())
+    if (auto slurm = hosts_from_slurm(ctx.environment)) {
+      hosts = std::move(slurm->hosts);
+      launch.notes.push_back(slurm->note);
+    }
+  const bool local = hosts.empty();
+  if (local) hosts = {{ctx.local_hostname, ctx.local_slots}};
   if (!o.hostfile.empty()) {
     a.insert(a.end(), {"--hostfile", o.hostfile});
   } else if (!local) {
@@ -66,6 +90,17 @@ Launch build_launch(const Options& o, const LaunchContext& ctx) {
         throw UsageError("host '" + h.name + "' has " + std::to_string(h.slots) + " slots, not a multiple of --tp " +
                          std::to_string(o.tp) + ": a tensor-parallel group would span two hosts");
 
+  // --mpi-arg --bind-to/--map-by replace loomrun's defaults; against a rankfile they contradict it.
+  const std::string user_bind = user_option(o, {"--bind-to", "-bind-to"});
+  const std::string user_map = user_option(o, {"--map-by", "-map-by"});
+  auto default_mapping = [&] {
+    if (user_map.empty()) a.insert(a.end(), {"--map-by", "slot"});
+    if (user_bind.empty()) a.insert(a.end(), {"--bind-to", "none"});
+    if (!user_map.empty())
+      launch.notes.push_back("--mpi-arg " + user_map +
+                             " replaces loomrun's --map-by slot: consecutive ranks (a TP group) may not share a host");
+  };
+
   if (!o.topology.empty()) {
     topo::Topology described = topo::load_topology_file(o.topology);
     // --plan alone may plan a described (simulated) cluster as it is; a launch plans its hosts.
@@ -81,28 +116,68 @@ Launch build_launch(const Options& o, const LaunchContext& ctx) {
     const bool bindable =
         !as_described && std::all_of(ranks.begin(), ranks.end(), [](const auto& r) { return !r.cpus.empty(); });
     if (bindable) {
+      const std::string user = !user_bind.empty() ? user_bind : user_map;
+      if (!user.empty())
+        throw UsageError("--mpi-arg " + user + " contradicts the rankfile loomrun writes from --topology's plan: "
+                         "drop one of them");
       for (const auto& r : ranks)
         launch.rankfile += "rank " + std::to_string(r.rank) + "=" + hosts[r.node].name +
                            " slot=" + topo::format_cpu_list(r.cpus) + "\n";
       // Physical (OS) CPU numbers, as in the plan and nvidia-smi's CPU Affinity.
       a.insert(a.end(), {"--rankfile", kRankfilePlaceholder, "--mca", "rmaps_rank_file_physical", "1"});
     } else {
-      a.insert(a.end(), {"--map-by", "slot", "--bind-to", "none"});
+      default_mapping();
       if (!as_described) launch.notes.push_back("the topology gives no CPU affinity: ranks are not bound");
     }
     if (ranks_per_node > 0) a.insert(a.end(), {"-x", "LOOM_RANKS_PER_NODE=" + std::to_string(ranks_per_node)});
   } else {
-    a.insert(a.end(), {"--map-by", "slot", "--bind-to", "none"});
+    default_mapping();
   }
 
-  // The launch environment the ranks need; option values win over the caller's variables.
+  // Output: one file per rank and stream (Open MPI 4: DIR/attempt_K/1/rank.N/stdout; a restart
+  // would truncate the files of the attempt before, so each attempt has its own directory).
+  if (!o.output_dir.empty())
+    a.insert(a.end(), {"--output-filename", o.output_dir + "/attempt_" + std::to_string(ctx.attempt)});
+  if (o.tag_output) a.push_back("--tag-output");
+  for (const auto& [key, value] : o.mca) a.insert(a.end(), {"--mca", key, value});
+  a.insert(a.end(), o.mpi_args.begin(), o.mpi_args.end());
+
+  // The launch environment the ranks need. Precedence: loomrun's options, then -x NAME=VALUE, then
+  // the variables forwarded from loomrun's environment; an -x value against an option's is an error.
   std::map<std::string, std::string> set;
   if (!o.topology.empty()) set["LOOM_TOPOLOGY"] = o.topology;
   if (!o.timeline.empty()) set["LOOM_TIMELINE"] = o.timeline;
   if (!o.timeout.empty()) set["LOOM_TIMEOUT"] = o.timeout;
   if (o.tp_given) set["LOOM_TP"] = std::to_string(o.tp);
+  if (o.max_restarts > 0) {
+    set["LOOM_RESTART_COUNT"] = std::to_string(ctx.attempt);
+    set["TORCHELASTIC_RESTART_COUNT"] = std::to_string(ctx.attempt);  // what torchrun's programs read
+  }
+  const std::map<std::string, std::string> from_options = set;
+  std::set<std::string> names;  // forwarded by name: mpirun copies the value from its environment
+  std::set<std::string> given;
+  for (const auto& v : o.variables) {
+    if (!given.insert(v.name).second) throw UsageError("-x " + v.name + " is given twice: give it once");
+    if (auto option = from_options.find(v.name); option != from_options.end()) {
+      if (v.value && *v.value != option->second)
+        throw UsageError("-x " + v.name + "=" + *v.value + " contradicts " + v.name + "=" + option->second +
+                         ", which loomrun sets from its options: drop one");
+      continue;
+    }
+    if (v.value) {
+      set[v.name] = *v.value;
+    } else if (ctx.environment.count(v.name)) {
+      names.insert(v.name);
+    } else {
+      throw UsageError("-x " + v.name + ": " + v.name +
+                       " is not set in loomrun's environment, so there is nothing to forward; set it, or give -x " +
+                       v.name + "=VALUE");
+    }
+  }
   for (const auto& [name, value] : ctx.environment)
-    if (forwarded(name) && !set.count(name) && name != "LOOM_RANKS_PER_NODE") a.insert(a.end(), {"-x", name});
+    if (forwarded(name) && name != "LOOM_RANKS_PER_NODE") names.insert(name);
+  for (const auto& name : names)
+    if (!set.count(name)) a.insert(a.end(), {"-x", name});
   for (const auto& [name, value] : set) a.insert(a.end(), {"-x", name + "=" + value});
 
   a.insert(a.end(), o.program.begin(), o.program.end());

@@ -19,7 +19,8 @@ struct LaunchContext {
   bool is_root = false;                            // mpirun refuses root without --allow-run-as-root
   int local_slots = 1;                             // this machine's cores, when no host is given
   std::string local_hostname;                      // the rankfile names hosts; for a local job, this one
-  std::map<std::string, std::string> environment;  // variables forwarded with -x
+  std::map<std::string, std::string> environment;  // loomrun's: forwarded with -x, Slurm's allocation
+  int attempt = 0;                                 // 0, then 1, 2... for each --max-restarts restart
 };
 
 struct Launch {
@@ -34,7 +35,8 @@ struct Launch {
 inline constexpr const char* kRankfilePlaceholder = "<rankfile>";
 
 // Throws UsageError for arguments that cannot make a job (too few slots with --no-oversubscribe, a
-// TP group that would span hosts, a topology that does not fit the hosts), and topo::ParseError /
+// TP group that would span hosts, a topology that does not fit the hosts, -x NAME of a variable
+// that is not set, -x NAME=VALUE against an option's value), and topo::ParseError /
 // topo::PlanError from reading the topology and planning.
 Launch build_launch(const Options& options, const LaunchContext& context);
 

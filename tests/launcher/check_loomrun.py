@@ -249,7 +249,8 @@ def case_plan(loomrun, tmp, fixtures):
                          env={"PATH": os.environ["PATH"], "NCCL_DEBUG": "WARN"}, capture_output=True, text=True, timeout=60)
     root = ["--allow-run-as-root"] if os.geteuid() == 0 else []
     expected = " ".join(["mpirun", "-np", "4"] + root +
-                        ["--hostfile", hostfile, "--map-by", "slot", "--bind-to", "none", "-x", "NCCL_DEBUG", "./a.out", "'x y'"])
+                        ["--hostfile", hostfile, "--map-by", "slot", "--bind-to", "none", "-x", "NCCL_DEBUG", "-x", "PATH", "./a.out",
+                         "'x y'"])
     check(out.stdout.strip() == expected, f"dry-run: printed {out.stdout!r}, expected {expected!r}")
 
 

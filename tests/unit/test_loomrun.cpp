@@ -4,13 +4,16 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <chrono>
 #include <cstdio>
 #include <fstream>
+#include <functional>
 
 #include "launcher/hosts.h"
 #include "launcher/launcher_args.h"
 #include "launcher/launcher_exec.h"
 #include "launcher/mpirun_command.h"
+#include "launcher/slurm.h"
 #include "topology_test_util.h"
 
 using namespace loom::launcher;
@@ -50,7 +53,7 @@ std::string write_temp(const std::string& name, const std::string& text) {
 }
 
 const Argv kForwarded = {"-x", "CUDA_VISIBLE_DEVICES", "-x", "LOOM_LOG_LEVEL", "-x", "NCCL_DEBUG",
-                         "-x", "NCCL_IB_HCA",          "-x", "OMP_NUM_THREADS"};
+                         "-x", "NCCL_IB_HCA",          "-x", "OMP_NUM_THREADS", "-x", "PATH"};
 
 Argv concat(std::initializer_list<Argv> parts) {
   Argv out;
@@ -199,7 +202,7 @@ TEST(Loomrun, TopologyBindsRanksThroughARankfile) {
   // A local job: the local host name in the rankfile, no rank count to pass on.
   Launch local = build_launch(parse({"-np", "2", "--topology", dgx, "--", "x"}), c);
   EXPECT_EQ(local.rankfile.substr(0, 12), "rank 0=here ");
-  EXPECT_EQ(std::count(local.argv.begin(), local.argv.end(), "-x"), 6);
+  EXPECT_EQ(std::count(local.argv.begin(), local.argv.end(), "-x"), 7);
   // A topology with two nodes cannot describe three hosts.
   const std::string two =
       write_temp("two.json", loom::topo::testing::replicated_json("gtx1080ti_2gpu_phb_numa_na.txt", 2));
@@ -251,4 +254,213 @@ TEST(Loomrun, RunAndWaitReportsHowTheChildEnded) {
   // Arguments arrive verbatim (no shell in between).
   error.clear();
   EXPECT_EQ(run_and_wait({"/bin/sh", "-c", "test \"$1\" = 'a b;$(echo x)|*'", "sh", "a b;$(echo x)|*"}, error), 0);
+}
+
+namespace {
+
+std::string launch_error(const Argv& args, const LaunchContext& c = context()) {
+  try {
+    build_launch(parse(args), c);
+  } catch (const UsageError& e) {
+    return e.what();
+  }
+  return "";
+}
+
+// The words of argv between "--bind-to none" (or the last mapping option) and the program.
+Argv without(const Argv& argv, const Argv& prefix, const Argv& suffix) {
+  return Argv(argv.begin() + static_cast<long>(prefix.size()), argv.end() - static_cast<long>(suffix.size()));
+}
+
+}  // namespace
+
+TEST(Loomrun, VariablesMcaAndMpiArgumentsReachTheArgv) {
+  LaunchContext c = context();
+  c.environment["PYTHONPATH"] = "/py";
+  c.environment["LD_LIBRARY_PATH"] = "/lib";
+  c.environment["VIRTUAL_ENV"] = "/venv";
+  c.environment["HOME"] = "/root";
+  Options o = parse({"-np", "2", "-x", "HOME", "-x", "A=x, y=z", "-x", "EMPTY=", "--mca", "btl_tcp_if_include", "eth0",
+                     "-mca", "plm_rsh_args", "-p 2222", "--mpi-arg", "--report-bindings", "--mpi-arg=--prefix=/opt/ompi",
+                     "--", "./train"});
+  ASSERT_EQ(o.variables.size(), 3u);
+  EXPECT_FALSE(o.variables[0].value.has_value());
+  EXPECT_EQ(*o.variables[1].value, "x, y=z");
+  EXPECT_EQ(*o.variables[2].value, "");
+  Launch l = build_launch(o, c);
+  // Defaults (PATH, LD_LIBRARY_PATH, PYTHONPATH, VIRTUAL_ENV, NCCL_*, LOOM_*...) and -x NAME by
+  // name, sorted; then the values.
+  EXPECT_EQ(l.argv, concat({{"mpirun", "-np", "2", "--map-by", "slot", "--bind-to", "none", "--mca",
+                             "btl_tcp_if_include", "eth0", "--mca", "plm_rsh_args", "-p 2222", "--report-bindings",
+                             "--prefix=/opt/ompi"},
+                            {"-x", "CUDA_VISIBLE_DEVICES", "-x", "HOME", "-x", "LD_LIBRARY_PATH", "-x", "LOOM_LOG_LEVEL",
+                             "-x", "NCCL_DEBUG", "-x", "NCCL_IB_HCA", "-x", "OMP_NUM_THREADS", "-x", "PATH", "-x",
+                             "PYTHONPATH", "-x", "VIRTUAL_ENV", "-x", "A=x, y=z", "-x", "EMPTY="},
+                            {"./train"}}));
+  // -x NAME=VALUE wins over the forwarded variable of that name; an option's value cannot be contradicted.
+  Launch over = build_launch(parse({"-np", "2", "--tp", "2", "-x", "PATH=/mine", "-x", "LOOM_TP=2", "--", "x"}), c);
+  EXPECT_EQ(std::count(over.argv.begin(), over.argv.end(), "PATH"), 0);
+  EXPECT_EQ(std::count(over.argv.begin(), over.argv.end(), "PATH=/mine"), 1);
+  EXPECT_EQ(std::count(over.argv.begin(), over.argv.end(), "LOOM_TP=2"), 1);
+  EXPECT_EQ(launch_error({"-np", "2", "--tp", "2", "-x", "LOOM_TP=4", "--", "x"}),
+            "-x LOOM_TP=4 contradicts LOOM_TP=2, which loomrun sets from its options: drop one");
+  EXPECT_EQ(launch_error({"-np", "2", "-x", "NOT_SET_ANYWHERE", "--", "x"}),
+            "-x NOT_SET_ANYWHERE: NOT_SET_ANYWHERE is not set in loomrun's environment, so there is nothing to "
+            "forward; set it, or give -x NOT_SET_ANYWHERE=VALUE");
+  EXPECT_EQ(launch_error({"-np", "2", "-x", "A=1", "-x", "A=2", "--", "x"}), "-x A is given twice: give it once");
+}
+
+TEST(Loomrun, MpiArgumentsReplaceTheDefaultMapping) {
+  Launch bind = build_launch(parse({"-np", "2", "--mpi-arg", "--bind-to", "--mpi-arg", "core", "--", "x"}), context());
+  EXPECT_EQ(Argv(bind.argv.begin(), bind.argv.begin() + 7),
+            (Argv{"mpirun", "-np", "2", "--map-by", "slot", "--bind-to", "core"}));
+  EXPECT_EQ(std::count(bind.argv.begin(), bind.argv.end(), "--bind-to"), 1);
+  Launch map = build_launch(parse({"-np", "2", "--mpi-arg=--map-by=node", "--", "x"}), context());
+  EXPECT_EQ(Argv(map.argv.begin(), map.argv.begin() + 6),
+            (Argv{"mpirun", "-np", "2", "--bind-to", "none", "--map-by=node"}));
+  EXPECT_EQ(map.notes.at(0),
+            "--mpi-arg --map-by replaces loomrun's --map-by slot: consecutive ranks (a TP group) may not share a host");
+  const std::string dgx = loom::topo::testing::fixture_path("dgx1_v100_1nic_oneflow.txt");
+  EXPECT_EQ(launch_error({"-np", "2", "--topology", dgx, "--mpi-arg", "--bind-to", "--mpi-arg", "core", "--", "x"}),
+            "--mpi-arg --bind-to contradicts the rankfile loomrun writes from --topology's plan: drop one of them");
+}
+
+TEST(Loomrun, PassedOnArgumentsAreChecked) {
+  EXPECT_EQ(usage_error({"-np", "2", "-x", "1A=b", "--", "x"}),
+            "-x '1A=b': expected NAME or NAME=VALUE, NAME of letters, digits and '_' (at most 255, not starting with a "
+            "digit); found the name '1A'");
+  EXPECT_EQ(usage_error({"-np", "2", "-x", "=v", "--", "x"}).substr(0, 15), "-x '=v': expect");
+  EXPECT_EQ(usage_error({"-np", "2", "-x", "A-B", "--", "x"}).substr(0, 16), "-x 'A-B': expect");
+  EXPECT_NE(usage_error({"-np", "2", "-x", std::string(256, 'A'), "--", "x"}), "");
+  EXPECT_EQ(usage_error({"-np", "2", "-x", std::string(255, 'A'), "--", "x"}), "");
+  EXPECT_EQ(usage_error({"-np", "2", "-x"}), "-x needs NAME or NAME=VALUE (found nothing)");
+  EXPECT_EQ(usage_error({"-np", "2", "-x", "--", "x"}), "-x needs NAME or NAME=VALUE (found '--')");
+  EXPECT_EQ(usage_error({"-np", "2", "--mca", "btl", "--", "x"}), "--mca btl needs a VALUE (found '--')");
+  EXPECT_EQ(usage_error({"-np", "2", "--mca", "btl-x", "tcp", "--", "x"}),
+            "--mca 'btl-x' tcp: expected an MCA parameter name of letters, digits and '_' (as ompi_info lists them)");
+  EXPECT_EQ(usage_error({"-np", "2", "--mca", "btl", ":", "--", "x"}),
+            "--mca btl ':': mpirun would read ':' as the start of a second program (MPMD)");
+  EXPECT_EQ(usage_error({"-np", "2", "--mpi-arg", ":", "--", "x"}),
+            "--mpi-arg ':': mpirun would read it as the start of a second program (MPMD); not passed on");
+  EXPECT_EQ(usage_error({"-np", "2", "--mpi-arg", "-np", "--", "x"}),
+            "--mpi-arg -np: loomrun gives mpirun this option itself; use loomrun's -np");
+  EXPECT_EQ(usage_error({"-np", "2", "--mpi-arg=--host=a", "--", "x"}),
+            "--mpi-arg --host=a: loomrun gives mpirun this option itself; use loomrun's -H or --hostfile");
+  EXPECT_EQ(usage_error({"-np", "2", "--mpi-arg", "--output-filename", "--", "x"}),
+            "--mpi-arg --output-filename: loomrun gives mpirun this option itself; use loomrun's --output-dir");
+  EXPECT_EQ(usage_error({"-np", "2", "--mpi-arg", "", "--", "x"}),
+            "--mpi-arg '': expected an mpirun option or its value");
+  EXPECT_EQ(usage_error({"-np", "2", "--max-restarts", "-1", "--", "x"}), "--max-restarts -1: expected 0 to 1000");
+  EXPECT_EQ(usage_error({"-np", "2", "--max-restarts", "1001", "--", "x"}), "--max-restarts 1001: expected 0 to 1000");
+  EXPECT_EQ(usage_error({"-np", "2", "--output-dir", "/tmp/a:nocopy", "--", "x"}),
+            "--output-dir /tmp/a:nocopy: a ':' in the path would be read by mpirun as directives (DIR:nocopy); choose "
+            "another path");
+  EXPECT_EQ(usage_error({"-np", "2", "--output-dir", "", "--", "x"}), "--output-dir '': expected a directory");
+  // Bounded: 10000 of each kind, not one more.
+  Argv many = {"-np", "1"};
+  for (int i = 0; i <= 10000; ++i) many.insert(many.end(), {"--mpi-arg", "--report-bindings"});
+  many.insert(many.end(), {"--", "x"});
+  EXPECT_EQ(usage_error(many), "more than 10000 --mpi-arg entries: exceeds the limit (docs/limits.md)");
+}
+
+TEST(Loomrun, OutputFilesTagsAndRestartCountPerAttempt) {
+  Options o = parse({"-np", "2", "--output-dir", "logs", "--tag-output", "--max-restarts", "3", "--", "x"});
+  ASSERT_EQ(o.output_dir.front(), '/');  // relative to where loomrun started: ranks on any host agree
+  EXPECT_EQ(o.output_dir.substr(o.output_dir.size() - 5), "/logs");
+  LaunchContext c = context();
+  for (int attempt : {0, 2}) {
+    c.attempt = attempt;
+    Launch l = build_launch(o, c);
+    const std::string k = std::to_string(attempt);
+    EXPECT_EQ(without(l.argv, {"mpirun", "-np", "2", "--map-by", "slot", "--bind-to", "none"}, {"x"}),
+              concat({{"--output-filename", o.output_dir + "/attempt_" + k, "--tag-output"},
+                      kForwarded,
+                      {"-x", "LOOM_RESTART_COUNT=" + k, "-x", "TORCHELASTIC_RESTART_COUNT=" + k}}));
+  }
+  // Without --max-restarts nothing about restarts is exported.
+  Launch once = build_launch(parse({"-np", "2", "--", "x"}), context());
+  EXPECT_EQ(std::count(once.argv.begin(), once.argv.end(), "LOOM_RESTART_COUNT=0"), 0);
+}
+
+TEST(Loomrun, SlurmNodeListsExpand) {
+  auto expand = [](const std::string& text) { return expand_slurm_nodelist(text, "SLURM_JOB_NODELIST"); };
+  using Names = std::vector<std::string>;
+  EXPECT_EQ(expand("node[01-03,07],gpu5"), (Names{"node01", "node02", "node03", "node07", "gpu5"}));
+  EXPECT_EQ(expand("a"), (Names{"a"}));
+  EXPECT_EQ(expand("n[8-10]"), (Names{"n8", "n9", "n10"}));
+  EXPECT_EQ(expand("n[098-101]"), (Names{"n098", "n099", "n100", "n101"}));
+  EXPECT_EQ(expand("r[1-2]n[1-2]-ib"), (Names{"r1n1-ib", "r1n2-ib", "r2n1-ib", "r2n2-ib"}));
+  EXPECT_EQ(expand("x[3],y"), (Names{"x3", "y"}));
+  EXPECT_EQ(expand_slurm_counts("4(x3),2", "SLURM_TASKS_PER_NODE"), (std::vector<int>{4, 4, 4, 2}));
+  EXPECT_EQ(expand_slurm_counts("72", "SLURM_JOB_CPUS_PER_NODE"), (std::vector<int>{72}));
+  auto error = [](const std::function<void()>& f) {
+    try {
+      f();
+    } catch (const UsageError& e) {
+      return std::string(e.what());
+    }
+    return std::string();
+  };
+  EXPECT_EQ(error([&] { expand("n[1-2"); }), "SLURM_JOB_NODELIST='n[1-2': '[' without ']'");
+  EXPECT_EQ(error([&] { expand("n1-2]"); }), "SLURM_JOB_NODELIST='n1-2]': ']' without '['");
+  EXPECT_EQ(error([&] { expand("n[[1]]"); }), "SLURM_JOB_NODELIST='n[[1]]': nested '[': expected name[ranges]");
+  EXPECT_EQ(error([&] { expand("n[3-1]"); }),
+            "SLURM_JOB_NODELIST='n[3-1]': '[3-1]': expected ranges like 01-03,07 (found '3-1')");
+  EXPECT_EQ(error([&] { expand("n[a]"); }),
+            "SLURM_JOB_NODELIST='n[a]': '[a]': expected ranges like 01-03,07 (found 'a')");
+  EXPECT_EQ(error([&] { expand("a,,b"); }),
+            "SLURM_JOB_NODELIST='a,,b': an empty entry: expected host or host[ranges] between commas");
+  EXPECT_EQ(error([&] { expand("bad host"); }), "SLURM_JOB_NODELIST='bad host': 'bad host' is not a host name");
+  EXPECT_EQ(error([&] { expand_slurm_counts("4(x0)", "SLURM_TASKS_PER_NODE"); }),
+            "SLURM_TASKS_PER_NODE='4(x0)': '4(x0)': expected N or N(xM), N from 1 to 1000000");
+  EXPECT_EQ(error([&] { expand_slurm_counts("four", "SLURM_TASKS_PER_NODE"); }),
+            "SLURM_TASKS_PER_NODE='four': 'four': expected N or N(xM), N from 1 to 1000000");
+  // Limits, counted before anything is built: a billion names, or a product of ranges, in no time.
+  const auto start = std::chrono::steady_clock::now();
+  EXPECT_EQ(error([&] { expand("n[0-999999999]"); }),
+            "SLURM_JOB_NODELIST='n[0-999999999]': more than 100000 hosts: exceeds the limit (docs/limits.md)");
+  EXPECT_EQ(error([&] { expand("r[1-1000]n[1-1000]"); }),
+            "SLURM_JOB_NODELIST='r[1-1000]n[1-1000]': more than 100000 hosts: exceeds the limit (docs/limits.md)");
+  EXPECT_EQ(error([&] { expand_slurm_counts("1(x999999999)", "SLURM_TASKS_PER_NODE"); }),
+            "SLURM_TASKS_PER_NODE='1(x999999999)': more than 100000 nodes: exceeds the limit (docs/limits.md)");
+  EXPECT_EQ(expand("n[1-100000]").size(), 100000u);
+  EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(), 5.0);
+  EXPECT_NE(error([&] { expand(std::string(kMaxSlurmVariableBytes + 1, 'a')); }), "");
+}
+
+TEST(Loomrun, HostsComeFromASlurmAllocation) {
+  LaunchContext c = context();
+  c.environment["SLURM_JOB_NODELIST"] = "node[01-02],gpu5";
+  c.environment["SLURM_JOB_CPUS_PER_NODE"] = "72(x3)";
+  c.environment["SLURM_TASKS_PER_NODE"] = "2(x2),4";  // the tasks win over the CPUs, as in Open MPI
+  Launch l = build_launch(parse({"-np", "8", "--tp", "2", "--", "x"}), c);
+  EXPECT_EQ(Argv(l.argv.begin(), l.argv.begin() + 5), (Argv{"mpirun", "-np", "8", "-H", "node01:2,node02:2,gpu5:4"}));
+  EXPECT_EQ(l.notes.at(0),
+            "hosts from the Slurm allocation (SLURM_JOB_NODELIST, SLURM_TASKS_PER_NODE): 3 host(s)");
+  // The per-host checks apply: a TP group of 4 cannot sit on a 2-slot node.
+  EXPECT_EQ(launch_error({"-np", "8", "--tp", "4", "--", "x"}, c),
+            "host 'node01' has 2 slots, not a multiple of --tp 4: a tensor-parallel group would span two hosts");
+  // -H wins over the allocation.
+  Launch given = build_launch(parse({"-np", "2", "-H", "other:2", "--", "x"}), c);
+  EXPECT_EQ(given.argv.at(4), "other:2");
+  c.environment.erase("SLURM_TASKS_PER_NODE");
+  EXPECT_EQ(build_launch(parse({"-np", "8", "--", "x"}), c).argv.at(4), "node01:72,node02:72,gpu5:72");
+  c.environment["SLURM_JOB_CPUS_PER_NODE"] = "72(x2)";
+  EXPECT_EQ(launch_error({"-np", "8", "--", "x"}, c),
+            "SLURM_JOB_NODELIST names 3 host(s) but SLURM_JOB_CPUS_PER_NODE='72(x2)' gives slots for 2: expected one "
+            "count per host");
+  c.environment.erase("SLURM_JOB_CPUS_PER_NODE");
+  EXPECT_EQ(launch_error({"-np", "8", "--", "x"}, c),
+            "SLURM_JOB_NODELIST is set but neither SLURM_TASKS_PER_NODE nor SLURM_JOB_CPUS_PER_NODE is: cannot tell "
+            "the slots of the allocation's hosts; give -H host:slots,...");
+}
+
+TEST(Loomrun, RunAndWaitSaysWhenLoomrunWasInterrupted) {
+  std::string error;
+  bool interrupted = true;
+  EXPECT_EQ(run_and_wait({"/bin/sh", "-c", "exit 4"}, error, &interrupted), 4);
+  EXPECT_FALSE(interrupted);
+  // A SIGTERM to this process while the child runs: passed on, and reported.
+  EXPECT_EQ(run_and_wait({"/bin/sh", "-c", "kill -TERM $PPID; sleep 5"}, error, &interrupted), 128 + 15);
+  EXPECT_TRUE(interrupted);
 }
