@@ -9,9 +9,10 @@
 # What runs (kept small: a build of LibTorch-heavy code with sanitizers is slow):
 #   address,undefined  loom_unit_tests and loom_topology_tests whole; loom_dist_tests at 2 ranks for
 #                      collectives, point-to-point, bad and hostile input, async operations
-#   thread             the comm core's unit tests (waiter hand-off, device-fault paths) and the
-#                      metrics server; loom_dist_tests at 2 ranks for async operations (progress
-#                      thread, watchdog) and point-to-point
+#   thread             the metrics server, loom_unit_tests whole (comm core: waiter hand-off,
+#                      device-fault paths; checkpoint hashing and populating threads) and
+#                      loom_dist_tests whole at 2 ranks (progress thread, watchdog, async
+#                      operations, DataParallel's backward hooks)
 # LibTorch, MPI and the system libraries are not instrumented. Suppressions, each explained, are
 # in tests/sanitize/.
 set -euo pipefail
@@ -71,8 +72,8 @@ run() {  # name, command...
 }
 run metrics_server "$DIR/tests/loom_metrics_server_tests"
 if [[ "$SANITIZE" == thread ]]; then
-  run unit_comm_core "$DIR/tests/loom_unit_tests" --gtest_filter='CommCore*:Overflow*'
-  run dist_np2_async "${MPIRUN[@]}" -np 2 "$DIR/tests/loom_dist_tests" --gtest_filter='Async*:PointToPoint*:InputSafety*'
+  run unit "$DIR/tests/loom_unit_tests"
+  run dist_np2 "${MPIRUN[@]}" -np 2 "$DIR/tests/loom_dist_tests"
 else
   run unit "$DIR/tests/loom_unit_tests"
   run topology "$DIR/loom_topology_tests"

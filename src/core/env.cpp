@@ -1,5 +1,6 @@
 #include "core/env.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -140,6 +141,49 @@ double real(const Environment& env, const char* name, double min_value, double m
   if (end == text.c_str() || *end != '\0' || !std::isfinite(value) || !(value >= min_value && value <= max_value))
     throw malformed(name, text, "a number from " + number_text(min_value) + " to " + number_text(max_value));
   return value;
+}
+
+namespace {
+
+// Levenshtein distance, stopping early: only "within two edits" matters.
+size_t edit_distance(const std::string& a, const std::string& b) {
+  if (a.size() > b.size() + 2 || b.size() > a.size() + 2) return 3;
+  std::vector<size_t> row(b.size() + 1);
+  for (size_t j = 0; j <= b.size(); ++j) row[j] = j;
+  for (size_t i = 1; i <= a.size(); ++i) {
+    size_t diagonal = row[0];
+    row[0] = i;
+    for (size_t j = 1; j <= b.size(); ++j) {
+      const size_t above = row[j];
+      row[j] = std::min({row[j] + 1, row[j - 1] + 1, diagonal + (a[i - 1] == b[j - 1] ? 0 : 1)});
+      diagonal = above;
+    }
+  }
+  return row[b.size()];
+}
+
+// Set or read by torchloom's scripts, launcher and tests, not by the library.
+bool tool_variable(const std::string& name) {
+  static const std::vector<std::string> names = {"LOOM_MPIRUN_FLAGS", "LOOM_RESTART_COUNT", "LOOM_FUZZ_SEED"};
+  return name.rfind("LOOM_TEST_", 0) == 0 || std::find(names.begin(), names.end(), name) != names.end();
+}
+
+}  // namespace
+
+std::vector<std::pair<std::string, std::string>> unknown_variables(const Environment& env) {
+  std::vector<std::pair<std::string, std::string>> unknown;
+  for (const auto& [name, value] : env) {
+    if (name.rfind("LOOM_", 0) != 0 || tool_variable(name)) continue;
+    const auto& table = all_variables();
+    if (std::any_of(table.begin(), table.end(), [&](const Variable& v) { return name == v.name; })) continue;
+    std::string closest;
+    size_t best = 3;
+    for (const auto& v : table)
+      if (const size_t d = edit_distance(name, v.name); d < best) best = d, closest = v.name;
+    unknown.emplace_back(name.size() > 80 ? name.substr(0, 80) + "..." : name, closest);
+    if (unknown.size() == 16) break;  // enough to make the point; the environment may be hostile
+  }
+  return unknown;
 }
 
 bool flag(const Environment& env, const char* name) { return choice(env, name, {"0", "1"}) == "1"; }

@@ -6,6 +6,7 @@
 #include <chrono>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "loom/world.h"
@@ -27,6 +28,12 @@ const std::vector<Variable>& all_variables();
 // The value in `env`, or nullopt when unset or empty. Throws std::logic_error for a name that is
 // not in the table (so a new variable cannot be read without being declared and documented).
 std::optional<std::string> raw(const Environment& env, const char* name);
+
+// LOOM_ names set in `env` that torchloom does not read, each with the closest variable it does
+// read when one is within two edits ("LOOM_TIMEOUTS" -> "LOOM_TIMEOUT"), else "". A misspelt
+// variable is otherwise silently ignored. Not counted: names torchloom's own tools set or read
+// outside the library (LOOM_MPIRUN_FLAGS, LOOM_RESTART_COUNT, LOOM_FUZZ_SEED, LOOM_TEST_*).
+std::vector<std::pair<std::string, std::string>> unknown_variables(const Environment& env);
 
 // Typed readers: the default from the table when unset; a ConfigError naming the variable, its
 // value and the accepted range when malformed.

@@ -12,6 +12,7 @@
 
 #include "comm/abort.h"
 #include "comm/departure.h"
+#include "core/env.h"
 #include "loom/comm/mpi.h"
 #include "loom/comm/nccl.h"
 #include "loom/error.h"
@@ -282,6 +283,10 @@ std::shared_ptr<Runtime> init(const InitOptions& options) {
   detail::agree_on_configuration(*runtime->world_comm_, env);
   // The same on every rank but for per-process variables (LOOM_DEVICE): all raise together.
   detail::agree_all_ok(*runtime->world_comm_, config_problem, "reading the LOOM_ configuration");
+  if (runtime->world_.rank == 0)
+    for (const auto& [name, closest] : env::unknown_variables(env))
+      LOOM_LOG(warn, "environment variable " << name << " is not one torchloom reads (ignored)"
+                         << (closest.empty() ? std::string() : "; did you mean " + closest + "?"));
 
   std::string timeline_problem;
   try {

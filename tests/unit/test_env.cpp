@@ -98,6 +98,17 @@ TEST(Config, UndeclaredVariablesCannotBeRead) {
   EXPECT_THROW(loom::env::raw({}, "LOOM_NOT_DECLARED"), std::logic_error);
 }
 
+TEST(Config, MisspeltVariablesAreNamedWithTheClosestOne) {
+  const loom::Environment env = {{"LOOM_TIMEOUTS", "30"},      {"LOOM_TIMEOUT", "30"},      {"LOOM_NCLL", "off"},
+                                 {"LOOM_SOMETHING_ELSE", "1"}, {"LOOM_MPIRUN_FLAGS", "-x"}, {"LOOM_TEST_ENV", "1"},
+                                 {"LOOM_RESTART_COUNT", "2"},  {"PATH", "/bin"}};
+  const auto unknown = loom::env::unknown_variables(env);
+  const std::vector<std::pair<std::string, std::string>> expected = {
+      {"LOOM_NCLL", "LOOM_NCCL"}, {"LOOM_SOMETHING_ELSE", ""}, {"LOOM_TIMEOUTS", "LOOM_TIMEOUT"}};
+  EXPECT_EQ(unknown, expected);
+  EXPECT_TRUE(loom::env::unknown_variables({{"LOOM_TIMEOUT", "30"}, {"LOOM_DEVICE", "0"}}).empty());
+}
+
 TEST(Config, LoggingBeforeInitNeverThrowsOnABadLevel) {
   setenv("LOOM_LOG_LEVEL", "loud", 1);
   EXPECT_NO_THROW(LOOM_LOG(warn, "logged with a malformed LOOM_LOG_LEVEL"));
