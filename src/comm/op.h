@@ -36,6 +36,7 @@ struct Op {
   bool precheck = false;
   uint64_t fingerprint = 0;         // rolling fingerprint of every collective up to and including this one
   std::shared_ptr<SplitRequest> split;
+  at::Tensor staging;               // a backend's own buffer for the operation (kept alive with it)
 };
 
 // MPI's guaranteed minimum of MPI_TAG_UB: the largest tag every backend accepts.

@@ -3,6 +3,7 @@
 
 #include <ATen/ops/full.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdlib>
@@ -13,6 +14,7 @@
 #include "comm/abort.h"
 #include "comm/departure.h"
 #include "core/env.h"
+#include "loom/comm/gloo.h"
 #include "loom/comm/mpi.h"
 #include "loom/comm/nccl.h"
 #include "loom/error.h"
@@ -47,7 +49,7 @@ void reconcile(World& world, const mpi::Layout& layout) {
     return ConfigError(ErrorContext(who)(
         "the " + world.launcher + " environment gives " + what + "=" + std::to_string(env_value) + " but MPI sees " +
         std::to_string(mpi_value) +
-        (world.launcher == "torchrun" ? " (start torchloom programs with mpirun, loomrun or srun, not torchrun)" : "")));
+        (world.launcher == "torchrun" ? " (an env:// launch needs MASTER_ADDR and MASTER_PORT too)" : "")));
   };
   if (world.size_known && world.size != layout.size) throw mismatch("world size", world.size, layout.size);
   if (world.rank != layout.rank && world.launcher != "single") throw mismatch("rank", world.rank, layout.rank);
@@ -64,6 +66,42 @@ void reconcile(World& world, const mpi::Layout& layout) {
   if (!world.node_known) {
     world.node_index = layout.node_index;
     world.num_nodes = layout.num_nodes;
+    world.node_known = true;
+  }
+}
+
+// A job started by torchrun (or anything else that sets MASTER_ADDR with RANK and WORLD_SIZE and no
+// MPI launcher's variables) rendezvouses through the store rather than MPI.
+bool env_rendezvous(const World& world, const Environment& env) {
+  return world.launcher == "torchrun" && env.count("MASTER_ADDR") && env.count("MASTER_PORT");
+}
+
+// What the env:// environment did not say (LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK are optional
+// for a plain env:// launch), from the ranks' host names, in the order hosts first appear; what it
+// did say is checked against them.
+void complete_from_hostnames(World& world, Communicator& comm) {
+  const std::vector<std::string> hosts = detail::gather_strings(comm, world.hostname, "layout from host names");
+  std::vector<std::string> order;
+  int local_rank = 0, local_size = 0;
+  for (int r = 0; r < static_cast<int>(hosts.size()); ++r) {
+    if (std::find(order.begin(), order.end(), hosts[r]) == order.end()) order.push_back(hosts[r]);
+    if (hosts[r] != world.hostname) continue;
+    if (r < world.rank) ++local_rank;
+    ++local_size;
+  }
+  const int node = static_cast<int>(std::find(order.begin(), order.end(), world.hostname) - order.begin());
+  if (world.local_known && world.local_size != local_size)
+    throw ConfigError(ErrorContext("init")("the torchrun environment gives LOCAL_WORLD_SIZE=" +
+                                           std::to_string(world.local_size) + " but " + std::to_string(local_size) +
+                                           " ranks run on host " + world.hostname));
+  if (!world.local_known) {
+    world.local_rank = local_rank;
+    world.local_size = local_size;
+    world.local_known = true;
+  }
+  if (!world.node_known) {
+    world.node_index = node;
+    world.num_nodes = static_cast<int>(order.size());
     world.node_known = true;
   }
 }
@@ -189,6 +227,7 @@ void teardown_locked() {
     RuntimeAccess::release_communicators(*g_runtime);
   }
   mpi::finalize();
+  gloo::finalize();
   g_finalized = true;
 }
 
@@ -275,11 +314,18 @@ std::shared_ptr<Runtime> init(const InitOptions& options) {
   }
   detail::set_config(runtime->config_);
 
-  mpi::initialize();
-  reconcile(runtime->world_, mpi::discover_layout());
-  detail::set_job_rank(runtime->world_.rank);
-  log::set_rank(runtime->world_.rank, runtime->world_.size);
-  runtime->world_comm_ = mpi::world_communicator(options.comm);
+  if (env_rendezvous(runtime->world_, env)) {
+    // torchrun, PyTorchJob, any env:// launcher: no MPI; Gloo through LibTorch's TCPStore.
+    log::set_rank(runtime->world_.rank, runtime->world_.size);
+    runtime->world_comm_ = gloo::world_communicator(gloo::rendezvous_from_environment(), options.comm);
+    complete_from_hostnames(runtime->world_, *runtime->world_comm_);
+  } else {
+    mpi::initialize();
+    reconcile(runtime->world_, mpi::discover_layout());
+    detail::set_job_rank(runtime->world_.rank);
+    log::set_rank(runtime->world_.rank, runtime->world_.size);
+    runtime->world_comm_ = mpi::world_communicator(options.comm);
+  }
   detail::agree_on_configuration(*runtime->world_comm_, env);
   // The same on every rank but for per-process variables (LOOM_DEVICE): all raise together.
   detail::agree_all_ok(*runtime->world_comm_, config_problem, "reading the LOOM_ configuration");

@@ -280,8 +280,10 @@ int main(int argc, char** argv) {
       }
     }
     pg.reset();
-    if (g_failures == 0) std::printf("rank %d/%d: all gloo probe checks passed (agent store: %s)\n", rank, world,
-                                     agent_store ? "yes" : "no");
+    if (g_failures == 0 && bench_iterations == 0) {
+      std::printf("rank %d/%d: all gloo probe checks passed (agent store: %s)\n", rank, world,
+                  agent_store ? "yes" : "no");
+    }
     return g_failures == 0 ? 0 : 1;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "gloo_probe rank %d: %s\n", g_rank, e.what());

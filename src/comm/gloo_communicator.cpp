@@ -1,0 +1,435 @@
+// The Gloo backend: loom's Communicator core in front of LibTorch's c10d::ProcessGroupGloo, and the
+// env:// rendezvous through c10d::TCPStore. See include/loom/comm/gloo.h.
+//
+// Collectives are handed to Gloo at issue (its worker threads run them; operations match across
+// ranks by Gloo's own sequence tags, in issue order) and completed from the future's callback, on
+// Gloo's thread: no extra thread hop between Gloo finishing and the waiter waking. Gloo's
+// point-to-point works have no future, so one waiter thread per communicator waits for them in
+// issue order (they progress in Gloo's transport whatever order they are waited in).
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
+
+#include <ATen/ops/empty.h>
+#include <ATen/ops/tensor.h>
+
+#include <algorithm>
+#include <condition_variable>
+#include <cstdlib>
+#include <deque>
+#include <mutex>
+#include <numeric>
+#include <thread>
+
+#include "comm/op.h"
+#include "loom/comm/gloo.h"
+#include "loom/error.h"
+#include "loom/log.h"
+
+namespace loom::gloo {
+namespace {
+
+using StorePtr = c10::intrusive_ptr<c10d::Store>;
+using GlooPtr = c10::intrusive_ptr<c10d::ProcessGroupGloo>;
+
+// Gloo's own deadline stays behind loom's watchdog, which reports first (naming the operation).
+constexpr auto kGlooDeadlineMargin = std::chrono::seconds(30);
+
+struct StoreState {
+  std::mutex mutex;
+  c10::intrusive_ptr<c10d::TCPStore> tcp;
+  StorePtr store;  // under torchloom's prefix
+  Rendezvous rendezvous;
+};
+StoreState& store_state() {
+  static StoreState* state = new StoreState;  // outlives static destruction (exit handlers use it)
+  return *state;
+}
+
+c10d::ReduceOp to_c10d(ReduceOp op) {
+  switch (op) {
+    case ReduceOp::Sum:
+    case ReduceOp::Avg:  // a sum, divided on completion
+      return c10d::ReduceOp::SUM;
+    case ReduceOp::Product:
+      return c10d::ReduceOp::PRODUCT;
+    case ReduceOp::Min:
+      return c10d::ReduceOp::MIN;
+    case ReduceOp::Max:
+      return c10d::ReduceOp::MAX;
+  }
+  return c10d::ReduceOp::SUM;
+}
+
+std::chrono::milliseconds gloo_timeout(const OpInfo& info) {
+  const auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(info.timeout);
+  // "Practically forever" stays forever rather than overflowing Gloo's deadline arithmetic.
+  if (ms > std::chrono::hours(24 * 365)) return std::chrono::hours(24 * 365);
+  return ms + kGlooDeadlineMargin;
+}
+
+// LibTorch's error text without the C++ backtrace it appends (one line for loom's messages).
+std::string without_backtrace(const std::string& text) {
+  size_t cut = text.size();
+  for (const char* marker : {"\nException raised from", "\nframe #"}) cut = std::min(cut, text.find(marker));
+  return text.substr(0, cut);
+}
+
+std::shared_ptr<::gloo::transport::Device> make_device(const Rendezvous& r) {
+  if (!r.interface.empty()) return c10d::ProcessGroupGloo::createDeviceForInterface(r.interface);
+  return c10d::ProcessGroupGloo::createDefaultDevice();
+}
+
+GlooPtr make_group(const StorePtr& store, int rank, int size, std::chrono::milliseconds timeout) {
+  auto options = c10d::ProcessGroupGloo::Options::create(timeout);
+  options->devices.push_back(make_device(store_state().rendezvous));
+  return c10::make_intrusive<c10d::ProcessGroupGloo>(store, rank, size, options);
+}
+
+class GlooCommunicator final : public Communicator {
+ public:
+  GlooCommunicator(GlooPtr group, StorePtr store, int rank, std::vector<int> members, std::string name,
+                   const CommunicatorOptions& options)
+      : Communicator(rank, std::move(members), std::move(name), at::Device(at::kCPU), options),
+        group_(std::move(group)),
+        store_(std::move(store)) {
+    waiter_ = std::thread([this] { wait_loop(); });
+  }
+
+  ~GlooCommunicator() override {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      stop_ = true;
+    }
+    wake_.notify_all();
+    waiter_.join();
+    // A broken communicator may have operations stuck in Gloo that never end (a peer died):
+    // destroying the group would join its workers and hang. Left to the process's end.
+    if (is_broken()) {
+      LOOM_LOG(warn, "communicator " << name() << " destroyed after a failure: its Gloo group is left to the exit");
+      (void)group_.release();
+    }
+  }
+
+  const char* backend() const override { return "gloo"; }
+
+ protected:
+  void issue(detail::Op& op, const std::shared_ptr<Work>& work) override {
+    if (!start(*work)) return;
+    try {
+      if (op.info.type == OpType::Send || op.info.type == OpType::Recv || op.info.type == OpType::SendRecvBatch) {
+        issue_p2p(op, work);
+      } else if (op.info.type == OpType::Split) {
+        issue_split(op, work);
+      } else {
+        complete_on_future(collective(op), op, work);
+      }
+    } catch (const std::exception& e) {
+      const std::string message = op.info.describe() + ": Gloo refused the operation: " + without_backtrace(e.what());
+      fail(work, std::make_exception_ptr(CommError(message)), message);
+    }
+  }
+
+ private:
+  c10::intrusive_ptr<c10d::Work> collective(detail::Op& op) {
+    const int n = size();
+    switch (op.info.type) {
+      case OpType::AllReduce: {
+        std::vector<at::Tensor> tensors{op.outputs[0]};
+        c10d::AllreduceOptions o;
+        o.reduceOp = to_c10d(op.info.reduce);
+        o.timeout = gloo_timeout(op.info);
+        return group_->allreduce(tensors, o);
+      }
+      case OpType::Broadcast: {
+        std::vector<at::Tensor> tensors{op.outputs[0]};
+        c10d::BroadcastOptions o;
+        o.rootRank = op.info.peer;
+        o.timeout = gloo_timeout(op.info);
+        return group_->broadcast(tensors, o);
+      }
+      case OpType::AllGather: {
+        c10d::AllgatherOptions o;
+        o.timeout = gloo_timeout(op.info);
+        // Flat on both sides: Gloo compares each chunk of the output with the input's shape, loom
+        // only the elements (both are contiguous, checked by validate).
+        at::Tensor input = op.inputs[0].view({-1});
+        if (!op.list_output) {
+          at::Tensor output = op.outputs[0].view({-1});
+          return group_->all_gather_single(output, input, o);
+        }
+        // One tensor per rank: gathered flat, copied out on completion (Gloo's own list form
+        // wants every output shaped exactly like the input; loom's only the same elements).
+        op.staging = at::empty({static_cast<int64_t>(n) * input.numel()}, input.options());
+        return group_->all_gather_single(op.staging, input, o);
+      }
+      case OpType::ReduceScatter: {
+        c10d::ReduceScatterOptions o;
+        o.reduceOp = to_c10d(op.info.reduce);
+        o.timeout = gloo_timeout(op.info);
+        at::Tensor input = op.inputs[0].view({-1});
+        at::Tensor output = op.outputs[0].view({-1});
+        return group_->reduce_scatter_single(output, input, o);
+      }
+      case OpType::AllToAll: {
+        c10d::AllToAllOptions o;
+        o.timeout = gloo_timeout(op.info);
+        at::Tensor input = op.inputs[0].view({-1});
+        at::Tensor output = op.outputs[0].view({-1});
+        std::vector<int64_t> equal, also_equal;  // empty: equal splits
+        return group_->all_to_all_single(output, input, equal, also_equal, o);
+      }
+      case OpType::Barrier: {
+        c10d::BarrierOptions o;
+        o.timeout = gloo_timeout(op.info);
+        return group_->barrier(o);
+      }
+      default:
+        break;
+    }
+    (void)n;
+    throw CommError(op.info.describe() + ": not a collective");
+  }
+
+  // Completion from Gloo's thread: Avg divides, then the work finishes (or fails with Gloo's error).
+  void complete_on_future(const c10::intrusive_ptr<c10d::Work>& gloo_work, detail::Op& op,
+                          const std::shared_ptr<Work>& work) {
+    const bool average = op.info.type == OpType::AllReduce && op.info.reduce == ReduceOp::Avg && size() > 1;
+    at::Tensor averaged = average ? op.outputs[0] : at::Tensor();
+    const int n = size();
+    at::Tensor staging = op.staging;
+    std::vector<at::Tensor> outputs = staging.defined() ? op.outputs : std::vector<at::Tensor>();
+    std::weak_ptr<Communicator> weak = weak_from_this();
+    const std::string what = op.info.describe();
+    // The success path holds no reference to the communicator: the last one dropped here would
+    // destroy the Gloo group on its own worker thread. (After fail() it is broken, and a broken
+    // communicator's destructor leaves the group alone.)
+    gloo_work->getFuture()->addCallback([weak, work, averaged, n, what, staging, outputs](c10::ivalue::Future& future) {
+      if (future.hasError()) {
+        auto self = std::static_pointer_cast<GlooCommunicator>(weak.lock());
+        const std::string message = what + ": Gloo: " + without_backtrace(future.tryRetrieveErrorMessage());
+        if (self) self->fail(work, std::make_exception_ptr(CommError(message)), message);
+        return;
+      }
+      if (averaged.defined()) at::Tensor(averaged).div_(n);
+      for (size_t r = 0; r < outputs.size(); ++r) {
+        const int64_t chunk = staging.numel() / static_cast<int64_t>(outputs.size());
+        at::Tensor(outputs[r]).view({-1}).copy_(staging.narrow(0, static_cast<int64_t>(r) * chunk, chunk));
+      }
+      finish(*work);
+    });
+  }
+
+  void issue_p2p(detail::Op& op, const std::shared_ptr<Work>& work) {
+    std::vector<c10::intrusive_ptr<c10d::Work>> legs;
+    auto post = [&](P2POp::Kind kind, at::Tensor tensor, int peer, int tag) {
+      std::vector<at::Tensor> tensors{std::move(tensor)};
+      legs.push_back(kind == P2POp::Kind::Send ? group_->send(tensors, peer, tag) : group_->recv(tensors, peer, tag));
+    };
+    if (op.info.type == OpType::Send) post(P2POp::Kind::Send, op.inputs[0], op.info.peer, op.tag);
+    else if (op.info.type == OpType::Recv) post(P2POp::Kind::Recv, op.outputs[0], op.info.peer, op.tag);
+    else
+      for (const auto& leg : op.batch) post(leg.kind, leg.tensor, leg.peer, leg.tag);
+    std::lock_guard<std::mutex> lock(mutex_);
+    pending_.push_back({std::move(legs), work, op.info.describe(), gloo_timeout(op.info), nullptr, at::Tensor(), 0});
+    wake_.notify_all();
+  }
+
+  // Split: the members' (color, key) gathered over this group at issue, in order with every other
+  // operation; the child group is made on the waiter's side once the gather completes (its
+  // connection set-up blocks).
+  void issue_split(detail::Op& op, const std::shared_ptr<Work>& work) {
+    auto mine = at::tensor(std::vector<int64_t>{op.split->color, op.split->key}, at::kLong);
+    auto all = at::empty({2 * static_cast<int64_t>(size())}, at::kLong);
+    c10d::AllgatherOptions o;
+    o.timeout = gloo_timeout(op.info);
+    auto gathered = group_->all_gather_single(all, mine, o);
+    std::lock_guard<std::mutex> lock(mutex_);
+    Pending pending{{gathered}, work, op.info.describe(), gloo_timeout(op.info), nullptr, at::Tensor(), 0};
+    pending.split = op.split;
+    pending.split_table = all;
+    pending.split_seq = ++splits_;
+    pending_.push_back(std::move(pending));
+    wake_.notify_all();
+  }
+
+  struct Pending {
+    std::vector<c10::intrusive_ptr<c10d::Work>> legs;
+    std::shared_ptr<Work> work;
+    std::string what;
+    std::chrono::milliseconds timeout{0};
+    std::shared_ptr<detail::SplitRequest> split;
+    at::Tensor split_table;
+    uint64_t split_seq = 0;
+  };
+
+  void wait_loop() {
+    for (;;) {
+      Pending p;
+      {
+        std::unique_lock<std::mutex> lock(mutex_);
+        wake_.wait(lock, [this] { return stop_ || !pending_.empty(); });
+        if (pending_.empty()) return;  // stopping
+        p = std::move(pending_.front());
+        pending_.pop_front();
+      }
+      try {
+        for (auto& leg : p.legs) leg->wait(p.timeout);
+        if (p.split) make_child(p);
+        finish(*p.work);
+      } catch (const std::exception& e) {
+        const std::string message = p.what + ": Gloo: " + without_backtrace(e.what());
+        fail(p.work, std::make_exception_ptr(CommError(message)), message);
+      }
+    }
+  }
+
+  void make_child(Pending& p) {
+    const auto& request = *p.split;
+    if (request.color < 0) return;  // joins none: result stays nullptr
+    const int64_t* table = p.split_table.data_ptr<int64_t>();
+    std::vector<int> ranks;  // parent ranks of the child, by (key, rank)
+    for (int r = 0; r < size(); ++r)
+      if (table[2 * r] == request.color) ranks.push_back(r);
+    std::stable_sort(ranks.begin(), ranks.end(), [&](int a, int b) { return table[2 * a + 1] < table[2 * b + 1]; });
+    const int child_rank = static_cast<int>(std::find(ranks.begin(), ranks.end(), rank()) - ranks.begin());
+    std::vector<int> members;
+    for (int r : ranks) members.push_back(this->members()[r]);
+    // Keys of the child's rendezvous: unique per parent, split and color.
+    auto child_store = c10::make_intrusive<c10d::PrefixStore>(
+        name() + "/split" + std::to_string(p.split_seq) + "/color" + std::to_string(request.color) + "/", store_);
+    auto child = make_group(child_store, child_rank, static_cast<int>(ranks.size()), p.timeout);
+    p.split->result = std::make_shared<GlooCommunicator>(std::move(child), store_, child_rank, std::move(members),
+                                                         request.name, request.options);
+  }
+
+  GlooPtr group_;
+  StorePtr store_;
+  std::mutex mutex_;
+  std::condition_variable wake_;
+  std::deque<Pending> pending_;
+  bool stop_ = false;
+  uint64_t splits_ = 0;
+  std::thread waiter_;
+};
+
+std::string required(const char* name) {
+  const char* value = std::getenv(name);
+  if (value == nullptr || *value == '\0')
+    throw ConfigError(ErrorContext("init")(std::string("the env:// rendezvous needs ") + name +
+                                           " (torchrun and PyTorchJob set MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE)"));
+  return value;
+}
+
+int integer(const char* name, long lo, long hi) {
+  const std::string text = required(name);
+  char* end = nullptr;
+  errno = 0;
+  const long value = std::strtol(text.c_str(), &end, 10);
+  if (end == text.c_str() || *end != '\0' || errno != 0 || value < lo || value > hi)
+    throw ConfigError(ErrorContext("init")(std::string(name) + "='" + text.substr(0, 40) + "': expected an integer from " +
+                                           std::to_string(lo) + " to " + std::to_string(hi)));
+  return static_cast<int>(value);
+}
+
+}  // namespace
+
+bool compiled() { return true; }
+
+Rendezvous rendezvous_from_environment() {
+  Rendezvous r;
+  r.master_addr = required("MASTER_ADDR");
+  r.master_port = integer("MASTER_PORT", 1, 65535);
+  r.size = integer("WORLD_SIZE", 1, 1 << 24);
+  r.rank = integer("RANK", 0, r.size - 1);
+  const char* agent = std::getenv("TORCHELASTIC_USE_AGENT_STORE");
+  r.agent_store = agent != nullptr && std::string(agent) == "True";
+  if (const char* ifname = std::getenv("GLOO_SOCKET_IFNAME"); ifname != nullptr) r.interface = ifname;
+  return r;
+}
+
+std::shared_ptr<Communicator> world_communicator(const Rendezvous& r, const CommunicatorOptions& options) {
+  auto& state = store_state();
+  std::lock_guard<std::mutex> lock(state.mutex);
+  if (!state.store) {
+    c10d::TCPStoreOptions o;
+    o.port = static_cast<uint16_t>(r.master_port);
+    o.isServer = !r.agent_store && r.rank == 0;
+    o.numWorkers = static_cast<size_t>(r.size);
+    o.waitWorkers = false;
+    o.timeout = r.connect_timeout;
+    o.multiTenant = !r.agent_store;
+    try {
+      state.tcp = c10::make_intrusive<c10d::TCPStore>(r.master_addr, o);
+    } catch (const std::exception& e) {
+      throw CommError(ErrorContext("init")("the env:// rendezvous at " + r.master_addr + ":" +
+                                           std::to_string(r.master_port) + " failed (" +
+                                           (o.isServer ? "serving" : "connecting") + "): " + e.what()));
+    }
+    // torchrun's agent store also holds its own keys; a prefix keeps torchloom's apart.
+    state.store = c10::make_intrusive<c10d::PrefixStore>("torchloom/", state.tcp);
+    state.rendezvous = r;
+  }
+  // Every operation passes its own deadline (gloo_timeout); the group's applies to connecting.
+  const auto timeout = r.connect_timeout;
+  auto world_store = c10::make_intrusive<c10d::PrefixStore>("world/", state.store);
+  GlooPtr group;
+  try {
+    group = make_group(world_store, r.rank, r.size, timeout);
+  } catch (const std::exception& e) {
+    throw CommError(ErrorContext("init")("Gloo could not connect the " + std::to_string(r.size) + " ranks: " + e.what()));
+  }
+  std::vector<int> members(static_cast<size_t>(r.size));
+  std::iota(members.begin(), members.end(), 0);
+  return std::make_shared<GlooCommunicator>(std::move(group), state.store, r.rank, std::move(members), "world", options);
+}
+
+void store_set(const std::string& key, const std::string& value) {
+  auto& state = store_state();
+  StorePtr store;
+  {
+    std::lock_guard<std::mutex> lock(state.mutex);
+    store = state.store;
+  }
+  if (!store) throw CommError("gloo::store_set(" + key + "): no rendezvous store yet");
+  store->set(key, std::vector<uint8_t>(value.begin(), value.end()));
+}
+
+std::optional<std::string> store_get_if_set(const std::string& key) {
+  auto& state = store_state();
+  StorePtr store;
+  {
+    std::lock_guard<std::mutex> lock(state.mutex);
+    store = state.store;
+  }
+  if (!store || !store->check({key})) return std::nullopt;
+  const auto bytes = store->get(key);
+  return std::string(bytes.begin(), bytes.end());
+}
+
+bool initialized() {
+  auto& state = store_state();
+  std::lock_guard<std::mutex> lock(state.mutex);
+  return state.store != nullptr;
+}
+
+void finalize(std::chrono::milliseconds bound) {
+  auto& state = store_state();
+  std::lock_guard<std::mutex> lock(state.mutex);
+  if (!state.store) return;
+  try {
+    // The server's process must outlive every client's last request.
+    state.store->add("finalized", 1);
+    if (!state.rendezvous.agent_store && state.rendezvous.rank == 0) {
+      const auto deadline = std::chrono::steady_clock::now() + bound;
+      while (state.store->add("finalized", 0) < state.rendezvous.size && std::chrono::steady_clock::now() < deadline)
+        std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    }
+  } catch (const std::exception& e) {
+    LOOM_LOG(warn, "gloo::finalize: " << e.what());
+  }
+  state.store.reset();
+  state.tcp.reset();
+}
+
+}  // namespace loom::gloo
