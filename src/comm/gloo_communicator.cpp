@@ -17,6 +17,7 @@
 #include <condition_variable>
 #include <cstdlib>
 #include <deque>
+#include <functional>
 #include <mutex>
 #include <numeric>
 #include <thread>
@@ -191,31 +192,47 @@ class GlooCommunicator final : public Communicator {
     throw CommError(op.info.describe() + ": not a collective");
   }
 
-  // Completion from Gloo's thread: Avg divides, then the work finishes (or fails with Gloo's error).
+  // Completion from Gloo's thread: Avg divides, a list all-gather is copied out, then the work
+  // finishes (or fails with Gloo's error). Gloo works without a future (its reduce-scatter and
+  // all-to-all) are waited for by the waiter thread instead.
   void complete_on_future(const c10::intrusive_ptr<c10d::Work>& gloo_work, detail::Op& op,
                           const std::shared_ptr<Work>& work) {
-    const bool average = op.info.type == OpType::AllReduce && op.info.reduce == ReduceOp::Avg && size() > 1;
+    const bool average = (op.info.type == OpType::AllReduce || op.info.type == OpType::ReduceScatter) &&
+                         op.info.reduce == ReduceOp::Avg && size() > 1;
     at::Tensor averaged = average ? op.outputs[0] : at::Tensor();
     const int n = size();
     at::Tensor staging = op.staging;
     std::vector<at::Tensor> outputs = staging.defined() ? op.outputs : std::vector<at::Tensor>();
-    std::weak_ptr<Communicator> weak = weak_from_this();
-    const std::string what = op.info.describe();
-    // The success path holds no reference to the communicator: the last one dropped here would
-    // destroy the Gloo group on its own worker thread. (After fail() it is broken, and a broken
-    // communicator's destructor leaves the group alone.)
-    gloo_work->getFuture()->addCallback([weak, work, averaged, n, what, staging, outputs](c10::ivalue::Future& future) {
-      if (future.hasError()) {
-        auto self = std::static_pointer_cast<GlooCommunicator>(weak.lock());
-        const std::string message = what + ": Gloo: " + without_backtrace(future.tryRetrieveErrorMessage());
-        if (self) self->fail(work, std::make_exception_ptr(CommError(message)), message);
-        return;
-      }
+    std::function<void()> done = [averaged, n, staging, outputs] {
       if (averaged.defined()) at::Tensor(averaged).div_(n);
       for (size_t r = 0; r < outputs.size(); ++r) {
         const int64_t chunk = staging.numel() / static_cast<int64_t>(outputs.size());
         at::Tensor(outputs[r]).view({-1}).copy_(staging.narrow(0, static_cast<int64_t>(r) * chunk, chunk));
       }
+    };
+    c10::intrusive_ptr<c10::ivalue::Future> future;
+    try {
+      future = gloo_work->getFuture();
+    } catch (const c10::Error&) {  // "Work::getFuture not implemented"
+      std::lock_guard<std::mutex> lock(mutex_);
+      pending_.push_back({{gloo_work}, work, op.info.describe(), gloo_timeout(op.info), nullptr, at::Tensor(), 0,
+                          std::move(done)});
+      wake_.notify_all();
+      return;
+    }
+    std::weak_ptr<Communicator> weak = weak_from_this();
+    const std::string what = op.info.describe();
+    // The success path holds no reference to the communicator: the last one dropped here would
+    // destroy the Gloo group on its own worker thread. (After fail() it is broken, and a broken
+    // communicator's destructor leaves the group alone.)
+    future->addCallback([weak, work, what, done](c10::ivalue::Future& f) {
+      if (f.hasError()) {
+        auto self = std::static_pointer_cast<GlooCommunicator>(weak.lock());
+        const std::string message = what + ": Gloo: " + without_backtrace(f.tryRetrieveErrorMessage());
+        if (self) self->fail(work, std::make_exception_ptr(CommError(message)), message);
+        return;
+      }
+      done();
       finish(*work);
     });
   }
@@ -231,7 +248,7 @@ class GlooCommunicator final : public Communicator {
     else
       for (const auto& leg : op.batch) post(leg.kind, leg.tensor, leg.peer, leg.tag);
     std::lock_guard<std::mutex> lock(mutex_);
-    pending_.push_back({std::move(legs), work, op.info.describe(), gloo_timeout(op.info), nullptr, at::Tensor(), 0});
+    pending_.push_back({std::move(legs), work, op.info.describe(), gloo_timeout(op.info), nullptr, at::Tensor(), 0, nullptr});
     wake_.notify_all();
   }
 
@@ -245,7 +262,7 @@ class GlooCommunicator final : public Communicator {
     o.timeout = gloo_timeout(op.info);
     auto gathered = group_->all_gather_single(all, mine, o);
     std::lock_guard<std::mutex> lock(mutex_);
-    Pending pending{{gathered}, work, op.info.describe(), gloo_timeout(op.info), nullptr, at::Tensor(), 0};
+    Pending pending{{gathered}, work, op.info.describe(), gloo_timeout(op.info), nullptr, at::Tensor(), 0, nullptr};
     pending.split = op.split;
     pending.split_table = all;
     pending.split_seq = ++splits_;
@@ -261,6 +278,7 @@ class GlooCommunicator final : public Communicator {
     std::shared_ptr<detail::SplitRequest> split;
     at::Tensor split_table;
     uint64_t split_seq = 0;
+    std::function<void()> done;  // after the legs completed, before the work finishes
   };
 
   void wait_loop() {
@@ -276,6 +294,7 @@ class GlooCommunicator final : public Communicator {
       try {
         for (auto& leg : p.legs) leg->wait(p.timeout);
         if (p.split) make_child(p);
+        if (p.done) p.done();
         finish(*p.work);
       } catch (const std::exception& e) {
         const std::string message = p.what + ": Gloo: " + without_backtrace(e.what());
@@ -372,7 +391,10 @@ std::shared_ptr<Communicator> world_communicator(const Rendezvous& r, const Comm
   }
   // Every operation passes its own deadline (gloo_timeout); the group's applies to connecting.
   const auto timeout = r.connect_timeout;
-  auto world_store = c10::make_intrusive<c10d::PrefixStore>("world/", state.store);
+  // Each world communicator (init's, and any made later) rendezvouses under its own keys; every
+  // rank makes them in the same order.
+  static uint64_t worlds = 0;
+  auto world_store = c10::make_intrusive<c10d::PrefixStore>("world" + std::to_string(worlds++) + "/", state.store);
   GlooPtr group;
   try {
     group = make_group(world_store, r.rank, r.size, timeout);

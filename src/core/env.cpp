@@ -172,7 +172,8 @@ bool tool_variable(const std::string& name) {
 
 std::vector<std::pair<std::string, std::string>> unknown_variables(const Environment& env) {
   std::vector<std::pair<std::string, std::string>> unknown;
-  for (const auto& [name, value] : env) {
+  for (const auto& entry : env) {
+    const std::string& name = entry.first;  // not a structured binding: clang 14 cannot capture one
     if (name.rfind("LOOM_", 0) != 0 || tool_variable(name)) continue;
     const auto& table = all_variables();
     if (std::any_of(table.begin(), table.end(), [&](const Variable& v) { return name == v.name; })) continue;

@@ -120,6 +120,7 @@ TEST(Async, AnOperationNobodyWaitsOnOrPollsStillRuns) {
 // their waiters) until a 1 ms safety tick. Measured as the median delay from submission to start
 // over many tries, with and without the call, in the same process; all ranks submit together.
 TEST(Async, RunInBackgroundStartsAnOperationThatWouldWaitForItsWaiter) {
+  LOOM_SKIP_UNLESS_MPI("its progress thread and waiter hand-off");
   auto comm = test::world();
   if (comm->size() < 2) GTEST_SKIP() << "needs a peer";
   // A race of thread wake-ups needs a core per rank. Where ranks share cores (4 ranks on 2 in CI)
@@ -165,6 +166,7 @@ TEST(Async, RunInBackgroundStartsAnOperationThatWouldWaitForItsWaiter) {
 // submission first: 10-3000 wake-ups per 3000 calls at 2 ranks, 0-5 since.) Both threads run on
 // one core, as mpirun's default binding at 2 ranks (to a core) places them.
 TEST(Async, SubmitThenWaitLeavesTheProgressThreadAsleep) {
+  LOOM_SKIP_UNLESS_MPI("counts the progress thread's wake-ups");
   if (test::world()->size() < 2) GTEST_SKIP() << "needs a peer";
   cpu_set_t allowed;
   ASSERT_EQ(sched_getaffinity(0, sizeof(allowed), &allowed), 0);
@@ -180,7 +182,7 @@ TEST(Async, SubmitThenWaitLeavesTheProgressThreadAsleep) {
   CPU_ZERO(&one);
   CPU_SET(cpus[static_cast<size_t>(loom::init()->world().local_rank) % cpus.size()], &one);
   ASSERT_EQ(sched_setaffinity(0, sizeof(one), &one), 0);  // this thread, and the communicator's it starts
-  auto comm = mpi::world_communicator();
+  auto comm = test::fresh_world();
   using Clock = std::chrono::steady_clock;
   for (const int64_t numel : {int64_t{1}, int64_t{16384}}) {  // 4 B and 64 KB
     SCOPED_TRACE(std::to_string(numel * 4) + " bytes");
@@ -212,7 +214,8 @@ TEST(Async, SubmitThenWaitLeavesTheProgressThreadAsleep) {
 }
 
 TEST(Async, ProgressCountersCountEveryOperationOnce) {
-  auto comm = mpi::world_communicator();
+  LOOM_SKIP_UNLESS_MPI("mpi::progress_counters");
+  auto comm = test::fresh_world();
   const auto before = mpi::progress_counters(*comm);
   at::Tensor t = at::ones({4});
   comm->all_reduce(t)->wait();

@@ -64,7 +64,7 @@ TEST_P(Reduction, AllReduceWithTheSizeRuleRaisedAboveTheInBandRange) {
   CommunicatorOptions options;
   options.size_check_bytes = int64_t{1} << 40;
   options.fingerprint_interval = 0;
-  auto comm = mpi::world_communicator(options);
+  auto comm = test::fresh_world(options);
   const auto [dtype, op] = GetParam();
   for (const std::vector<int64_t>& shape : {std::vector<int64_t>{3, 5}, {16, 64}}) {
     at::Tensor t = rank_input(comm->rank(), shape, dtype, op == ReduceOp::Product);
@@ -205,6 +205,9 @@ TEST(Collectives, WorkReportsInfoAndCompletion) {
 // and leave the memory behind its tensor alone. Both directions, both below and above the
 // shared-memory transport's eager limit.
 TEST(PointToPoint, AReceiveOfAnotherSizeRaisesAndWritesNothingPastItsTensor) {
+  // Gloo's transport ends the process on a message of another size (gloo::EnforceNotMet on its
+  // thread): the job ends rather than hangs, but nothing can be raised to the caller.
+  LOOM_SKIP_UNLESS_MPI("a receive of another size raised as an error");
   auto world = test::world();
   if (world->size() < 2) GTEST_SKIP() << "needs a peer";
   const int me = world->rank();
@@ -214,7 +217,7 @@ TEST(PointToPoint, AReceiveOfAnotherSizeRaisesAndWritesNothingPastItsTensor) {
       // ending the job; ranks 0 and 1 use it.
       CommunicatorOptions options;
       options.on_error = OnError::Raise;
-      auto pair = mpi::world_communicator(options);
+      auto pair = test::fresh_world(options);
       if (me > 1) continue;
       if (me == 0) {
         pair->send(at::full({sent}, 3.0f), 1)->wait();
@@ -244,13 +247,14 @@ TEST(PointToPoint, AReceiveOfAnotherSizeRaisesAndWritesNothingPastItsTensor) {
 // well past where Open MPI writes past buffers when sizes differ. Ranks passing different sizes
 // get MismatchError naming both before any data moves.
 TEST(Collectives, AnAllGatherOfSmallInputsIsSizeCheckedByItsOutput) {
+  LOOM_SKIP_UNLESS_MPI("the size check before a host collective moves data");
   auto world = test::world();
   const int n = world->size();
   if (n < 2) GTEST_SKIP() << "needs a peer";
   CommunicatorOptions options;
   options.on_error = OnError::Raise;  // the failed call breaks this communicator only
   options.fingerprint_interval = 0;   // only the size rule may check
-  auto comm = mpi::world_communicator(options);
+  auto comm = test::fresh_world(options);
   const int64_t mine = comm->rank() == n - 1 ? 48 : 40;  // 160 or 192 bytes, below the 256-byte rule
   at::Tensor in = at::ones({mine});
   at::Tensor out = at::empty({mine * n});
@@ -271,6 +275,7 @@ TEST(Collectives, AnAllGatherOfSmallInputsIsSizeCheckedByItsOutput) {
 // buffer. The culprit is the last rank; at 3 ranks it is folded into rank 0 first (the exchange's
 // non-power-of-two path).
 TEST(Collectives, AllReduceOfDifferentSizesIsAMismatchOnEveryRankWhicheverPathEachTakes) {
+  LOOM_SKIP_UNLESS_MPI("the size check before a host collective moves data");
   auto world = test::world();
   const int n = world->size();
   if (n < 2) GTEST_SKIP() << "needs a peer";
@@ -288,7 +293,7 @@ TEST(Collectives, AllReduceOfDifferentSizesIsAMismatchOnEveryRankWhicheverPathEa
     CommunicatorOptions options;
     options.on_error = OnError::Raise;  // the failed call breaks this communicator only
     options.fingerprint_interval = 0;   // only the size rule may check
-    auto comm = mpi::world_communicator(options);
+    auto comm = test::fresh_world(options);
     const bool culprit = comm->rank() == n - 1;
     const int64_t mine = culprit ? sizes.culprit : sizes.others;
     const int64_t theirs = culprit ? sizes.others : sizes.culprit;
@@ -318,13 +323,14 @@ TEST(Collectives, AllReduceOfDifferentSizesIsAMismatchOnEveryRankWhicheverPathEa
 // tensor until the peer takes it. The send must still deliver the tensor's bytes when the caller
 // kept no reference to it (the batch held the only one) and the memory was wanted again meanwhile.
 TEST(PointToPoint, ASendOfAFailedBatchStillDeliversItsTensor) {
+  LOOM_SKIP_UNLESS_MPI("a receive of another size raised as an error (Gloo ends the process)");
   auto world = test::world();
   if (world->size() < 2) GTEST_SKIP() << "needs a peer";
   const int me = world->rank();
   constexpr int64_t kLarge = int64_t{1} << 22;  // 16 MB: a rendezvous message, a mapping of its own
   CommunicatorOptions options;
   options.on_error = OnError::Raise;  // the failed batch breaks this communicator only
-  auto pair = mpi::world_communicator(options);
+  auto pair = test::fresh_world(options);
   if (me == 0) {
     std::string message;
     try {

@@ -113,7 +113,7 @@ TEST(InputSafety, P2PAbove2GiBIsReceivedOrDrained) {
   // communicator of its own that raises (a failed receive breaks it).
   CommunicatorOptions options;
   options.on_error = OnError::Raise;
-  auto pair = mpi::world_communicator(options);
+  auto pair = test::fresh_world(options);
   if (comm->rank() == 0) {
     at::Tensor big = at::ones({elements}, at::kFloat);
     EXPECT_NO_THROW(pair->send(big, 1)->wait());

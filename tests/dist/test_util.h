@@ -9,10 +9,31 @@
 #include <vector>
 
 #include "loom/comm/communicator.h"
+#include "loom/comm/gloo.h"
+#include "loom/comm/mpi.h"
 #include "loom/error.h"
 #include "loom/runtime.h"
 
 namespace loom::test {
+
+// True when the job started through the env:// rendezvous (torchrun): the world is a Gloo one.
+inline bool gloo_bootstrap() {
+  return std::string(loom::init()->world_comm()->backend()) == "gloo";
+}
+
+// A fresh communicator over the whole job from the bootstrap the job started with: MPI under
+// mpirun, Gloo under torchrun. Collective: every rank calls it, in the same order.
+inline std::shared_ptr<Communicator> fresh_world(const CommunicatorOptions& options = {}) {
+  if (gloo_bootstrap()) return gloo::world_communicator(gloo::rendezvous_from_environment(), options);
+  return mpi::world_communicator(options);
+}
+
+// For tests of what only the MPI backend does (its progress thread's counters, the size check
+// before host collectives move data).
+#define LOOM_SKIP_UNLESS_MPI(why)                                                          \
+  do {                                                                                     \
+    if (::loom::test::gloo_bootstrap()) GTEST_SKIP() << "MPI backend only: " << (why);     \
+  } while (0)
 
 // The message of the InvalidArgumentError `call` raises ("not rejected", or the wrong type's, otherwise).
 template <typename Call>

@@ -33,8 +33,11 @@ def main() -> int:
     for rank in range(args.np):
         env = dict(os.environ)
         env.pop("TORCHELASTIC_USE_AGENT_STORE", None)
-        env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(args.np),
-                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        # What Kubeflow's PyTorchJob sets in a pod, and nothing more (no LOCAL_RANK): torchloom
+        # takes the ranks' places on their hosts from the host names.
+        for name in ("LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK"):
+            env.pop(name, None)
+        env.update(RANK=str(rank), WORLD_SIZE=str(args.np), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         procs.append(subprocess.Popen(args.program, env=env))
 
     deadline = time.monotonic() + args.timeout
