@@ -22,7 +22,9 @@
 #include <numeric>
 #include <thread>
 
+#include "comm/abort.h"
 #include "comm/op.h"
+#include "comm/store_status_channel.h"
 #include "loom/comm/gloo.h"
 #include "loom/error.h"
 #include "loom/log.h"
@@ -388,6 +390,25 @@ std::shared_ptr<Communicator> world_communicator(const Rendezvous& r, const Comm
     // torchrun's agent store also holds its own keys; a prefix keeps torchloom's apart.
     state.store = c10::make_intrusive<c10d::PrefixStore>("torchloom/", state.tcp);
     state.rendezvous = r;
+    // The side channel (peer questions, departure notices) on a connection of its own whose
+    // requests give up after 2 s, so a stopped store server cannot hold a watchdog poll for long.
+    try {
+      c10d::TCPStoreOptions channel;
+      channel.port = o.port;
+      channel.isServer = false;
+      channel.timeout = std::chrono::seconds(2);
+      auto channel_store = c10::make_intrusive<c10d::TCPStore>(r.master_addr, channel);
+      detail::store_status::start(c10::make_intrusive<c10d::PrefixStore>("torchloom/status/", channel_store), r.rank,
+                                  r.size);
+    } catch (const std::exception& e) {
+      LOOM_LOG(warn, "no side channel (timeouts will not name the ranks not arrived): " << e.what());
+    }
+    // The abort's last step without MPI: end this process; torchrun (or the pod's restart policy)
+    // ends the others when one rank exits with an error.
+    detail::set_final_abort_step([](const std::string& reason) {
+      LOOM_LOG(error, "ending this rank: " << reason);
+      std::_Exit(1);
+    });
   }
   // Every operation passes its own deadline (gloo_timeout); the group's applies to connecting.
   const auto timeout = r.connect_timeout;
@@ -439,6 +460,7 @@ void finalize(std::chrono::milliseconds bound) {
   auto& state = store_state();
   std::lock_guard<std::mutex> lock(state.mutex);
   if (!state.store) return;
+  detail::store_status::stop();
   try {
     // The server's process must outlive every client's last request.
     state.store->add("finalized", 1);

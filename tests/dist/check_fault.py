@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Runs one fault scenario of loom_fault_program under mpirun and checks what happened.
+"""Runs one fault scenario of loom_fault_program under mpirun (or loomrun, or torchrun) and checks what
+happened.
 
 A hang is a failure: every run has a hard limit well below CTest's. Each scenario states the
 exit status it expects, which typed error each rank must report, the bounds on how long that
@@ -33,6 +34,10 @@ def size_mismatch(others, victim):
                                       f"this rank called {call(others)} but rank {n - 1} called {call(victim)}"),
         victim=lambda v, n: expect("MismatchError", 0, 1.0,
                                    f"this rank called {call(victim)} but rank 0 called {call(others)}"))
+
+
+# torchrun's summary of a rank killed by SIGKILL (its own wording, not the program's).
+TORCHRUN_KILLED = [lambda n: f"rank      : {n - 1} (local_rank: {n - 1})", lambda n: "exitcode  : -9"]
 
 
 # Each scenario: env, whether the job must exit 0, expectations for "victim" / "survivors" / "all"
@@ -94,11 +99,11 @@ SCENARIOS = {
         all=lambda r, n: expect("ConfigError", 0, 5.0, "LOOM_TIMELINE: creating /nonexistent/dir/trace.rank")),
     # A killed rank: Open MPI's runtime ends the others, naming the killed rank; nobody is left.
     "sigkill_rank": dict(env={"LOOM_ON_ERROR": "abort", "LOOM_ABORT_GRACE": "0.5"}, success=False,
-                         output=[lambda n: f"process rank {n - 1} with PID"]),
+                         output=[lambda n: f"process rank {n - 1} with PID"], output_torchrun=TORCHRUN_KILLED),
     "sigkill_in_ddp_backward": dict(env={"LOOM_ON_ERROR": "abort", "LOOM_ABORT_GRACE": "0.5"}, success=False,
-                                    output=[lambda n: f"process rank {n - 1} with PID"]),
+                                    output=[lambda n: f"process rank {n - 1} with PID"], output_torchrun=TORCHRUN_KILLED),
     "sigkill_in_tp_forward": dict(env={"LOOM_ON_ERROR": "abort", "LOOM_ABORT_GRACE": "0.5"}, success=False,
-                                  output=[lambda n: f"process rank {n - 1} with PID"]),
+                                  output=[lambda n: f"process rank {n - 1} with PID"], output_torchrun=TORCHRUN_KILLED),
     # A stopped rank never answers: the others time out, say it does not answer, and end the job.
     "sigstop_rank": dict(
         env={"LOOM_ON_ERROR": "abort", "LOOM_ABORT_GRACE": "0.5"}, success=False,
@@ -214,6 +219,8 @@ def main():
     parser.add_argument("--scenario", required=True, choices=sorted(SCENARIOS))
     parser.add_argument("--np", type=int, default=2)
     parser.add_argument("--loomrun", help="start the job with this loomrun instead of mpirun (its exit status too)")
+    parser.add_argument("--torchrun", action="store_true",
+                        help="start the job with torchrun (env:// rendezvous, Gloo) instead of mpirun")
     args = parser.parse_args()
     spec = SCENARIOS[args.scenario]
     n = args.np
@@ -248,14 +255,22 @@ def main():
         exports = [x for k, v in spec["victim_env"].items() for x in ("-x", f"{k}={v}")]
         command = base + ["-np", str(n - 1)] + program + [args.scenario, ":", "-np", "1"] + exports + \
             program + [args.scenario]
+    elif args.torchrun:
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(n)] + \
+            (["--no-python"] if not spec.get("python") else []) + \
+            (program if not spec.get("python") else program[1:]) + [args.scenario]
     elif args.loomrun:
         command = [args.loomrun, "-np", str(n), "--"] + program + [args.scenario]
     else:
         command = base + ["-np", str(n)] + program + [args.scenario]
     start = time.monotonic()
-    proc, leaving_at, ended_at = run_watching(command, env, 45, "LEAVING")
+    # torchrun ends a stopped rank only after its own 30 s grace for SIGTERM (the survivors'
+    # reports, checked below, still come within the timeout).
+    stopped_under_torchrun = args.torchrun and args.scenario.startswith("sigstop")
+    limit = 75 if stopped_under_torchrun else 45
+    proc, leaving_at, ended_at = run_watching(command, env, limit, "LEAVING")
     if proc is None:
-        print(f"FAIL {args.scenario}: the job hung (still running after 45 s)")
+        print(f"FAIL {args.scenario}: the job hung (still running after {limit} s)")
         return 1
     wall = ended_at - start
     output = proc.stdout + proc.stderr
@@ -268,13 +283,13 @@ def main():
         failures.append("expected the job to be ended with a non-zero status, found 0")
     if "exit_code" in spec and proc.returncode != spec["exit_code"]:
         failures.append(f"expected exit status {spec['exit_code']} (the program's), found {proc.returncode}")
-    if not spec["success"] and wall > 30:
+    if not spec["success"] and wall > (45 if stopped_under_torchrun else 30):
         failures.append(f"the job took {wall:.1f} s to end; the ranks sleep 60 s, so it was not ended by the fault")
     for crash in CRASHES:
         # An expected one is the victim's own end: once, never a survivor's too.
         if output.count(crash) > (1 if crash in spec.get("expected_crashes", []) else 0):
             failures.append(f"a rank crashed: the output contains '{crash}'")
-    for make in spec.get("output", []):
+    for make in spec.get("output_torchrun" if args.torchrun else "output", spec.get("output", [])):
         if make(n) not in output:
             failures.append(f"the output lacks '{make(n)}'")
     if "ends_within" in spec:

@@ -16,6 +16,7 @@
 #include <string>
 #include <thread>
 
+#include "loom/comm/gloo.h"
 #include "loom/comm/mpi.h"
 #include "loom/error.h"
 #include "loom/parallel/data_parallel.h"
@@ -56,6 +57,7 @@ void run_and_report(int rank, Call call) {
 
 int rank_from_environment() {
   const char* r = std::getenv("OMPI_COMM_WORLD_RANK");
+  if (r == nullptr) r = std::getenv("RANK");  // torchrun
   return r ? std::atoi(r) : 0;
 }
 
@@ -110,7 +112,10 @@ int main(int argc, char** argv) {
   const int victim = comm->size() - 1;
   // For the test's own coordination: a communicator of its own, so that the tested one's sequence
   // numbers start at 0.
-  auto control = loom::mpi::world_communicator();
+  // (MPI under mpirun, Gloo under torchrun: the same bootstrap as the tested one.)
+  auto control = std::string(comm->backend()) == "gloo"
+                     ? loom::gloo::world_communicator(loom::gloo::rendezvous_from_environment())
+                     : loom::mpi::world_communicator();
   at::Tensor t = at::ones({4, 6});
 
   if (scenario == "bad_input_one_rank") {
