@@ -20,9 +20,10 @@
 // ranks group for tensor and data parallelism (docs/topology.md); it makes the planned device
 // current and binds the rank to its CPUs where that is allowed.
 //
-// Launch with mpirun, loomrun or srun; a process started without a launcher is a world of size 1.
-// A torchrun-style environment that claims more processes than MPI sees is a loom::ConfigError
-// (torchloom's ranks must be MPI processes).
+// Launch with mpirun, loomrun or srun (the world communicator is MPI's), or with torchrun, a
+// Kubeflow PyTorchJob or any launcher that sets MASTER_ADDR, MASTER_PORT, RANK and WORLD_SIZE (the
+// env:// rendezvous through LibTorch's TCPStore; the world communicator is Gloo's, see
+// loom/comm/gloo.h). A process started without a launcher is a world of size 1.
 //
 // Teardown is safe on every exit path: finalize() destroys the communicators on the calling
 // thread (NCCL before MPI) and finalizes MPI; a program that leaves without it gets the same at
