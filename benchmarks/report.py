@@ -5,7 +5,7 @@
     python3 benchmarks/report.py --write-machine results-dir/machine.json [--setting KEY=VALUE ...]
 
 The report is regenerated, never hand-edited: every number comes from the JSON the benchmark
-programs wrote (allreduce_np*.json, allreduce_gloo_np*.json, ddp_*.json, tp_np*.json, amp*.json,
+programs wrote (allreduce_np*.json, allreduce_gloo_np*.json, allreduce_torchrun_np*.json, allreduce_gloo_cpp_np*.json, ddp_*.json, tp_np*.json, amp*.json,
 placement.json, checkpoint.json, soak.txt) and machine.json, which run_all.sh writes at the start
 of a run (the second form above) with the CPU, cores, host, date, commit and the run's settings.
 Benchmarks whose results are missing or unreadable get a one-line note instead of a section.
@@ -304,6 +304,63 @@ class Report:
                                for row in stream])
         text += ("\n*check cost*: loom's time with its always-on fingerprint check over its time without "
                  "(> 1: the check costs that much).\n")
+        text += self.allreduce_torchrun()
+        return text
+
+    def allreduce_torchrun(self):
+        """Under torchrun (no MPI): torchloom's world communicator over Gloo against torch.distributed
+        over Gloo (allreduce_torchrun.py) and against LibTorch's ProcessGroupGloo called from C++
+        (allreduce_gloo_bench), each in the same processes; one file per round."""
+        kinds = [("allreduce_torchrun", "torch.distributed (Python, same processes)", "torch_us",
+                  "`allreduce_torchrun.py`: torchloom's Python all_reduce().wait() against "
+                  "torch.distributed.all_reduce on a gloo group"),
+                 ("allreduce_gloo_cpp", "c10d::ProcessGroupGloo (C++, same processes)", "gloo_us",
+                  "`allreduce_gloo_bench`: loom::Communicator against a c10d::ProcessGroupGloo the program makes")]
+        text = ""
+        for prefix, ref_name, ref_key, what in kinds:
+            files = sorted(glob.glob(self.path(f"{prefix}_np*.json")))
+            if not files:
+                continue
+            by_n = {}
+            for p in files:
+                d = load(p)
+                by_n.setdefault(d["ranks"], []).append(d)
+            for n, docs in sorted(by_n.items()):
+                sizes = [row["bytes"] for row in docs[0]["results"]]
+                rows = []
+                for b in sizes:
+                    found = [next(r for r in d["results"] if r["bytes"] == b) for d in docs
+                             if any(r["bytes"] == b for r in d["results"])]
+                    ratios = [r[ref_key] / r["loom_us"] for r in found]
+                    rows.append([human_bytes(b), fmt(med([r["loom_us"] for r in found]), 1),
+                                 fmt(med([r[ref_key] for r in found]), 1),
+                                 f"{sig(med(ratios))} [{sig(min(ratios))}..{sig(max(ratios))}]",
+                                 "yes" if med(ratios) >= 0.95 else "**no**",
+                                 "yes" if all(r["correct"] for r in found) else "**NO**"])
+                text += (f"\n**Under torchrun, {n} ranks: torchloom over Gloo against {ref_name}**, "
+                         f"{len(docs)} run(s). {what}, interleaved call by call in alternating order, each call "
+                         "after a barrier on a third Gloo group, its time the slowest rank's. Times: median over "
+                         "runs of each run's median; ratio = reference time / torchloom time (>= 1: torchloom at "
+                         "least as fast), median over runs [range]; target >= 0.95 (issue 24).\n\n")
+                text += table(["size", "loom us", "reference us", "ratio", ">= 0.95", "correct"], rows)
+                streams = [d.get("back_to_back", []) for d in docs if d.get("back_to_back")]
+                if streams:
+                    text += (f"\nBack-to-back calls ({streams[0][0]['calls_per_block']} per block, "
+                             f"{streams[0][0]['rounds']} rounds of loom and ProcessGroupGloo blocks): per call, median "
+                             "over runs of each run's median over rounds; added = loom's time less the reference's "
+                             "in the same round, range over all runs' rounds.\n\n")
+                    srows = []
+                    for row0 in streams[0]:
+                        b = row0["bytes"]
+                        found = [next(r for r in st if r["bytes"] == b) for st in streams
+                                 if any(r["bytes"] == b for r in st)]
+                        srows.append([human_bytes(b), fmt(med([r["loom_us"] for r in found]), 2),
+                                      fmt(med([r["gloo_us"] for r in found]), 2),
+                                      f"{med([r['added_latency_us'] for r in found]):+.2f} "
+                                      f"[{min(r['added_latency_us_min'] for r in found):+.2f}.."
+                                      f"{max(r['added_latency_us_max'] for r in found):+.2f}]",
+                                      "yes" if all(r["correct"] for r in found) else "**NO**"])
+                    text += table(["size", "loom us", "ProcessGroupGloo us", "added us", "correct"], srows)
         return text
 
     def ddp(self):

@@ -6,7 +6,8 @@
 # The last step writes benchmarks/report/README.md and its plots from the results (REPORT=0 skips
 # it; on its own: python3 benchmarks/report.py [results-dir]).
 # BENCHMARKS selects which run (default: all of "allreduce ddp python tp amp placement soak checkpoint"); DDP_ROUNDS how many times the
-# loom/PyTorch DDP pair is repeated, alternating which goes first (default 3).
+# loom/PyTorch DDP pair is repeated, alternating which goes first (default 3); TORCHRUN_ROUNDS how many
+# times the all-reduce pair under torchrun (loom over Gloo) is run (default 3).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 RESULTS=${1:-build/benchmark-results}
@@ -27,7 +28,7 @@ PYTHON=${PYTHON:-python3}
 # What machine and run the results come from (CPU, cores, host, date, commit, these settings): the
 # report prints it under every plot.
 "$PYTHON" benchmarks/report.py --write-machine "$RESULTS/machine.json" --setting "BENCHMARKS=$BENCHMARKS" \
-  --setting "DDP_ROUNDS=${DDP_ROUNDS:-3}" --setting "CHECKPOINT_ROUNDS=${CHECKPOINT_ROUNDS:-7}" \
+  --setting "DDP_ROUNDS=${DDP_ROUNDS:-3}" --setting "TORCHRUN_ROUNDS=${TORCHRUN_ROUNDS:-3}" --setting "CHECKPOINT_ROUNDS=${CHECKPOINT_ROUNDS:-7}" \
   --setting "cpu_busy_before_start=${busy}%" --setting "results=$RESULTS"
 if [[ " $BENCHMARKS " == *" allreduce "* ]]; then
   # Ranks pinned to cores when there are enough (2 here): floating ranks and progress threads
@@ -43,6 +44,19 @@ if [[ " $BENCHMARKS " == *" allreduce "* ]]; then
     echo "== all_reduce, PyTorch (gloo), $np ranks"
     "$PYTHON" -m torch.distributed.run --standalone --nproc_per_node $np benchmarks/allreduce_gloo.py --min-bytes 4 \
       --json "$RESULTS/allreduce_gloo_np$np.json"
+  done
+  # Under torchrun, without MPI: torchloom's world communicator is loom's core over LibTorch's
+  # ProcessGroupGloo. Against torch.distributed over Gloo (Python, same processes) and against a
+  # ProcessGroupGloo called directly from C++ (same processes); in rounds, as this machine drifts.
+  for round in $(seq 1 "${TORCHRUN_ROUNDS:-3}"); do
+    echo "== all_reduce under torchrun, torchloom vs torch.distributed (gloo), 2 ranks (round $round)"
+    PYTHONPATH="build/python${PYTHONPATH:+:$PYTHONPATH}" "$PYTHON" -m torch.distributed.run --standalone \
+      --nproc_per_node 2 benchmarks/allreduce_torchrun.py --json "$RESULTS/allreduce_torchrun_np2_r$round.json"
+    if [[ -x build/benchmarks/allreduce_gloo_bench ]]; then  # built when LibTorch's Gloo headers compile
+      echo "== all_reduce under torchrun, loom vs c10d::ProcessGroupGloo (C++), 2 ranks (round $round)"
+      "$PYTHON" -m torch.distributed.run --standalone --nproc_per_node 2 --no-python \
+        build/benchmarks/allreduce_gloo_bench --json "$RESULTS/allreduce_gloo_cpp_np2_r$round.json"
+    fi
   done
 fi
 if [[ " $BENCHMARKS " == *" ddp "* ]]; then
