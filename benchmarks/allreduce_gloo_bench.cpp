@@ -22,6 +22,7 @@
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
 #include <ATen/ATen.h>
+#include <time.h>
 
 #include <CLI/CLI.hpp>
 #include <algorithm>
@@ -51,6 +52,13 @@ std::string human(int64_t bytes) {
   else
     std::snprintf(text, sizeof(text), "%lld B", static_cast<long long>(bytes));
   return text;
+}
+
+// CPU time of the calling thread (not wall time): what a call costs the caller, whatever else runs.
+double thread_cpu_seconds() {
+  timespec t{};
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t);
+  return static_cast<double>(t.tv_sec) + 1e-9 * static_cast<double>(t.tv_nsec);
 }
 
 double quantile(std::vector<double> v, double q) {
@@ -205,19 +213,21 @@ int main(int argc, char** argv) {
   nlohmann::json stream_results = nlohmann::json::array();
   if (rank == 0 && stream_calls > 0)
     std::printf("back-to-back calls, %d per block, %d rounds of loom and ProcessGroupGloo blocks; per call, median "
-                "over rounds [range]; submit: rank 0's time inside the call that returns the work\n"
-                "%9s %10s %10s %7s %24s %15s %15s\n",
+                "over rounds [range]; submit: rank 0's time inside the call that returns the work; cpu: rank 0's "
+                "calling thread's CPU time per call\n%9s %10s %10s %7s %24s %15s %15s %13s %13s\n",
                 stream_calls, stream_rounds, "size", "loom us", "gloo us", "ratio", "added us", "loom submit us",
-                "gloo submit us");
+                "gloo submit us", "loom cpu us", "gloo cpu us");
   for (const int64_t bytes : stream_calls > 0 ? stream_sizes : std::vector<int64_t>{}) {
     const int64_t count = std::max<int64_t>(1, bytes / 4);
     at::Tensor buffer = at::zeros({count}, at::kFloat);  // zeros: a sum of zeros stays in range
     std::vector<at::Tensor> tensors{buffer};
     // submit: the time spent in the call that returns the work (loom's core and the hand-over to
-    // Gloo), this rank's mean per call; the rest of a call is Gloo's and the wait.
-    auto block = [&](auto&& submit, std::vector<double>& submit_times) {
+    // Gloo), this rank's mean per call; the rest of a call is Gloo's and the wait. cpu: the calling
+    // thread's CPU time per call (submit and wait), this rank's.
+    auto block = [&](auto&& submit, std::vector<double>& submit_times, std::vector<double>& cpu_times) {
       barrier();
       Clock::duration in_submit{0};
+      const double cpu_start = thread_cpu_seconds();
       const auto start = Clock::now();
       for (int i = 0; i < stream_calls; ++i) {
         const auto before = Clock::now();
@@ -226,16 +236,17 @@ int main(int argc, char** argv) {
         work->wait();
       }
       const double per_call = std::chrono::duration<double>(Clock::now() - start).count() / stream_calls;
+      cpu_times.push_back((thread_cpu_seconds() - cpu_start) / stream_calls);
       submit_times.push_back(std::chrono::duration<double>(in_submit).count() / stream_calls);
       return slowest(per_call);
     };
-    std::vector<double> loom_times, gloo_times, added, loom_submit, gloo_submit;
+    std::vector<double> loom_times, gloo_times, added, loom_submit, gloo_submit, loom_cpu, gloo_cpu;
     for (int round = 0; round < stream_rounds; ++round) {
       auto loom_block = [&] {
-        loom_times.push_back(block([&] { return comm->all_reduce(buffer); }, loom_submit));
+        loom_times.push_back(block([&] { return comm->all_reduce(buffer); }, loom_submit, loom_cpu));
       };
       auto gloo_block = [&] {
-        gloo_times.push_back(block([&] { return reference->allreduce(tensors); }, gloo_submit));
+        gloo_times.push_back(block([&] { return reference->allreduce(tensors); }, gloo_submit, gloo_cpu));
       };
       if (round % 2 == 0) {
         loom_block();
@@ -252,9 +263,10 @@ int main(int argc, char** argv) {
     if (rank == 0) {
       char range[64];
       std::snprintf(range, sizeof(range), "%+.2f [%+.2f..%+.2f]", median(added), *added_min, *added_max);
-      std::printf("%9s %10.2f %10.2f %7.3f %24s %15.2f %15.2f%s\n", human(bytes).c_str(), median(loom_times) * 1e6,
-                  median(gloo_times) * 1e6, median(gloo_times) / median(loom_times), range, median(loom_submit) * 1e6,
-                  median(gloo_submit) * 1e6, correct ? "" : "  WRONG RESULT");
+      std::printf("%9s %10.2f %10.2f %7.3f %24s %15.2f %15.2f %13.2f %13.2f%s\n", human(bytes).c_str(),
+                  median(loom_times) * 1e6, median(gloo_times) * 1e6, median(gloo_times) / median(loom_times), range,
+                  median(loom_submit) * 1e6, median(gloo_submit) * 1e6, median(loom_cpu) * 1e6,
+                  median(gloo_cpu) * 1e6, correct ? "" : "  WRONG RESULT");
       std::fflush(stdout);
     }
     stream_results.push_back({{"bytes", count * 4},
@@ -267,6 +279,8 @@ int main(int argc, char** argv) {
                               {"added_latency_us_max", *added_max},
                               {"loom_submit_us_rank0", median(loom_submit) * 1e6},
                               {"gloo_submit_us_rank0", median(gloo_submit) * 1e6},
+                              {"loom_caller_cpu_us_rank0", median(loom_cpu) * 1e6},
+                              {"gloo_caller_cpu_us_rank0", median(gloo_cpu) * 1e6},
                               {"correct", correct}});
   }
   if (rank == 0 && !json_path.empty()) {

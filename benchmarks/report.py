@@ -359,8 +359,13 @@ class Report:
                                       f"{med([r['added_latency_us'] for r in found]):+.2f} "
                                       f"[{min(r['added_latency_us_min'] for r in found):+.2f}.."
                                       f"{max(r['added_latency_us_max'] for r in found):+.2f}]",
+                                      fmt(med([r.get("loom_caller_cpu_us_rank0", float("nan")) for r in found]), 2),
+                                      fmt(med([r.get("gloo_caller_cpu_us_rank0", float("nan")) for r in found]), 2),
                                       "yes" if all(r["correct"] for r in found) else "**NO**"])
-                    text += table(["size", "loom us", "ProcessGroupGloo us", "added us", "correct"], srows)
+                    text += table(["size", "loom us", "ProcessGroupGloo us", "added us", "loom caller CPU us",
+                                   "ProcessGroupGloo caller CPU us", "correct"], srows)
+                    text += ("\n*caller CPU*: rank 0's calling thread's CPU time per call (submit and wait), "
+                             "which machine load does not inflate as it does wall time.\n")
         return text
 
     def ddp(self):
