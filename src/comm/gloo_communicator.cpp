@@ -205,13 +205,16 @@ class GlooCommunicator final : public Communicator {
     const int n = size();
     at::Tensor staging = op.staging;
     std::vector<at::Tensor> outputs = staging.defined() ? op.outputs : std::vector<at::Tensor>();
-    std::function<void()> done = [averaged, n, staging, outputs] {
-      if (averaged.defined()) at::Tensor(averaged).div_(n);
-      for (size_t r = 0; r < outputs.size(); ++r) {
-        const int64_t chunk = staging.numel() / static_cast<int64_t>(outputs.size());
-        at::Tensor(outputs[r]).view({-1}).copy_(staging.narrow(0, static_cast<int64_t>(r) * chunk, chunk));
-      }
-    };
+    // Empty when there is nothing to do on completion (a Sum all-reduce): no allocation per operation.
+    std::function<void()> done;
+    if (averaged.defined() || staging.defined())
+      done = [averaged, n, staging, outputs] {
+        if (averaged.defined()) at::Tensor(averaged).div_(n);
+        for (size_t r = 0; r < outputs.size(); ++r) {
+          const int64_t chunk = staging.numel() / static_cast<int64_t>(outputs.size());
+          at::Tensor(outputs[r]).view({-1}).copy_(staging.narrow(0, static_cast<int64_t>(r) * chunk, chunk));
+        }
+      };
     c10::intrusive_ptr<c10::ivalue::Future> future;
     try {
       future = gloo_work->getFuture();
@@ -223,18 +226,19 @@ class GlooCommunicator final : public Communicator {
       return;
     }
     std::weak_ptr<Communicator> weak = weak_from_this();
-    const std::string what = op.info.describe();
     // The success path holds no reference to the communicator: the last one dropped here would
     // destroy the Gloo group on its own worker thread. (After fail() it is broken, and a broken
-    // communicator's destructor leaves the group alone.)
-    future->addCallback([weak, work, what, done](c10::ivalue::Future& f) {
+    // communicator's destructor leaves the group alone.) The operation's description is built
+    // only on failure, from the work's copy of the OpInfo: a string per operation is a visible
+    // part of a small all-reduce's cost.
+    future->addCallback([weak, work, done = std::move(done)](c10::ivalue::Future& f) {
       if (f.hasError()) {
         auto self = std::static_pointer_cast<GlooCommunicator>(weak.lock());
-        const std::string message = what + ": Gloo: " + without_backtrace(f.tryRetrieveErrorMessage());
+        const std::string message = work->info().describe() + ": Gloo: " + without_backtrace(f.tryRetrieveErrorMessage());
         if (self) self->fail(work, std::make_exception_ptr(CommError(message)), message);
         return;
       }
-      done();
+      if (done) done();
       finish(*work);
     });
   }
