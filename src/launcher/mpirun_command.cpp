@@ -14,11 +14,12 @@ namespace {
 
 // Forwarded whenever set: what a rank on another host needs to find its programs, libraries and
 // Python packages (mpirun starts remote ranks with the remote login's environment), and the
-// variables torchloom, NCCL, OpenMP and CUDA read.
+// variables torchloom, NCCL and OpenMP read. Not CUDA_VISIBLE_DEVICES: it describes the GPUs of
+// the host it was set on, so a login node's value must not override each node's own (ranks on
+// loomrun's own host inherit it anyway; `-x CUDA_VISIBLE_DEVICES` forwards it on purpose).
 bool forwarded(const std::string& name) {
   return name.rfind("NCCL_", 0) == 0 || name.rfind("LOOM_", 0) == 0 || name == "OMP_NUM_THREADS" ||
-         name == "CUDA_VISIBLE_DEVICES" || name == "PATH" || name == "LD_LIBRARY_PATH" || name == "PYTHONPATH" ||
-         name == "VIRTUAL_ENV";
+         name == "PATH" || name == "LD_LIBRARY_PATH" || name == "PYTHONPATH" || name == "VIRTUAL_ENV";
 }
 
 // The first of `options` the user passed through --mpi-arg ("--bind-to" or "--bind-to=core"), or "".
