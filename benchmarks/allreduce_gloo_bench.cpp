@@ -85,7 +85,7 @@ int main(int argc, char** argv) {
   std::vector<int64_t> sizes = {4, 64 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20};
   int warmup = 3;
   int min_iters = 9;
-  int max_iters = 60;
+  int max_iters = 200;
   double seconds_per_size = 3.0;
   int stream_calls = 2000;
   int stream_rounds = 9;

@@ -41,7 +41,7 @@ def main():
     p.add_argument("--bytes", type=int, nargs="+", default=DEFAULT_SIZES, help="message sizes")
     p.add_argument("--warmup", type=int, default=3, help="untimed pairs of calls per size")
     p.add_argument("--min-iters", type=int, default=9, help="timed calls per size and side at least")
-    p.add_argument("--max-iters", type=int, default=60, help="timed calls per size and side at most")
+    p.add_argument("--max-iters", type=int, default=200, help="timed calls per size and side at most")
     p.add_argument("--seconds-per-size", type=float, default=3.0, help="time budget per size, both sides together")
     p.add_argument("--json", help="write the results here (rank 0)")
     args = p.parse_args()
