@@ -23,6 +23,7 @@
 #include <thread>
 
 #include "comm/abort.h"
+#include "comm/fingerprint.h"
 #include "comm/op.h"
 #include "comm/store_status_channel.h"
 #include "loom/comm/gloo.h"
@@ -86,6 +87,9 @@ std::shared_ptr<::gloo::transport::Device> make_device(const Rendezvous& r) {
 GlooPtr make_group(const StorePtr& store, int rank, int size, std::chrono::milliseconds timeout) {
   auto options = c10d::ProcessGroupGloo::Options::create(timeout);
   options->devices.push_back(make_device(store_state().rendezvous));
+  // One worker: operations run, and complete, in submission order (the Communicator's contract;
+  // with two, a later small operation can finish before an earlier large one).
+  options->threads = 1;
   return c10::make_intrusive<c10d::ProcessGroupGloo>(store, rank, size, options);
 }
 
@@ -117,7 +121,107 @@ class GlooCommunicator final : public Communicator {
   const char* backend() const override { return "gloo"; }
 
  protected:
+  // Operations reach Gloo in submission order, the same on every rank. One checked first (its
+  // signature gathered before its data moves) holds back the ones submitted after it until the
+  // check completes; they are then handed to Gloo in order.
   void issue(detail::Op& op, const std::shared_ptr<Work>& work) override {
+    std::lock_guard<std::recursive_mutex> lock(order_mutex_);
+    if (holding_ || !held_.empty()) {
+      held_.push_back({std::move(op), work});
+      return;
+    }
+    dispatch(op, work);
+  }
+
+ private:
+  struct Held {
+    detail::Op op;
+    std::shared_ptr<Work> work;
+  };
+
+  // Gloo compares no sizes or reduce operations: the signatures of every rank's call (type,
+  // sequence number, dtype, element count, reduce op, root, rolling fingerprint) are gathered
+  // before the data of a checked collective moves. Checked: every one of at least kCheckedBytes,
+  // and of the smaller ones the program's first the core asks to check and every kCheckEvery-th
+  // after it (an extra round trip per small collective would be most of its cost).
+  static constexpr int64_t kCheckedBytes = int64_t{16} << 20;  // the check costs under 2% there
+  static constexpr int kCheckEvery = 64;
+
+  bool checked(const detail::Op& op) {
+    if (!op.precheck || size() < 2) return false;
+    int64_t bytes = 0;
+    for (const auto& t : op.outputs) bytes = std::max<int64_t>(bytes, t.nbytes());
+    for (const auto& t : op.inputs) bytes = std::max<int64_t>(bytes, t.nbytes());
+    if (bytes >= kCheckedBytes) return true;
+    if (op.info.internal) return false;  // torchloom's own agreements: alike on every rank by construction
+    return prechecks_++ % kCheckEvery == 0;
+  }
+
+  // With order_mutex_ held.
+  void dispatch(detail::Op& op, const std::shared_ptr<Work>& work) {
+    if (is_broken()) return;  // failed with the communicator already
+    if (op.info.type != OpType::Send && op.info.type != OpType::Recv && op.info.type != OpType::SendRecvBatch &&
+        op.info.type != OpType::Split && checked(op)) {
+      check_then_issue(std::move(op), work);
+      return;
+    }
+    issue_now(op, work);
+  }
+
+  void check_then_issue(detail::Op op, const std::shared_ptr<Work>& work) {
+    holding_ = true;
+    const uint64_t fingerprint = op.info.internal ? detail::fold_fingerprint(0, op.info) : op.fingerprint;
+    const detail::SignatureWords mine = detail::signature_words(op.info, fingerprint);
+    auto own = at::tensor(std::vector<int64_t>(mine.begin(), mine.end()), at::kLong);
+    auto all = at::empty({8 * static_cast<int64_t>(size())}, at::kLong);
+    c10d::AllgatherOptions o;
+    o.timeout = gloo_timeout(op.info);
+    c10::intrusive_ptr<c10d::Work> gathered;
+    try {
+      gathered = group_->all_gather_single(all, own, o);
+    } catch (const std::exception& e) {
+      const std::string message = op.info.describe() + ": Gloo refused the check: " + without_backtrace(e.what());
+      holding_ = false;
+      fail(work, std::make_exception_ptr(CommError(message)), message);
+      return;
+    }
+    auto held = std::make_shared<Held>(Held{std::move(op), work});
+    std::weak_ptr<Communicator> weak = weak_from_this();
+    gathered->getFuture()->addCallback([weak, held, all, fingerprint](c10::ivalue::Future& f) {
+      auto self = std::static_pointer_cast<GlooCommunicator>(weak.lock());
+      if (!self) return;
+      std::lock_guard<std::recursive_mutex> lock(self->order_mutex_);
+      self->holding_ = false;
+      if (f.hasError()) {
+        const std::string message =
+            held->op.info.describe() + ": Gloo (check): " + without_backtrace(f.tryRetrieveErrorMessage());
+        self->fail(held->work, std::make_exception_ptr(CommError(message)), message);
+      } else {
+        std::vector<detail::SignatureWords> words(static_cast<size_t>(self->size()));
+        const int64_t* w = all.data_ptr<int64_t>();
+        for (size_t r = 0; r < words.size(); ++r) std::copy_n(w + 8 * r, 8, words[r].begin());
+        const std::string why = detail::mismatch_report(held->op.info, fingerprint, words);
+        if (why.empty()) {
+          self->issue_now(held->op, held->work);
+        } else {
+          const std::string message = held->op.info.describe() + ": " + why;
+          self->fail(held->work, std::make_exception_ptr(MismatchError(message)), message);
+        }
+      }
+      self->release_held();
+    });
+  }
+
+  // With order_mutex_ held: hands Gloo what waited behind a check, up to the next checked one.
+  void release_held() {
+    while (!holding_ && !held_.empty()) {
+      Held next = std::move(held_.front());
+      held_.pop_front();
+      dispatch(next.op, next.work);
+    }
+  }
+
+  void issue_now(detail::Op& op, const std::shared_ptr<Work>& work) {
     if (!start(*work)) return;
     try {
       if (op.info.type == OpType::Send || op.info.type == OpType::Recv || op.info.type == OpType::SendRecvBatch) {
@@ -133,7 +237,6 @@ class GlooCommunicator final : public Communicator {
     }
   }
 
- private:
   c10::intrusive_ptr<c10d::Work> collective(detail::Op& op) {
     const int n = size();
     switch (op.info.type) {
@@ -330,6 +433,11 @@ class GlooCommunicator final : public Communicator {
 
   GlooPtr group_;
   StorePtr store_;
+  // Submission order to Gloo (recursive: a check's callback may run inline and hand on more).
+  std::recursive_mutex order_mutex_;
+  std::deque<Held> held_;
+  bool holding_ = false;
+  uint64_t prechecks_ = 0;
   std::mutex mutex_;
   std::condition_variable wake_;
   std::deque<Pending> pending_;
