@@ -12,7 +12,8 @@
 #   thread             the metrics server, loom_unit_tests whole (comm core: waiter hand-off,
 #                      device-fault paths; checkpoint hashing and populating threads) and
 #                      loom_dist_tests whole at 2 ranks (progress thread, watchdog, async
-#                      operations, DataParallel's backward hooks)
+#                      operations, DataParallel's backward hooks), under mpirun and again under
+#                      torchrun (the Gloo backend, its callbacks and the store's side channel)
 # LibTorch, MPI and the system libraries are not instrumented. Suppressions, each explained, are
 # in tests/sanitize/.
 set -euo pipefail
@@ -61,8 +62,9 @@ MPIRUN=(mpirun $LOOM_MPIRUN_FLAGS -x ASAN_OPTIONS -x LSAN_OPTIONS -x UBSAN_OPTIO
 status=0
 run() {  # name, command...
   local name=$1; shift
-  [[ -x "$1" || "$1" == mpirun ]] || { printf '%-28s skipped (not built)\n' "$name"; return; }
-  [[ "$1" != mpirun || -x "$DIR/tests/loom_dist_tests" ]] || { printf '%-28s skipped (not built)\n' "$name"; return; }
+  [[ -x "$1" || "$1" == mpirun || "$1" == "$PYTHON" ]] || { printf '%-28s skipped (not built)\n' "$name"; return; }
+  [[ ( "$1" != mpirun && "$1" != "$PYTHON" ) || -x "$DIR/tests/loom_dist_tests" ]] ||
+    { printf '%-28s skipped (not built)\n' "$name"; return; }
   local start=$SECONDS
   if "$@" > "$DIR/sanitize_$name.log" 2>&1; then result=ok; else result=FAILED; status=1; fi
   local reports
@@ -74,6 +76,9 @@ run metrics_server "$DIR/tests/loom_metrics_server_tests"
 if [[ "$SANITIZE" == thread ]]; then
   run unit "$DIR/tests/loom_unit_tests"
   run dist_np2 "${MPIRUN[@]}" -np 2 "$DIR/tests/loom_dist_tests"
+  # The same suite over the Gloo backend (torchrun: env:// rendezvous, store side channel).
+  run dist_torchrun_np2 "$PYTHON" -m torch.distributed.run --standalone --nproc_per_node 2 --no-python \
+      "$DIR/tests/loom_dist_tests"
 else
   run unit "$DIR/tests/loom_unit_tests"
   run topology "$DIR/loom_topology_tests"
@@ -81,7 +86,10 @@ else
   # frame pointers, so the fast unwinder stops inside it and its leaks could not be matched to
   # libmpi's suppressions. Slow for LibTorch-heavy tests, cheap for these.
   ASAN_OPTIONS=$ASAN_OPTIONS:fast_unwind_on_malloc=0 LSAN_OPTIONS=$LSAN_OPTIONS:fast_unwind_on_malloc=0 \
-    run dist_np2 "${MPIRUN[@]}" -np 2 "$DIR/tests/loom_dist_tests" \
+    run dist_np2 "${MPIRUN[@]}" -np 2 "$DIR/tests/loom_dist_tests"
+  # The same suite over the Gloo backend (torchrun: env:// rendezvous, store side channel).
+  run dist_torchrun_np2 "$PYTHON" -m torch.distributed.run --standalone --nproc_per_node 2 --no-python \
+      "$DIR/tests/loom_dist_tests" \
       --gtest_filter='Collectives*:PointToPoint*:BadInput*:InputSafety*:Async*'
 fi
 exit $status
