@@ -8,7 +8,8 @@
 #
 # What runs (kept small: a build of LibTorch-heavy code with sanitizers is slow):
 #   address,undefined  loom_unit_tests and loom_topology_tests whole; loom_dist_tests at 2 ranks for
-#                      collectives, point-to-point, bad and hostile input, async operations
+#                      collectives, point-to-point, bad and hostile input, async operations, and
+#                      whole under torchrun (the Gloo backend)
 #   thread             the metrics server, loom_unit_tests whole (comm core: waiter hand-off,
 #                      device-fault paths; checkpoint hashing and populating threads) and
 #                      loom_dist_tests whole at 2 ranks (progress thread, watchdog, async
@@ -86,10 +87,10 @@ else
   # frame pointers, so the fast unwinder stops inside it and its leaks could not be matched to
   # libmpi's suppressions. Slow for LibTorch-heavy tests, cheap for these.
   ASAN_OPTIONS=$ASAN_OPTIONS:fast_unwind_on_malloc=0 LSAN_OPTIONS=$LSAN_OPTIONS:fast_unwind_on_malloc=0 \
-    run dist_np2 "${MPIRUN[@]}" -np 2 "$DIR/tests/loom_dist_tests"
-  # The same suite over the Gloo backend (torchrun: env:// rendezvous, store side channel).
-  run dist_torchrun_np2 "$PYTHON" -m torch.distributed.run --standalone --nproc_per_node 2 --no-python \
-      "$DIR/tests/loom_dist_tests" \
+    run dist_np2 "${MPIRUN[@]}" -np 2 "$DIR/tests/loom_dist_tests" \
       --gtest_filter='Collectives*:PointToPoint*:BadInput*:InputSafety*:Async*'
+  # The whole suite over the Gloo backend (torchrun), whose code is new and small enough to cover.
+  run dist_torchrun_np2 "$PYTHON" -m torch.distributed.run --standalone --nproc_per_node 2 --no-python \
+      "$DIR/tests/loom_dist_tests"
 fi
 exit $status
