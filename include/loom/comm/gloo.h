@@ -14,8 +14,8 @@
 // Differences from the MPI communicator: the side channel runs over the store (a timeout still
 // names the ranks not arrived or not answering; a rank leaving after an error is named at once);
 // collectives are compared across ranks before their data moves only for the program's first
-// checked call, every one of 16 MiB or more and every 64th smaller one (MPI compares every one
-// above LOOM_SIZE_CHECK_BYTES), so a mismatch among small collectives is found within 64 of them;
+// checked call and every 64th after it (MPI compares every one above LOOM_SIZE_CHECK_BYTES), so
+// a mismatch of equal size (op, dtype) is found within 64 collectives;
 // and Gloo's transport ends the process, rather than raising, on a message of another size.
 #pragma once
 
