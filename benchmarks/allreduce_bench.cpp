@@ -50,16 +50,6 @@ double slowest(double seconds) {
   return result;
 }
 
-std::string human(int64_t bytes) {
-  char text[32];
-  if (bytes >= (1 << 20))
-    std::snprintf(text, sizeof(text), "%lld MB", static_cast<long long>(bytes >> 20));
-  else if (bytes >= 1024)
-    std::snprintf(text, sizeof(text), "%lld KB", static_cast<long long>(bytes >> 10));
-  else
-    std::snprintf(text, sizeof(text), "%lld B", static_cast<long long>(bytes));
-  return text;
-}
 
 }  // namespace
 
@@ -170,7 +160,7 @@ int main(int argc, char** argv) {
     const double loom_busbw = real_bytes / loom_s * bus_factor / 1e9;
     if (rank == 0) {
       std::printf("%9s %5d %10.1f %10.1f %8.3f GB/s %8.3f GB/s %7.3f %9.2f %10.1f %7.3f %12.1f %10.3f%s\n",
-                  human(bytes).c_str(), iters, raw_s * 1e6, loom_s * 1e6, raw_busbw, loom_busbw, raw_s / loom_s,
+                  loom::bench::human_bytes(bytes).c_str(), iters, raw_s * 1e6, loom_s * 1e6, raw_busbw, loom_busbw, raw_s / loom_s,
                   (loom_s - raw_s) * 1e6, async_s * 1e6, raw_s / async_s, unchecked_s * 1e6, loom_s / unchecked_s,
                   correct ? "" : "  WRONG RESULT");
       std::fflush(stdout);
@@ -229,7 +219,7 @@ int main(int argc, char** argv) {
       char range[64], cost_range[64];
       std::snprintf(range, sizeof(range), "%+.2f [%+.2f..%+.2f]", median(added), *added_min, *added_max);
       std::snprintf(cost_range, sizeof(cost_range), "%.3f [%.3f..%.3f]", median(check_cost), *cost_min, *cost_max);
-      std::printf("%9s %10.2f %10.2f %24s %12.2f %18s%s\n", human(bytes).c_str(), median(raw_times) * 1e6,
+      std::printf("%9s %10.2f %10.2f %24s %12.2f %18s%s\n", loom::bench::human_bytes(bytes).c_str(), median(raw_times) * 1e6,
                   median(loom_times) * 1e6, range, median(unchecked_times) * 1e6, cost_range,
                   correct ? "" : "  WRONG RESULT");
       std::fflush(stdout);

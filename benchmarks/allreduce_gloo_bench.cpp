@@ -43,16 +43,6 @@ using Clock = std::chrono::steady_clock;
 using GlooPtr = c10::intrusive_ptr<c10d::ProcessGroupGloo>;
 using loom::bench::median;
 
-std::string human(int64_t bytes) {
-  char text[32];
-  if (bytes >= (1 << 20))
-    std::snprintf(text, sizeof(text), "%lld MB", static_cast<long long>(bytes >> 20));
-  else if (bytes >= 1024)
-    std::snprintf(text, sizeof(text), "%lld KB", static_cast<long long>(bytes >> 10));
-  else
-    std::snprintf(text, sizeof(text), "%lld B", static_cast<long long>(bytes));
-  return text;
-}
 
 // CPU time of the calling thread (not wall time): what a call costs the caller, whatever else runs.
 double thread_cpu_seconds() {
@@ -192,7 +182,7 @@ int main(int argc, char** argv) {
                     quantile(loom_times, 0.75) * 1e6);
       std::snprintf(gloo_range, sizeof(gloo_range), "%.1f-%.1f", quantile(gloo_times, 0.25) * 1e6,
                     quantile(gloo_times, 0.75) * 1e6);
-      std::printf("%9s %5d %10.1f %10.1f %7.3f %9.1f %18s %18s%s\n", human(bytes).c_str(), iters, loom_s * 1e6,
+      std::printf("%9s %5d %10.1f %10.1f %7.3f %9.1f %18s %18s%s\n", loom::bench::human_bytes(bytes).c_str(), iters, loom_s * 1e6,
                   gloo_s * 1e6, gloo_s / loom_s, (loom_s - gloo_s) * 1e6, loom_range, gloo_range,
                   correct ? "" : "  WRONG RESULT");
       std::fflush(stdout);
@@ -263,7 +253,7 @@ int main(int argc, char** argv) {
     if (rank == 0) {
       char range[64];
       std::snprintf(range, sizeof(range), "%+.2f [%+.2f..%+.2f]", median(added), *added_min, *added_max);
-      std::printf("%9s %10.2f %10.2f %7.3f %24s %15.2f %15.2f %13.2f %13.2f%s\n", human(bytes).c_str(),
+      std::printf("%9s %10.2f %10.2f %7.3f %24s %15.2f %15.2f %13.2f %13.2f%s\n", loom::bench::human_bytes(bytes).c_str(),
                   median(loom_times) * 1e6, median(gloo_times) * 1e6, median(gloo_times) / median(loom_times), range,
                   median(loom_submit) * 1e6, median(gloo_submit) * 1e6, median(loom_cpu) * 1e6,
                   median(gloo_cpu) * 1e6, correct ? "" : "  WRONG RESULT");

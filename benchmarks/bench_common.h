@@ -2,6 +2,7 @@
 #pragma once
 
 #include <algorithm>
+#include <cstdint>
 #include <cstdio>
 #include <fstream>
 #include <nlohmann/json.hpp>
@@ -11,6 +12,18 @@
 namespace loom::bench {
 
 // Machines are noisy: benchmarks report medians, never means.
+// "4 B", "64 KB", "16 MB": a message size as the benchmarks' tables print it.
+inline std::string human_bytes(int64_t bytes) {
+  char text[32];
+  if (bytes >= (1 << 20))
+    std::snprintf(text, sizeof(text), "%lld MB", static_cast<long long>(bytes >> 20));
+  else if (bytes >= 1024)
+    std::snprintf(text, sizeof(text), "%lld KB", static_cast<long long>(bytes >> 10));
+  else
+    std::snprintf(text, sizeof(text), "%lld B", static_cast<long long>(bytes));
+  return text;
+}
+
 inline double median(std::vector<double> v) {
   std::sort(v.begin(), v.end());
   const size_t n = v.size();
