@@ -35,5 +35,6 @@ void bind_data_parallel(py::module_& m);
 void bind_amp(py::module_& m);
 void bind_tensor_parallel(py::module_& m);
 void bind_checkpoint(py::module_& m);
+void bind_distributed(py::module_& m);
 
 }  // namespace torchloom_py

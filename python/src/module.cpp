@@ -137,4 +137,5 @@ PYBIND11_MODULE(_C, m) {
   bind_amp(m);
   bind_tensor_parallel(m);
   bind_checkpoint(m);
+  bind_distributed(m);
 }

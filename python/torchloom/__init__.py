@@ -112,6 +112,7 @@ from . import comm_hooks, tensor_parallel, checkpoint  # noqa: E402
 from .tensor_parallel import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,  # noqa: E402
                               vocab_parallel_cross_entropy)
 from .checkpoint import Checkpointer, TrainingProgress  # noqa: E402
+from . import distributed  # noqa: E402  (registers torch.distributed's backend "loom")
 
 __all__ = [
     "init", "is_initialized", "runtime", "world", "world_comm", "device_comm", "finalize", "placement_plan",
