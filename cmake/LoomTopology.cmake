@@ -47,9 +47,11 @@ add_library(loom_topology OBJECT
 )
 target_compile_features(loom_topology PUBLIC cxx_std_20)
 set_target_properties(loom_topology PROPERTIES POSITION_INDEPENDENT_CODE ON)
+# Its own sources see only core's public headers, the topology's and its private ones (the layer's
+# include directory, cmake/LoomLayers.cmake); what links it sees the public headers.
 target_include_directories(loom_topology
-  PUBLIC $<BUILD_INTERFACE:${LOOM_TOPOLOGY_DIR}/include> $<INSTALL_INTERFACE:include>
-  PRIVATE ${LOOM_TOPOLOGY_DIR}/src)
+  INTERFACE $<BUILD_INTERFACE:${LOOM_TOPOLOGY_DIR}/include> $<INSTALL_INTERFACE:include>
+  PRIVATE ${LOOM_LAYER_INCLUDE_DIR_topology})
 target_link_libraries(loom_topology PRIVATE PkgConfig::LOOM_HWLOC nlohmann_json::nlohmann_json ${CMAKE_DL_LIBS})
 target_compile_options(loom_topology PRIVATE ${LOOM_TOPOLOGY_WARNINGS})
 if(TARGET torchloom)

@@ -41,6 +41,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <memory>
@@ -251,7 +252,8 @@ int train(Options o) {
   auto world = rt->world_comm();
   const int rank = world->rank();
   if (!o.timeline.empty()) loom::trace::configure(o.timeline, rank);
-  if (o.tp == 0) o.tp = world->size() % 2 == 0 ? 2 : 1;
+  // The degree the placement plan was made for (LOOM_TP, loomrun --tp) unless --tp says otherwise.
+  if (o.tp == 0) o.tp = std::getenv("LOOM_TP") ? rt->config().tensor_parallel : world->size() % 2 == 0 ? 2 : 1;
   // CUDA tensors go over NCCL when every rank has a GPU; otherwise everything runs on the CPU.
   auto comm = rt->device_comm() ? rt->device_comm() : world;
   const c10::Device device = comm->device();
@@ -280,6 +282,8 @@ int train(Options o) {
   config.hidden_size = o.hidden;
   config.num_heads = o.heads;
   config.vocab_size = vocab;
+  // DP groups in the plan's ring order when the plan was made for this degree.
+  if (comm->members() == world->members()) config.dp_rings = loom::planned_dp_rings(o.tp);
   loom::ParallelState ps(comm, config);
   if (o.batch % (ps.dp_degree() * o.accumulate) != 0)
     throw loom::InvalidArgumentError(
@@ -414,7 +418,8 @@ int train(Options o) {
   }
 
   // Prometheus metrics per rank where LOOM_METRICS asks for them (file:DIR or port:N).
-  loom::MetricsExporter metrics;
+  loom::MetricsExporter metrics({.world = rt->world(), .cuda_device = rt->cuda_device(),
+                                 .target = rt->config().metrics, .interval_seconds = rt->config().metrics_interval});
   auto communicated = [&] { return loom::tp::comm_stats().total_bytes() + reducer.stats().bytes_reduced; };
   auto exposed = [&] { return loom::tp::comm_stats().wait_seconds + reducer.stats().wait_seconds; };
 
@@ -631,7 +636,7 @@ int train(Options o) {
 int main(int argc, char** argv) {
   CLI::App app{"GPT-style byte-level language model with tensor x data parallelism (torchloom)"};
   Options o;
-  app.add_option("--tp", o.tp, "tensor-parallel degree (default: 2 on an even world, else 1)")
+  app.add_option("--tp", o.tp, "tensor-parallel degree (default: LOOM_TP when set, else 2 on an even world, else 1)")
       ->check(CLI::NonNegativeNumber);
   app.add_option("--steps", o.steps, "optimizer steps")->check(CLI::PositiveNumber);
   app.add_option("--batch", o.batch, "global batch (sequences per step, split over DP replicas)")

@@ -82,9 +82,17 @@ class Runtime {
   std::optional<topo::Plan> plan_;
 };
 
-// The placement plan loom::init() made (nullptr before init or without one): ParallelState takes
-// its groups from it when built at the plan's TP degree.
+// The placement plan loom::init() made (nullptr before init or without one).
 const topo::Plan* placement_plan();
+
+// The DP groups of the placement plan, each in its planned ring order, when the plan was made for
+// `tensor_parallel` and the whole job; empty otherwise. Hand them to ParallelState, which takes no
+// plan of its own (it builds groups from what it is given):
+//   loom::ParallelConfig config;
+//   config.tensor_parallel = 2;
+//   config.dp_rings = loom::planned_dp_rings(config.tensor_parallel);
+//   loom::ParallelState ps(rt->world_comm(), config);
+std::vector<std::vector<int>> planned_dp_rings(int tensor_parallel);
 
 // Idempotent: later calls return the same runtime. Throws loom::ConfigError (on every rank) for a
 // malformed or inconsistent launch environment or configuration.

@@ -176,6 +176,9 @@ void bind_comm(py::module_& m) {
         if (!plan) return std::nullopt;
         return loom::topo::plan_to_json(*plan);
       }, "The placement plan loom::init() made, as JSON; None without one.");
+  m.def("planned_dp_rings", &loom::planned_dp_rings, py::arg("tensor_parallel"),
+        "The placement plan's DP groups in ring order when it was made for this TP degree, else []: "
+        "ParallelState(world, tp, dp_rings=torchloom.planned_dp_rings(tp)).");
   m.def("explain_placement", [](double bytes) -> std::optional<std::string> {
         const loom::topo::Plan* plan = loom::placement_plan();
         if (!plan) return std::nullopt;

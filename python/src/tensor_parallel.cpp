@@ -201,7 +201,6 @@ void bind_tensor_parallel(py::module_& m) {
       .def_property_readonly("world", &loom::ParallelState::world)
       .def_property_readonly("tp_group", &loom::ParallelState::tp_group)
       .def_property_readonly("dp_group", &loom::ParallelState::dp_group)
-      .def_property_readonly("from_placement_plan", &loom::ParallelState::from_placement_plan)
       .def(
           "seed",
           [](const loom::ParallelState& ps, uint64_t seed, loom::RngTracker* tracker) {

@@ -10,6 +10,8 @@
 #include <functional>
 #include <string>
 
+#include "loom/comm/leaving.h"  // abort_started()
+
 namespace loom::detail {
 
 // Steps run in registration order; returns a handle for unregister_abort_step.
@@ -24,6 +26,5 @@ void set_final_abort_step(std::function<void(const std::string& reason)> step);
 // grace a second thread runs the final step and std::abort() itself.
 void abort_job_after(std::chrono::milliseconds grace, const std::string& reason,
                      std::chrono::milliseconds steps_bound = std::chrono::seconds(10));
-bool abort_started();
 
 }  // namespace loom::detail

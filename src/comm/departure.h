@@ -17,6 +17,8 @@
 #include <string>
 #include <vector>
 
+#include "loom/comm/leaving.h"  // kUncaughtException, set_exit_reason, exit_reason, announce
+
 namespace loom::detail::departures {
 
 using Clock = std::chrono::steady_clock;
@@ -27,23 +29,13 @@ struct Departure {
   int status = 0;
   std::string reason;  // the exception's text when known; may be empty
 };
-inline constexpr int kUncaughtException = -1;
 // Longest reason carried to the other ranks (longer ones are cut).
 inline constexpr size_t kMaxReasonBytes = 480;
 
 // "rank 1 exited with status 1 (RuntimeError: boom)", "rank 1 ended by an uncaught exception (...)".
 std::string describe(const Departure& departure);
 
-// The reason this process is about to leave, when something knows it before the exit path runs
-// (the std::terminate handler, Python's excepthook). The last one set wins.
-void set_exit_reason(std::string reason);
-std::string exit_reason();
 
-// Tells every other job rank that this one leaves, and waits until each has taken note (failed its
-// communicators), at most until `bound` has passed; ranks that left already are not asked. Never
-// throws. Once per process (later calls do nothing); no effect without a side channel (before
-// init, after finalize).
-void announce(int status, const std::string& reason, std::chrono::milliseconds bound);
 
 // Another rank's notice, as the side channel received it: remembered, and every watched
 // communicator with that rank as a member fails (Watchdog::fail_members_of).

@@ -2,10 +2,10 @@
 
 #include <sstream>
 
+#include "loom/comm/agreement.h"
+
 namespace loom::detail {
 namespace {
-
-constexpr uint64_t kFnvPrime = 1099511628211ull;
 
 // FNV-1a a word at a time (a byte at a time was 2% of a 4-byte all_reduce's submission), with
 // the high half folded back after each multiply: a product carries a difference only upward,
@@ -25,7 +25,7 @@ int64_t reduce_of(const OpInfo& info) {
 }  // namespace
 
 uint64_t fold_fingerprint(uint64_t rolling, const OpInfo& info) {
-  uint64_t h = rolling ? rolling : 14695981039346656037ull;
+  uint64_t h = rolling ? rolling : kFnvOffsetBasis;
   h = fold(h, static_cast<int64_t>(info.type));
   h = fold(h, info.internal ? 1 : 0);
   h = fold(h, static_cast<int64_t>(info.dtype));

@@ -5,6 +5,7 @@
 #include <sstream>
 
 #include "comm/flight_recorder.h"
+#include "loom/comm/agreement.h"
 
 namespace loom::detail::peers {
 namespace {
@@ -21,25 +22,16 @@ Registry& registry() {
   return *r;
 }
 
-uint64_t fnv(uint64_t h, const void* data, size_t size) {
-  const auto* bytes = static_cast<const unsigned char*>(data);
-  for (size_t i = 0; i < size; ++i) {
-    h ^= bytes[i];
-    h *= 1099511628211ull;
-  }
-  return h;
-}
-
 }  // namespace
 
 uint64_t register_communicator(const std::string& name, const std::vector<int>& members,
                                std::weak_ptr<FlightRecorder> recorder) {
-  uint64_t identity = fnv(14695981039346656037ull, name.data(), name.size());
-  identity = fnv(identity, members.data(), members.size() * sizeof(int));
+  uint64_t identity = fnv1a(name);
+  identity = fnv1a(members.data(), members.size() * sizeof(int), identity);
   auto& r = registry();
   std::lock_guard<std::mutex> lock(r.mutex);
   const int ordinal = r.ordinals[identity]++;
-  const uint64_t key = fnv(identity, &ordinal, sizeof(ordinal));
+  const uint64_t key = fnv1a(&ordinal, sizeof(ordinal), identity);
   r.recorders[key] = std::move(recorder);
   return key;
 }

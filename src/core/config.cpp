@@ -2,7 +2,7 @@
 
 #include <mutex>
 
-#include "core/env.h"
+#include "loom/env.h"
 #include "loom/error.h"
 
 namespace loom {

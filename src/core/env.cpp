@@ -1,4 +1,4 @@
-#include "core/env.h"
+#include "loom/env.h"
 
 #include <algorithm>
 #include <cmath>
@@ -69,7 +69,7 @@ const std::vector<Variable>& all_variables() {
        "Seconds between rewrites of the metrics file (0 to 3600; 0: on every recorded step)."},
       {"LOOM_TP", "1",
        "Tensor-parallel degree the placement plan groups ranks for (1 to 4096; loomrun --tp sets it). "
-       "ParallelState at this degree builds the planned groups."},
+       "Pass `loom::planned_dp_rings(tp)` as `ParallelConfig::dp_rings` to build the planned DP rings."},
       {"LOOM_RANKS_PER_NODE", "",
        "Ranks on each node of the placement plan (1 to 4096; loomrun sets it). Unset: the ranks MPI finds on each "
        "node, or, with a topology file that describes more nodes than the job runs on, each node's GPUs in turn."},

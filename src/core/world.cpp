@@ -186,6 +186,17 @@ World from_torchrun(const Environment& env) {
   w.size = require_int(env, "WORLD_SIZE", L, "RANK");
   check_index(L, "RANK", w.rank, "WORLD_SIZE", w.size);
   read_local(env, L, "LOCAL_RANK", "LOCAL_WORLD_SIZE", w, /*both_or_neither=*/true);
+  // A Kubeflow PyTorchJob pod with nprocPerNode above 1 started the program itself instead of
+  // through torchrun: WORLD_SIZE counts the processes torchrun would have started in every pod,
+  // RANK is the pod's index, and the rendezvous would wait for ranks nobody starts.
+  const auto nproc = env.find("PET_NPROC_PER_NODE");
+  if (!w.local_known && nproc != env.end() && nproc->second.find_first_not_of("0123456789") == std::string::npos &&
+      nproc->second.size() < 10 && !nproc->second.empty() && std::stoi(nproc->second) > 1)
+    throw ConfigError("launch environment (torchrun): this is a PyTorchJob pod with PET_NPROC_PER_NODE=" +
+                      nproc->second + " (WORLD_SIZE=" + std::to_string(w.size) + " counts " + nproc->second +
+                      " processes per pod) but no LOCAL_RANK: the program was started directly, not by torchrun. "
+                      "Start it as `torchrun --no-python PROGRAM ARGS` (torchrun reads the PET_ variables), or set "
+                      "nprocPerNode to 1 to run one process per pod");
   if (w.local_known && w.size % w.local_size == 0) w.num_nodes = w.size / w.local_size;
   auto group_rank = read_int(env, "GROUP_RANK", L);
   if (group_rank && w.local_known) {

@@ -18,6 +18,7 @@
 #include <mutex>
 #include <sstream>
 
+#include "loom/comm/agreement.h"
 #include "loom/error.h"
 #include "loom/log.h"
 #include "loom/parallel/data_parallel.h"
@@ -120,11 +121,6 @@ struct GradientReducer::Impl : std::enable_shared_from_this<GradientReducer::Imp
                                      std::to_string(j));
     }
   }
-
-  // The reducer's own small exchanges (model check, used flags, bucket order) travel on the
-  // group's device (a device communicator accepts only tensors on its GPU), as internal operations
-  // that never shift the sequence numbers users see.
-  at::Device control_device() const { return group->device(); }
 
   // Every rank must hold the same parameter list: count, then each parameter's dtype and shape.
   void verify_same_model_on_all_ranks() {
@@ -282,16 +278,11 @@ struct GradientReducer::Impl : std::enable_shared_from_this<GradientReducer::Imp
       if (options.static_graph && static_used) {
         globally_used = *static_used;
       } else {
-        at::Tensor used = at::ones({static_cast<int64_t>(params.size())}, at::kByte);
-        for (size_t i : missing) used[static_cast<int64_t>(i)] = 0;
-        at::Tensor on_group = used.to(control_device());
-        {
-          detail::InternalOperations internal("used-parameter agreement");
-          group->all_reduce(on_group, {ReduceOp::Max})->wait();
-        }
-        used = on_group.cpu();
+        std::vector<int64_t> used(params.size(), 1);
+        for (size_t i : missing) used[i] = 0;
+        used = all_reduce_values(*group, used, ReduceOp::Max, {"used-parameter agreement"});
         ++stats.used_set_agreements;
-        for (size_t i = 0; i < params.size(); ++i) globally_used[i] = used[static_cast<int64_t>(i)].item<uint8_t>();
+        for (size_t i = 0; i < params.size(); ++i) globally_used[i] = used[i] != 0;
         if (options.static_graph) static_used = globally_used;
       }
     } else if (!missing.empty()) {
@@ -357,20 +348,15 @@ struct GradientReducer::Impl : std::enable_shared_from_this<GradientReducer::Imp
   // Rank 0's order of gradient arrival, agreed by all ranks, becomes the bucket order.
   void rebuild_from_observed_order(const std::vector<size_t>& missing) {
     const int64_t P = static_cast<int64_t>(params.size());
-    at::Tensor order = at::empty({P}, at::kLong);
+    std::vector<int64_t> order(params.size(), 0);
     if (group->rank() == 0) {
       std::vector<size_t> full = ready_order;
       for (auto it = missing.rbegin(); it != missing.rend(); ++it) full.push_back(*it);
       for (int64_t k = 0; k < P; ++k) order[k] = static_cast<int64_t>(full[k]);
     }
-    if (group->size() > 1) {
-      at::Tensor on_group = order.to(control_device());
-      detail::InternalOperations internal("bucket order");
-      group->broadcast(on_group, {0})->wait();
-      order = on_group.cpu();
-    }
+    if (group->size() > 1) order = broadcast_values(*group, order, 0, {"bucket order"});
     std::vector<size_t> agreed(P);
-    for (int64_t k = 0; k < P; ++k) agreed[k] = static_cast<size_t>(order[k].item<int64_t>());
+    for (int64_t k = 0; k < P; ++k) agreed[k] = static_cast<size_t>(order[k]);
     build_buckets(agreed);
     rebuilt = true;
     stats.buckets_rebuilt = true;

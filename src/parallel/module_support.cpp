@@ -3,12 +3,12 @@
 // buffer broadcast, and the cross-rank shape check the reducer shares.
 #include <ATen/core/grad_mode.h>
 #include <ATen/ops/cat.h>
-#include <ATen/ops/empty.h>
-#include <ATen/ops/full.h>
 
+#include <algorithm>
 #include <map>
 #include <sstream>
 
+#include "loom/comm/agreement.h"
 #include "loom/error.h"
 #include "loom/parallel/data_parallel.h"
 
@@ -61,43 +61,27 @@ void check_same_tensors_across_ranks(Communicator& group, const std::vector<at::
                                      const std::vector<std::string>& names, const char* kind, const std::string& where) {
   const int n = group.size();
   if (n == 1) return;
-  const auto on_group = at::TensorOptions().dtype(at::kLong).device(group.device());
   const int64_t count_here = static_cast<int64_t>(tensors.size());
-  at::Tensor count = at::full({1}, count_here, at::kLong).to(group.device());
-  at::Tensor counts = at::empty({n}, on_group);
-  {
-    InternalOperations internal("model check");
-    group.all_gather(counts, count)->wait();
-  }
-  counts = counts.cpu();
+  const std::vector<int64_t> counts = all_gather_values(group, {count_here}, {"model check"});
   for (int r = 0; r < n; ++r)
-    if (counts.data_ptr<int64_t>()[r] != count_here)
+    if (counts[r] != count_here)
       throw MismatchError(where + ": ranks hold different models: this rank has " + std::to_string(count_here) + " " +
-                          kind + "s, rank " + std::to_string(r) + " has " + std::to_string(counts.data_ptr<int64_t>()[r]));
+                          kind + "s, rank " + std::to_string(r) + " has " + std::to_string(counts[r]));
   if (count_here == 0) return;
   // A row per tensor: dtype, rank, the first kShownDims sizes, and a hash of every size (so a
   // difference past the shown ones is caught too).
   constexpr int kShownDims = 7;
   constexpr int kRow = kShownDims + 3;
-  at::Tensor mine = at::full({count_here, kRow}, -1, at::kLong);
-  auto m = mine.accessor<int64_t, 2>();
+  std::vector<int64_t> mine(static_cast<size_t>(count_here * kRow), -1);
   for (int64_t i = 0; i < count_here; ++i) {
     const at::Tensor& t = tensors[i];
-    m[i][0] = static_cast<int64_t>(t.scalar_type());
-    m[i][1] = t.dim();
-    uint64_t hash = 1469598103934665603ull;
-    for (int64_t d = 0; d < t.dim(); ++d) {
-      if (d < kShownDims) m[i][2 + d] = t.size(d);
-      hash = (hash ^ static_cast<uint64_t>(t.size(d))) * 1099511628211ull;
-    }
-    m[i][kRow - 1] = static_cast<int64_t>(hash);
+    int64_t* row = mine.data() + i * kRow;
+    row[0] = static_cast<int64_t>(t.scalar_type());
+    row[1] = t.dim();
+    for (int64_t d = 0; d < std::min<int64_t>(t.dim(), kShownDims); ++d) row[2 + d] = t.size(d);
+    row[kRow - 1] = static_cast<int64_t>(fnv1a(t.sizes().data(), t.sizes().size() * sizeof(int64_t)));
   }
-  at::Tensor all = at::empty({n * count_here, kRow}, on_group);
-  {
-    InternalOperations internal("model check");
-    group.all_gather(all, mine.to(group.device()))->wait();
-  }
-  all = all.cpu();
+  const std::vector<int64_t> all = all_gather_values(group, mine, {"model check"});
   auto describe = [&](const int64_t* r) {
     std::ostringstream s;
     s << c10::toString(static_cast<c10::ScalarType>(r[0])) << " [";
@@ -106,8 +90,8 @@ void check_same_tensors_across_ranks(Communicator& group, const std::vector<at::
     s << "]";
     return s.str();
   };
-  const int64_t* own = mine.data_ptr<int64_t>();
-  const int64_t* theirs = all.data_ptr<int64_t>();
+  const int64_t* own = mine.data();
+  const int64_t* theirs = all.data();
   for (int64_t i = 0; i < count_here; ++i)
     for (int r = 0; r < n; ++r) {
       const int64_t* row = theirs + (r * count_here + i) * kRow;

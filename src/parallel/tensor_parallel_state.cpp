@@ -1,9 +1,6 @@
 // ParallelState: checks the layout and the model's dimensions, then builds the TP and DP groups.
-#include <ATen/ops/empty.h>
-#include <ATen/ops/tensor.h>
-
 #include "loom/error.h"
-#include "loom/runtime.h"
+#include "loom/comm/agreement.h"
 #include "loom/parallel/tensor_parallel.h"
 #include "parallel/tensor_parallel_util.h"
 
@@ -42,17 +39,8 @@ ParallelState::ParallelState(std::shared_ptr<Communicator> world, const Parallel
   if (config.hidden_size && config.num_heads && config.hidden_size % config.num_heads != 0)
     throw InvalidArgumentError(where + ": hidden size must be divisible by the number of attention heads " +
                                std::to_string(config.num_heads) + "; found " + std::to_string(config.hidden_size));
-  std::vector<std::vector<int>> dp_rings = config.dp_rings;
-  const topo::Plan* plan = placement_plan();
-  bool is_job_world = true;  // the plan numbers the job's ranks
-  for (int r = 0; r < world_->size(); ++r) is_job_world = is_job_world && world_->members()[r] == r;
-  if (dp_rings.empty() && config.order.empty() && plan && plan->request.tp_degree == t &&
-      plan->request.world_size == world_->size() && is_job_world) {
-    for (const auto& ring : plan->layout.dp_groups) dp_rings.push_back(ring.ranks);
-    from_plan_ = true;
-  }
   agree_on_config(config);
-  groups_ = make_parallel_groups(*world_, t, config.order, dp_rings);
+  groups_ = make_parallel_groups(*world_, t, config.order, config.dp_rings);
 }
 
 // Ranks built with different configurations would split into groups that do not match (and wait
@@ -60,20 +48,12 @@ ParallelState::ParallelState(std::shared_ptr<Communicator> world, const Parallel
 void ParallelState::agree_on_config(const ParallelConfig& config) const {
   const int n = world_->size();
   if (n == 1) return;
-  uint64_t order_hash = 1469598103934665603ull;
-  for (int r : config.order) order_hash = (order_hash ^ static_cast<uint64_t>(r)) * 1099511628211ull;
+  const uint64_t order_hash = fnv1a(config.order.data(), config.order.size() * sizeof(int));
   const int64_t mine[] = {config.tensor_parallel, config.hidden_size,    config.num_heads,
                           config.ffn_hidden_size, config.vocab_size,     static_cast<int64_t>(order_hash)};
   const char* names[] = {"tensor_parallel", "hidden_size", "num_heads", "ffn_hidden_size", "vocab_size", "order"};
   constexpr int kFields = 6;
-  at::Tensor local = at::tensor(at::IntArrayRef(mine, kFields), at::kLong).to(world_->device());
-  at::Tensor all = at::empty({n * kFields}, local.options());
-  {
-    detail::InternalOperations internal("ParallelState agreement");
-    world_->all_gather(all, local)->wait();
-  }
-  all = all.cpu();
-  const int64_t* words = all.data_ptr<int64_t>();
+  const std::vector<int64_t> words = all_gather_values(*world_, mine, {"ParallelState agreement"});
   for (int f = 0; f < kFields; ++f)
     for (int r = 0; r < n; ++r)
       if (words[r * kFields + f] != mine[f]) {

@@ -1,36 +1,20 @@
 #include "runtime/agreement.h"
 
-#include <ATen/ops/empty.h>
-#include <ATen/ops/full.h>
-#include <ATen/ops/zeros.h>
-
 #include <algorithm>
-#include <cstring>
 #include <map>
 #include <optional>
 
-#include "core/env.h"
+#include "loom/env.h"
+#include "loom/comm/agreement.h"
 #include "loom/error.h"
 
 namespace loom::detail {
 namespace {
 
-constexpr size_t kValueBytes = 120;  // values longer than this are compared by hash, shown truncated
+constexpr size_t kValueBytes = 119;  // values longer than this are compared by hash, shown truncated
 
 int64_t hash_of(const std::optional<std::string>& value) {
-  uint64_t h = value ? 14695981039346656037ull : 1;
-  if (value)
-    for (unsigned char c : *value) {
-      h ^= c;
-      h *= 1099511628211ull;
-    }
-  return static_cast<int64_t>(h);
-}
-
-std::string ranks_text(const std::vector<int>& ranks) {
-  std::string text = ranks.size() == 1 ? "rank " : "ranks ";
-  for (size_t i = 0; i < ranks.size(); ++i) text += (i ? ", " : "") + std::to_string(ranks[i]);
-  return text;
+  return value ? static_cast<int64_t>(fnv1a(*value)) : 1;
 }
 
 }  // namespace
@@ -40,18 +24,13 @@ void agree_on_configuration(Communicator& world, const Environment& env) {
   const int64_t v = static_cast<int64_t>(variables.size());
   const int n = world.size();
   std::vector<std::optional<std::string>> mine;
-  at::Tensor hashes = at::empty({v}, at::kLong);
+  std::vector<int64_t> hashes;
   for (int64_t i = 0; i < v; ++i) {
     // A per-process variable counts as unset everywhere: its values may differ.
     mine.push_back(variables[i].per_process ? std::nullopt : env::raw(env, variables[i].name));
-    hashes.data_ptr<int64_t>()[i] = hash_of(mine.back());
+    hashes.push_back(hash_of(mine.back()));
   }
-  at::Tensor all = at::empty({n * v}, at::kLong);
-  {
-    InternalOperations internal("configuration agreement");
-    world.all_gather(all, hashes)->wait();
-  }
-  const int64_t* h = all.data_ptr<int64_t>();
+  const std::vector<int64_t> h = all_gather_values(world, hashes, {"configuration agreement"});
   std::vector<int64_t> differing;
   for (int64_t i = 0; i < v; ++i)
     for (int r = 1; r < n; ++r)
@@ -61,26 +40,25 @@ void agree_on_configuration(Communicator& world, const Environment& env) {
       }
   if (differing.empty()) return;
 
-  // Every rank found the same differences: all of them now exchange those values to name them.
-  const int64_t d = static_cast<int64_t>(differing.size());
-  at::Tensor values = at::zeros({d * static_cast<int64_t>(kValueBytes)}, at::kByte);
-  for (int64_t k = 0; k < d; ++k) {
-    const auto& value = mine[differing[k]];
-    char* slot = reinterpret_cast<char*>(values.data_ptr<uint8_t>()) + k * kValueBytes;
-    if (value) std::memcpy(slot + 1, value->data(), std::min(value->size(), kValueBytes - 1));
-    slot[0] = value ? 1 : 0;  // set or unset
+  // Every rank found the same differences: all of them now exchange those values to name them, one
+  // string per rank: per differing variable, '1' and the value (cut) when set, '0' when unset, each
+  // ended by a NUL (which no environment value contains).
+  std::string values;
+  for (int64_t k : differing) {
+    const auto& value = mine[k];
+    values += value ? "1" + value->substr(0, kValueBytes) : "0";
+    values += '\0';
   }
-  at::Tensor gathered = at::empty({n * d * static_cast<int64_t>(kValueBytes)}, at::kByte);
-  {
-    InternalOperations internal("configuration agreement");
-    world.all_gather(gathered, values)->wait();
-  }
+  const std::vector<std::string> gathered = all_gather_strings(world, values, {"configuration agreement"});
   std::string text;
-  for (int64_t k = 0; k < d; ++k) {
+  for (size_t k = 0; k < differing.size(); ++k) {
     std::map<std::string, std::vector<int>> by_value;
     for (int r = 0; r < n; ++r) {
-      const char* slot = reinterpret_cast<const char*>(gathered.data_ptr<uint8_t>()) + (r * d + k) * kValueBytes;
-      const std::string shown = slot[0] ? "'" + std::string(slot + 1, strnlen(slot + 1, kValueBytes - 1)) + "'" : "unset";
+      // The k-th NUL-ended field of rank r's string.
+      size_t begin = 0;
+      for (size_t skip = 0; skip < k; ++skip) begin = gathered[r].find('\0', begin) + 1;
+      const std::string field = gathered[r].substr(begin, gathered[r].find('\0', begin) - begin);
+      const std::string shown = field.size() && field[0] == '1' ? "'" + field.substr(1) + "'" : "unset";
       by_value[shown].push_back(r);
     }
     const char* name = variables[differing[k]].name;
@@ -96,35 +74,8 @@ void agree_on_configuration(Communicator& world, const Environment& env) {
   throw ConfigError(ErrorContext("init")(text));
 }
 
-std::vector<std::string> gather_strings(Communicator& world, const std::string& mine, const char* purpose) {
-  const int n = world.size();
-  InternalOperations internal(purpose);
-  at::Tensor length = at::full({1}, static_cast<int64_t>(mine.size()), at::kLong);
-  at::Tensor lengths = at::empty({n}, at::kLong);
-  world.all_gather(lengths, length)->wait();
-  int64_t longest = 1;
-  for (int r = 0; r < n; ++r) longest = std::max(longest, lengths.data_ptr<int64_t>()[r]);
-  at::Tensor text = at::zeros({longest}, at::kByte);
-  std::memcpy(text.data_ptr(), mine.data(), mine.size());
-  at::Tensor all = at::empty({n * longest}, at::kByte);
-  world.all_gather(all, text)->wait();
-  std::vector<std::string> out;
-  for (int r = 0; r < n; ++r)
-    out.emplace_back(reinterpret_cast<const char*>(all.data_ptr<uint8_t>()) + r * longest,
-                     static_cast<size_t>(lengths.data_ptr<int64_t>()[r]));
-  return out;
-}
-
 void agree_all_ok(Communicator& world, const std::string& my_problem, const std::string& what) {
-  at::Tensor mine = at::full({1}, my_problem.empty() ? 0 : 1, at::kInt);
-  at::Tensor all = at::empty({world.size()}, at::kInt);
-  {
-    InternalOperations internal(what.c_str());
-    world.all_gather(all, mine)->wait();
-  }
-  std::vector<int> failing;
-  for (int r = 0; r < world.size(); ++r)
-    if (all.data_ptr<int32_t>()[r] != 0) failing.push_back(r);
+  const std::vector<int> failing = ranks_reporting(world, !my_problem.empty(), {what.c_str()});
   if (failing.empty()) return;
   if (!my_problem.empty()) throw ConfigError(my_problem);
   throw ConfigError(ErrorContext("init")(what + " failed on " + ranks_text(failing) + " (see their messages)"));

@@ -15,9 +15,6 @@ namespace loom::detail {
 // rank naming each variable that differs and which ranks hold which value.
 void agree_on_configuration(Communicator& world, const Environment& env);
 
-// Every rank's string, in rank order (two internal all-gathers named `purpose`).
-std::vector<std::string> gather_strings(Communicator& world, const std::string& mine, const char* purpose);
-
 // Every rank contributes its own problem ("" when none); when any rank has one, every rank throws
 // loom::ConfigError naming the ranks (and this rank's problem, when it has one).
 void agree_all_ok(Communicator& world, const std::string& my_problem, const std::string& what);

@@ -13,7 +13,7 @@
 
 #include "loom/error.h"
 #include "loom/topology/detect.h"
-#include "runtime/agreement.h"
+#include "loom/comm/agreement.h"
 
 namespace loom::detail {
 
@@ -32,7 +32,7 @@ Placement plan_placement(Communicator& world, const World& w, const Config& conf
       problem = e.what();
     }
   }
-  const std::vector<std::string> described = gather_strings(world, problem.empty() ? mine : "!" + problem, "topology gather");
+  const std::vector<std::string> described = all_gather_strings(world, problem.empty() ? mine : "!" + problem, {"topology gather"});
   std::vector<topo::Topology> nodes;
   for (const auto& text : described) {
     if (text.empty()) continue;
@@ -78,7 +78,7 @@ Placement plan_placement(Communicator& world, const World& w, const Config& conf
                       (p.topology.nodes[mine.node].hostname.empty() || w.hostname.empty() ||
                        p.topology.nodes[mine.node].hostname == w.hostname);
     std::vector<int> elsewhere;
-    const auto answers = gather_strings(world, here ? "" : "x", "placement check");
+    const auto answers = all_gather_strings(world, here ? "" : "x", {"placement check"});
     for (int r = 0; r < w.size; ++r)
       if (!answers[r].empty()) elsewhere.push_back(r);
     if (!elsewhere.empty()) {

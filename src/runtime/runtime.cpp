@@ -1,7 +1,6 @@
 // loom::init and loom::finalize: the order in which a process starts and ends torchloom.
 #include "loom/runtime.h"
 
-#include <ATen/ops/full.h>
 
 #include <algorithm>
 #include <atomic>
@@ -11,10 +10,10 @@
 #include <mutex>
 #include <set>
 
-#include "comm/abort.h"
-#include "comm/departure.h"
-#include "core/env.h"
+#include "loom/env.h"
+#include "loom/comm/agreement.h"
 #include "loom/comm/gloo.h"
+#include "loom/comm/leaving.h"
 #include "loom/comm/mpi.h"
 #include "loom/comm/nccl.h"
 #include "loom/error.h"
@@ -23,7 +22,6 @@
 #include "runtime/agreement.h"
 #include "runtime/device_choice.h"
 #include "runtime/placement.h"
-#include "topology/pcie_path.h"
 
 namespace loom {
 namespace {
@@ -80,7 +78,7 @@ bool env_rendezvous(const World& world, const Environment& env) {
 // for a plain env:// launch), from the ranks' host names, in the order hosts first appear; what it
 // did say is checked against them.
 void complete_from_hostnames(World& world, Communicator& comm) {
-  const std::vector<std::string> hosts = detail::gather_strings(comm, world.hostname, "layout from host names");
+  const std::vector<std::string> hosts = all_gather_strings(comm, world.hostname, {"layout from host names"});
   std::vector<std::string> order;
   int local_rank = 0, local_size = 0;
   for (int r = 0; r < static_cast<int>(hosts.size()); ++r) {
@@ -126,7 +124,7 @@ DeviceRequest device_request(const Config& config, const World& world, const top
     const topo::RankPlacement& mine = plan->layout.ranks[world.rank];
     const auto& gpus = topology.nodes[mine.node].gpus;
     if (mine.device < static_cast<int>(gpus.size()) && !gpus[mine.device].pci_bus_id.empty()) {
-      in.planned_bus_id = topo::detail::normalize_bus_id(gpus[mine.device].pci_bus_id);
+      in.planned_bus_id = topo::normalize_bus_id(gpus[mine.device].pci_bus_id);
       in.planned_index = mine.device;
     }
   }
@@ -157,7 +155,7 @@ void build_device_communicator(Runtime& rt, World& world, const Config& config, 
   const std::string mine = std::to_string(world.node_index) + "\n" + (choice.requested ? "1" : "0") + "\n" +
                            (choice.device ? (gpu.empty() ? "cuda:" + std::to_string(*choice.device) : gpu) : "") +
                            "\n" + choice.problem;
-  const std::vector<std::string> all = detail::gather_strings(*rt.world_comm(), mine, "device agreement");
+  const std::vector<std::string> all = all_gather_strings(*rt.world_comm(), mine, {"device agreement"});
   std::vector<RankDevice> ranks;
   std::vector<std::string> problems;
   for (const auto& text : all) {
@@ -295,6 +293,14 @@ std::terminate_handler g_previous_terminate = nullptr;
 const topo::Plan* placement_plan() {
   std::lock_guard<std::mutex> lock(g_mutex);
   return g_runtime ? g_runtime->plan() : nullptr;
+}
+
+std::vector<std::vector<int>> planned_dp_rings(int tensor_parallel) {
+  std::vector<std::vector<int>> rings;
+  const topo::Plan* plan = placement_plan();
+  if (!plan || plan->request.tp_degree != tensor_parallel) return rings;
+  for (const auto& group : plan->layout.dp_groups) rings.push_back(group.ranks);
+  return rings;
 }
 
 std::shared_ptr<Runtime> init(const InitOptions& options) {

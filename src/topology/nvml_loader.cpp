@@ -68,7 +68,12 @@ std::string bus_id_of(const nvmlPciInfo_t& pci) {
 
 }  // namespace
 
-std::optional<NvmlGauges> read_nvml_gauges(unsigned index, std::string& why) {
+}  // namespace loom::topo::detail
+
+namespace loom::topo {
+
+std::optional<GpuGauges> read_gpu_gauges(unsigned index, std::string& why) {
+  using namespace detail;  // the NVML declarations and the library loader above
   struct Utilization {
     unsigned int gpu, memory;
   };
@@ -95,7 +100,7 @@ std::optional<NvmlGauges> read_nvml_gauges(unsigned index, std::string& why) {
     why = "NVML has no device " + std::to_string(index);
     return std::nullopt;
   }
-  NvmlGauges g;
+  GpuGauges g;
   if (auto f = lib.symbol<UtilizationFn>({"nvmlDeviceGetUtilizationRates"})) {
     Utilization u{};
     if (f(device, &u) == NVML_SUCCESS) g.utilization_percent = u.gpu;
@@ -115,6 +120,10 @@ std::optional<NvmlGauges> read_nvml_gauges(unsigned index, std::string& why) {
   }
   return g;
 }
+
+}  // namespace loom::topo
+
+namespace loom::topo::detail {
 
 std::optional<Link> link_from_nvml_level(int level) {
   switch (level) {

@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "loom/topology/gpu_gauges.h"
 #include "loom/topology/topology.h"
 
 namespace loom::topo::detail {
@@ -29,19 +30,6 @@ struct NvmlSnapshot {
 
 // nullopt, with the reason in `why`, when the library is missing, lacks a symbol or fails to start.
 std::optional<NvmlSnapshot> read_nvml(const std::string& library, std::string& why);
-
-// What GPU monitoring reads from one device (Prometheus metrics): utilisation in percent, memory
-// in bytes, temperature in degrees Celsius, PCIe throughput in bytes per second over NVML's last
-// 20 ms sample.
-struct NvmlGauges {
-  double utilization_percent = 0;
-  double memory_used_bytes = 0, memory_total_bytes = 0;
-  double temperature_celsius = 0;
-  double pcie_tx_bytes_per_second = 0, pcie_rx_bytes_per_second = 0;
-};
-// Reads NVML device `index` (NVML's numbering). NVML is opened once and kept open for later reads;
-// nullopt, with the reason in `why`, where there is no NVML or no such device.
-std::optional<NvmlGauges> read_nvml_gauges(unsigned index, std::string& why);
 
 // NVML topology level -> link class (INTERNAL and SINGLE: PIX, MULTIPLE: PXB, HOSTBRIDGE: PHB,
 // NODE: NODE, SYSTEM: SYS); nullopt for anything else.

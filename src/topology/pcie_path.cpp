@@ -18,6 +18,10 @@ Link pcie_link(const PciPlace& a, const PciPlace& b) {
   return {bridges <= 1 ? LinkClass::PIX : LinkClass::PXB, 0};
 }
 
+}  // namespace loom::topo::detail
+
+namespace loom::topo {
+
 std::string normalize_bus_id(std::string_view bus_id) {
   std::string s(bus_id);
   for (auto& c : s) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
@@ -27,4 +31,4 @@ std::string normalize_bus_id(std::string_view bus_id) {
   return s;
 }
 
-}  // namespace loom::topo::detail
+}  // namespace loom::topo

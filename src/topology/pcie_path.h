@@ -23,8 +23,6 @@ struct PciPlace {
 // bridge, PXB when it crosses more.
 Link pcie_link(const PciPlace& a, const PciPlace& b);
 
-// "00000000:3B:00.0" (NVML), "0000:3b:00.0" (NCCL, hwloc) -> "0000:3b:00.0": lower case, a 4-digit
-// domain. Text that is not a bus id comes back lower-cased and otherwise unchanged.
-std::string normalize_bus_id(std::string_view bus_id);
+using topo::normalize_bus_id;  // declared with the public topology model
 
 }  // namespace loom::topo::detail

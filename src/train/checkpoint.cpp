@@ -14,9 +14,6 @@
 // operations (numbered apart, named in messages).
 #include "loom/train/checkpoint.h"
 
-#include <ATen/ops/empty.h>
-#include <ATen/ops/full.h>
-#include <ATen/ops/zeros.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -27,6 +24,7 @@
 #include <set>
 #include <thread>
 
+#include "loom/comm/agreement.h"
 #include "loom/error.h"
 #include "loom/log.h"
 #include "loom/trace.h"
@@ -99,38 +97,16 @@ struct Checkpointer::Impl {
   std::future<CheckpointInfo> result;
   CheckpointInfo last;
 
-  // Every rank's string, in rank order (two all_gathers: the lengths, then the padded bytes).
-  std::vector<std::string> exchange(const std::string& mine) {
+  // Every rank's string, in rank order.
+  std::vector<std::string> exchange(const std::string& mine, const char* purpose) {
     if (!comm) return {mine};
-    AllGatherOptions o;
-    o.timeout = options.timeout;
-    at::Tensor length = at::full({1}, static_cast<int64_t>(mine.size()), at::kLong);
-    at::Tensor lengths = at::empty({size}, at::kLong);
-    comm->all_gather(lengths, length, o)->wait();
-    const int64_t longest = std::max<int64_t>(1, lengths.max().item<int64_t>());
-    at::Tensor buffer = at::zeros({longest}, at::kByte);
-    std::memcpy(buffer.data_ptr(), mine.data(), mine.size());
-    at::Tensor all = at::empty({size * longest}, at::kByte);
-    comm->all_gather(all, buffer, o)->wait();
-    std::vector<std::string> out;
-    const char* base = static_cast<const char*>(all.data_ptr());
-    for (int r = 0; r < size; ++r)
-      out.emplace_back(base + r * longest, static_cast<size_t>(lengths[r].item<int64_t>()));
-    return out;
+    return all_gather_strings(*comm, mine, {purpose, options.timeout});
   }
 
   // Rank 0's string on every rank.
-  std::string broadcast(const std::string& from_root) {
+  std::string broadcast(const std::string& from_root, const char* purpose) {
     if (!comm) return from_root;
-    BroadcastOptions o;
-    o.timeout = options.timeout;
-    at::Tensor length = at::full({1}, static_cast<int64_t>(from_root.size()), at::kLong);
-    comm->broadcast(length, o)->wait();
-    const int64_t n = length.item<int64_t>();
-    at::Tensor buffer = at::zeros({std::max<int64_t>(n, 1)}, at::kByte);
-    if (rank == 0) std::memcpy(buffer.data_ptr(), from_root.data(), from_root.size());
-    comm->broadcast(buffer, o)->wait();
-    return std::string(static_cast<const char*>(buffer.data_ptr()), static_cast<size_t>(n));
+    return broadcast_string(*comm, from_root, 0, {purpose, options.timeout});
   }
 
   // Joins the writer thread; returns its result, or rethrows its error when asked to.
@@ -298,10 +274,7 @@ void Checkpointer::save(const TrainingProgress& progress, const std::map<std::st
   }
   mine["tensors"] = std::move(descriptors);
   std::vector<json> all;
-  {
-    detail::InternalOperations guard("checkpoint plan");
-    for (const auto& text : s.exchange(dump_text(mine))) all.push_back(json::parse(text));
-  }
+  for (const auto& text : s.exchange(dump_text(mine), "checkpoint plan")) all.push_back(json::parse(text));
   const std::string staging = s.storage->staging_location(final_name, all[0]["nonce"].get<std::string>());
   SavePlan plan;
   try {
@@ -403,7 +376,6 @@ void Checkpointer::save(const TrainingProgress& progress, const std::map<std::st
 CheckpointInfo Checkpointer::Impl::write_and_publish(ShardWrite write, Manifest manifest, std::string staging,
                                                      std::string final_name, std::string nonce, CheckpointInfo info,
                                                      trace::Clock::time_point started) {
-  detail::InternalOperations guard("checkpoint publish");
   const auto write_start = trace::now();
   std::string error;
   ShardWritten written;
@@ -420,7 +392,7 @@ CheckpointInfo Checkpointer::Impl::write_and_publish(ShardWrite write, Manifest 
   // No rank publishes alone: rank 0 learns every rank's outcome (and checksum) first.
   phase("agree");
   json mine = {{"error", error}, {"bytes", written.bytes}, {"xxh3", to_hex(written.xxh3)}};
-  std::vector<std::string> all = exchange(dump_text(mine));
+  std::vector<std::string> all = exchange(dump_text(mine), "checkpoint publish");
   std::vector<std::string> errors;
   uint64_t total = 0;
   for (int r = 0; r < size; ++r) {
@@ -441,7 +413,7 @@ CheckpointInfo Checkpointer::Impl::write_and_publish(ShardWrite write, Manifest 
       storage->abandon(staging);
     }
   }
-  outcome = broadcast(outcome);
+  outcome = broadcast(outcome, "checkpoint publish");
   const auto end = trace::now();
   trace::span("checkpoint " + final_name + " publish", "checkpoint", write_end, end, "checkpoint");
   phase("done");
@@ -469,10 +441,7 @@ std::optional<std::string> Checkpointer::latest() {
     auto path = s.storage->find_latest();
     if (path) name = path->substr(path->find_last_of('/') + 1);
   }
-  {
-    detail::InternalOperations guard("checkpoint load");
-    name = s.broadcast(name);  // every rank loads the same one, whatever changes meanwhile
-  }
+  name = s.broadcast(name, "checkpoint load");  // every rank loads the same one, whatever changes meanwhile
   if (name.empty()) return std::nullopt;
   return s.storage->location(name);
 }
@@ -532,10 +501,7 @@ CheckpointInfo Checkpointer::load(const std::string& path) {
 
   // Every rank's verdict: nothing is touched unless all of them verified their part.
   std::vector<std::string> verdicts;
-  {
-    detail::InternalOperations guard("checkpoint load");
-    verdicts = s.exchange(dump_text(json({{"problems", problems}, {"bytes", bytes_read}})));
-  }
+  verdicts = s.exchange(dump_text(json({{"problems", problems}, {"bytes", bytes_read}})), "checkpoint load");
   std::vector<std::string> all_problems;
   uint64_t total = 0;
   for (const auto& v : verdicts) {

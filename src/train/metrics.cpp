@@ -18,10 +18,8 @@
 #include <mutex>
 #include <sstream>
 
-#include "loom/config.h"
 #include "loom/error.h"
 #include "loom/log.h"
-#include "loom/runtime.h"
 #include "train/metrics_gpu_sampler.h"
 #include "train/metrics_server.h"
 
@@ -188,15 +186,13 @@ struct MetricsExporter::Impl {
   }
 };
 
-MetricsExporter::MetricsExporter() : MetricsExporter(config().metrics) {}
-
-MetricsExporter::MetricsExporter(const std::string& target) : impl_(std::make_unique<Impl>()) {
-  auto rt = init();
-  const World& w = rt->world();
+MetricsExporter::MetricsExporter(const MetricsOptions& options) : impl_(std::make_unique<Impl>()) {
+  const World& w = options.world;
+  const std::string& target = options.target;
   impl_->rank = w.rank;
   impl_->labels = "rank=\"" + std::to_string(w.rank) + "\",local_rank=\"" + std::to_string(w.local_rank) +
                   "\",host=\"" + escape_label(w.hostname) + "\"";
-  impl_->interval = config().metrics_interval;
+  impl_->interval = options.interval_seconds;
   if (target.empty()) return;
   if (target.rfind("file:", 0) == 0) {
     const std::string dir = target.substr(5);
@@ -221,7 +217,7 @@ MetricsExporter::MetricsExporter(const std::string& target) : impl_(std::make_un
     throw ConfigError(ErrorContext("LOOM_METRICS")("expected file:DIR or port:[ADDR:]N; found \"" + target + "\""));
   }
   // Started last: a target refused above leaves no thread behind.
-  if (auto index = nvml_index(rt->cuda_device())) {
+  if (auto index = nvml_index(options.cuda_device)) {
     const double seconds = std::clamp(impl_->interval, 1.0, 10.0);
     impl_->gpu = std::make_unique<detail::GpuSampler>(*index, std::chrono::milliseconds(long(seconds * 1000)));
   }

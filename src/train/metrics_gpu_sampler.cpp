@@ -18,7 +18,7 @@ GpuSampler::~GpuSampler() {
   thread_.join();
 }
 
-std::optional<topo::detail::NvmlGauges> GpuSampler::latest() const {
+std::optional<topo::GpuGauges> GpuSampler::latest() const {
   std::lock_guard<std::mutex> lock(mutex_);
   return latest_;
 }
@@ -29,7 +29,7 @@ void GpuSampler::run(unsigned index, std::chrono::milliseconds period) {
   while (!stop_) {
     lock.unlock();
     std::string why;
-    auto gauges = topo::detail::read_nvml_gauges(index, why);  // the slow part, outside the lock
+    auto gauges = topo::read_gpu_gauges(index, why);  // the slow part, outside the lock
     if (!gauges && !reported) {
       LOOM_LOG(info, "metrics: no GPU gauges: " << why);
       reported = true;

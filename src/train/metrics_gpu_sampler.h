@@ -10,7 +10,7 @@
 #include <optional>
 #include <thread>
 
-#include "topology/nvml_loader.h"
+#include "loom/topology/gpu_gauges.h"
 
 namespace loom::detail {
 
@@ -23,7 +23,7 @@ class GpuSampler {
   GpuSampler& operator=(const GpuSampler&) = delete;
 
   // The last reading; nullopt before the first one completes, or where NVML has no such device.
-  std::optional<topo::detail::NvmlGauges> latest() const;
+  std::optional<topo::GpuGauges> latest() const;
 
  private:
   void run(unsigned index, std::chrono::milliseconds period);
@@ -31,7 +31,7 @@ class GpuSampler {
   mutable std::mutex mutex_;
   std::condition_variable wake_;
   bool stop_ = false;
-  std::optional<topo::detail::NvmlGauges> latest_;
+  std::optional<topo::GpuGauges> latest_;
   std::thread thread_;
 };
 

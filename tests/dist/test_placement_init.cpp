@@ -6,6 +6,8 @@
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
+
 #include "loom/parallel/tensor_parallel.h"
 #include "loom/runtime.h"
 #include "rank_report.h"
@@ -39,8 +41,10 @@ TEST(PlacementInit, ParallelStateBuildsThePlannedGroups) {
   ASSERT_NE(plan, nullptr);
   auto world = g_runtime->world_comm();
   const int rank = world->rank();
-  ParallelState ps(world, 2);
-  EXPECT_TRUE(ps.from_placement_plan());
+  ParallelConfig config;
+  config.tensor_parallel = 2;
+  config.dp_rings = planned_dp_rings(2);
+  ParallelState ps(world, config);
   const auto& me = plan->layout.ranks[rank];
   // TP: the planned block, in order.
   EXPECT_EQ(ps.tp_group()->members(), plan->layout.tp_groups[me.tp_group].ranks);
@@ -56,13 +60,28 @@ TEST(PlacementInit, ParallelStateBuildsThePlannedGroups) {
   }
 }
 
-TEST(PlacementInit, AnExplicitOrderOverridesThePlan) {
+TEST(PlacementInit, RingsComeOnlyFromThePlanMadeForThatDegree) {
+  const topo::Plan* plan = g_runtime->plan();
+  ASSERT_NE(plan, nullptr);
+  EXPECT_EQ(planned_dp_rings(2).size(), plan->layout.dp_groups.size());
+  EXPECT_TRUE(planned_dp_rings(4).empty());  // the plan was made for TP 2
+}
+
+TEST(PlacementInit, ParallelStateFollowsTheRingsItIsGiven) {
+  // ParallelState takes no plan of its own (the build keeps the parallel layer from reading the
+  // runtime's): rings in another order than the plan's make DP groups in that order.
+  const topo::Plan* plan = g_runtime->plan();
+  ASSERT_NE(plan, nullptr);
   auto world = g_runtime->world_comm();
   ParallelConfig config;
   config.tensor_parallel = 2;
-  for (int r = 0; r < world->size(); ++r) config.order.push_back(r);
+  config.dp_rings = planned_dp_rings(2);
+  for (auto& ring : config.dp_rings) std::reverse(ring.begin(), ring.end());
   ParallelState ps(world, config);
-  EXPECT_FALSE(ps.from_placement_plan());
+  const auto& me = plan->layout.ranks[world->rank()];
+  std::vector<int> reversed = plan->layout.dp_groups[me.dp_group].ranks;
+  std::reverse(reversed.begin(), reversed.end());
+  EXPECT_EQ(ps.dp_group()->members(), reversed);
 }
 
 int main(int argc, char** argv) {

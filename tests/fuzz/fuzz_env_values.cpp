@@ -7,7 +7,7 @@
 #include <cstdlib>
 #include <string>
 
-#include "core/env.h"
+#include "loom/env.h"
 #include "loom/error.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {

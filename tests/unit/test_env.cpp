@@ -9,7 +9,7 @@
 #include <regex>
 #include <sstream>
 
-#include "core/env.h"
+#include "loom/env.h"
 #include "loom/config.h"
 #include "loom/error.h"
 #include "loom/log.h"

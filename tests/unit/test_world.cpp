@@ -269,6 +269,24 @@ TEST(WorldKubernetes, PyTorchJobPodsUnderTorchrunWithNprocPerNode) {
   }
 }
 
+TEST(WorldKubernetes, PyTorchJobPodWithSeveralProcessesStartedDirectlyIsRefusedAtOnce) {
+  // nprocPerNode "2" but the container runs the program itself: WORLD_SIZE=4 counts processes
+  // torchrun would have started, RANK is the pod index. Refused before any rendezvous (which
+  // would otherwise wait for ranks 2 and 3 until it gave up).
+  const Environment env = pytorchjob_pod(1, 2, 2, "2");
+  try {
+    world_from_environment(env, env.at("HOSTNAME"));
+    FAIL() << "not refused";
+  } catch (const ConfigError& e) {
+    const std::string text = e.what();
+    EXPECT_NE(text.find("PET_NPROC_PER_NODE=2"), std::string::npos) << text;
+    EXPECT_NE(text.find("no LOCAL_RANK"), std::string::npos) << text;
+    EXPECT_NE(text.find("torchrun --no-python"), std::string::npos) << text;
+  }
+  // "1" (like "auto", the test above) is one process per pod: accepted.
+  EXPECT_NO_THROW(world_from_environment(pytorchjob_pod(1, 2, 1, "1"), "pod"));
+}
+
 TEST(WorldKubernetes, MpiJobRankReadsOpenMpiNotTheLauncherExtras) {
   // Rank 3 of examples/kubernetes/mpijob.yaml (2 workers x slotsPerWorker 2), started by loomrun
   // --max-restarts in the launcher pod: Open MPI's variables, the operator's OMPI_MCA_ settings

@@ -349,9 +349,8 @@ struct ParallelConfig {
   int tensor_parallel = 1;
   // Layout order of the world's ranks (a permutation); empty: 0..n-1.
   std::vector<int> order;
-  // Each DP group's world ranks in ring order (a placement plan's Layout::dp_groups). Empty: the
-  // plan loom::init() made, when it was made for this TP degree and neither this nor `order` is
-  // given; else ascending ranks.
+  // Each DP group's world ranks in ring order (a placement plan's DP groups:
+  // loom::planned_dp_rings(tensor_parallel)). Empty: ascending ranks.
   std::vector<std::vector<int>> dp_rings;
   // Model dimensions checked against the TP degree at construction; 0 = not checked.
   int64_t hidden_size = 0;
@@ -379,8 +378,6 @@ class ParallelState {
   // The group to hand the GradientReducer / DistributedDataParallel.
   const std::shared_ptr<Communicator>& dp_group() const { return groups_.data_parallel; }
   const ParallelGroups& groups() const { return groups_; }
-  // True when the groups follow loom::init()'s placement plan.
-  bool from_placement_plan() const { return from_plan_; }
 
   // model_parallel_seed(seed, tp_rank(), tracker).
   void seed(uint64_t seed, RngTracker& tracker = rng_tracker()) const;
@@ -391,7 +388,6 @@ class ParallelState {
   void agree_on_config(const ParallelConfig& config) const;
   std::shared_ptr<Communicator> world_;
   ParallelGroups groups_;
-  bool from_plan_ = false;
 };
 
 // The smallest vocabulary size >= vocab that is a multiple of tp_degree * multiple (pad the

@@ -185,4 +185,9 @@ Topology load_topology_file(const std::string& path);
 // topology; the others must agree (std::invalid_argument otherwise, naming both values).
 Topology merge_nodes(std::vector<Topology> per_node);
 
+// "00000000:3B:00.0" (NVML), "0000:3b:00.0" (NCCL, hwloc) -> "0000:3b:00.0": lower case, a 4-digit
+// domain, the form every topology source and the runtime's device check compare. Text that is not
+// a bus id comes back lower-cased and otherwise unchanged.
+std::string normalize_bus_id(std::string_view bus_id);
+
 }  // namespace loom::topo

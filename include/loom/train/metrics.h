@@ -13,7 +13,10 @@
 //              the training or the process's exit (docs/monitoring.md).
 //   (unset)    off: record() only keeps the numbers (render() still gives the text).
 //
-//   loom::MetricsExporter metrics;                     // from LOOM_METRICS
+//   auto rt = loom::init();
+//   loom::MetricsExporter metrics({.world = rt->world(), .cuda_device = rt->cuda_device(),
+//                                  .target = rt->config().metrics,              // LOOM_METRICS
+//                                  .interval_seconds = rt->config().metrics_interval});
 //   for (...) {
 //     ... one optimizer step ...
 //     metrics.record({.step = step, .step_seconds = dt, .tokens = tokens, .loss = loss,
@@ -33,7 +36,10 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
+
+#include "loom/world.h"
 
 namespace loom {
 
@@ -48,13 +54,20 @@ struct StepMetrics {
   double checkpoint_stall_seconds = 0;       // time the step spent in Checkpointer::save()
 };
 
+// Who this rank is and where its metrics go; the runtime has every value (see the example above).
+// The exporter is given them rather than asking the runtime, so that making one never starts it.
+struct MetricsOptions {
+  World world;                     // rank, local rank and host: the labels, the file name, the port
+  std::optional<int> cuda_device;  // the GPU whose gauges are sampled; none: no GPU gauges
+  std::string target;              // "file:DIR", "port:[ADDR:]N" or "" (off)
+  double interval_seconds = 5;     // the file's rewrite interval and the GPU sampling period
+};
+
 class MetricsExporter {
  public:
-  // target: "file:DIR", "port:[ADDR:]N" or "" (off); by default LOOM_METRICS. Throws
-  // loom::ConfigError for anything else, for a directory that cannot be written or a port that
-  // cannot be bound.
-  MetricsExporter();
-  explicit MetricsExporter(const std::string& target);
+  // Throws loom::ConfigError for a target of another form, a directory that cannot be written or a
+  // port that cannot be bound.
+  explicit MetricsExporter(const MetricsOptions& options);
   ~MetricsExporter();  // stops the endpoint at once (open connections are closed); writes the file a last time
   MetricsExporter(const MetricsExporter&) = delete;
   MetricsExporter& operator=(const MetricsExporter&) = delete;

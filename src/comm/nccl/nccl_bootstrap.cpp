@@ -3,9 +3,6 @@
 // deadline. The ranks agree over the bootstrap after each step, so either every rank gets a
 // communicator or every rank raises: none is left waiting for the others.
 #include <ATen/detail/CUDAHooksInterface.h>
-#include <ATen/ops/empty.h>
-#include <ATen/ops/full.h>
-#include <ATen/ops/zeros.h>
 #include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAGuard.h>
 
@@ -13,9 +10,10 @@
 
 #include "comm/durations.h"
 #include "comm/nccl/nccl_communicator.h"
+#include "loom/comm/agreement.h"
 #include "loom/comm/nccl.h"
 #include "loom/log.h"
-#include "topology/pcie_path.h"
+#include "loom/topology/topology.h"
 
 namespace loom::nccl {
 namespace {
@@ -24,13 +22,6 @@ using detail::Clock;
 using detail::NcclHandle;
 using detail::nccl_error_text;
 
-// Every rank contributes whether it succeeded; true when all did. The step is the library's own.
-bool all_ranks_ok(Communicator& bootstrap, bool ok, const char* purpose) {
-  at::Tensor flag = at::full({1}, ok ? 1 : 0, at::kInt);
-  loom::detail::InternalOperations internal(purpose);
-  bootstrap.all_reduce(flag, {ReduceOp::Min})->wait();
-  return flag.item<int>() == 1;
-}
 
 std::string version_text(int code) {
   return std::to_string(code / 10000) + "." + std::to_string(code % 10000 / 100) + "." + std::to_string(code % 100);
@@ -58,7 +49,7 @@ std::string device_pci_bus_id(int device_index) {
     (void)cudaGetLastError();  // not sticky: clear it
     return "";
   }
-  return topo::detail::normalize_bus_id(text);
+  return topo::normalize_bus_id(text);
 }
 
 void use_device(int device_index) { c10::cuda::set_device(static_cast<c10::DeviceIndex>(device_index)); }
@@ -92,44 +83,28 @@ std::shared_ptr<Communicator> make_communicator(std::shared_ptr<Communicator> bo
   else if (loaded_version() < built_version())
     problem = "the NCCL loaded (" + version_text(loaded_version()) + ") is older than the one torchloom was built with (" +
               version_text(built_version()) + "): another libnccl.so.2 comes first on the library path";
-  at::Tensor mine = at::full({1}, problem.empty() ? 1 : 0, at::kInt);
-  at::Tensor usable = at::empty({size}, at::kInt);
-  {
-    loom::detail::InternalOperations internal("NCCL device check");
-    bootstrap->all_gather(usable, mine)->wait();
-  }
-  std::string unusable;
-  for (int r = 0; r < size; ++r)
-    if (usable.data_ptr<int32_t>()[r] == 0) unusable += (unusable.empty() ? "" : ",") + std::to_string(r);
+  const std::vector<int> unusable = ranks_reporting(*bootstrap, !problem.empty(), {"NCCL device check"});
   if (!unusable.empty()) {
-    const std::string text = "not created: " + (problem.empty() ? "" : problem + "; ") + "bootstrap rank(s) " +
-                             unusable + " cannot use their CUDA device";
+    const std::string text = "not created: " + (problem.empty() ? "" : problem + "; ") + "bootstrap " +
+                             ranks_text(unusable) + " cannot use their CUDA device";
     if (problem.find("older") != std::string::npos) throw ConfigError(who(text));
     throw InvalidArgumentError(who(text));
   }
 
-  // Rank 0's unique id, plus a byte saying whether it could make one.
-  at::Tensor id = at::zeros({NCCL_UNIQUE_ID_BYTES + 1}, at::kByte);
-  std::string id_error;
+  // Rank 0's unique id ("id" and its bytes), or why it could not make one ("no" and the error).
+  std::string id_message;
   if (rank == 0) {
-    ncclUniqueId unique;
-    const ncclResult_t result = ncclGetUniqueId(&unique);
-    if (result == ncclSuccess) {
-      std::memcpy(id.data_ptr(), &unique, NCCL_UNIQUE_ID_BYTES);
-      id.data_ptr<uint8_t>()[NCCL_UNIQUE_ID_BYTES] = 1;
-    } else {
-      id_error = nccl_error_text(result, nullptr);
-    }
+    ncclUniqueId made;
+    const ncclResult_t result = ncclGetUniqueId(&made);
+    id_message = result == ncclSuccess ? "id" + std::string(reinterpret_cast<const char*>(&made), NCCL_UNIQUE_ID_BYTES)
+                                       : "no" + nccl_error_text(result, nullptr);
   }
-  {
-    loom::detail::InternalOperations internal("NCCL unique id");
-    bootstrap->broadcast(id, {/*root=*/0})->wait();
-  }
-  if (id.data_ptr<uint8_t>()[NCCL_UNIQUE_ID_BYTES] != 1)
+  id_message = broadcast_string(*bootstrap, id_message, 0, {"NCCL unique id"});
+  if (id_message.rfind("id", 0) != 0 || id_message.size() != 2 + NCCL_UNIQUE_ID_BYTES)
     throw CommError(who("not created: ncclGetUniqueId failed on bootstrap rank 0" +
-                        (id_error.empty() ? std::string() : ": " + id_error)));
+                        (id_message.size() > 2 ? ": " + id_message.substr(2) : std::string())));
   ncclUniqueId unique;
-  std::memcpy(&unique, id.data_ptr(), NCCL_UNIQUE_ID_BYTES);
+  std::memcpy(&unique, id_message.data() + 2, NCCL_UNIQUE_ID_BYTES);
 
   // Nonblocking: ncclCommInitRankConfig returns at once and is polled, so a rank that never joins
   // ends this rank's wait at the timeout instead of hanging it.
@@ -151,7 +126,7 @@ std::shared_ptr<Communicator> make_communicator(std::shared_ptr<Communicator> bo
       failure = "ncclCommInitRankConfig (rank " + std::to_string(rank) + " of " + std::to_string(size) + ", cuda:" +
                 std::to_string(device_index) + ") failed: " + nccl_error_text(result, comm);
   }
-  if (!all_ranks_ok(*bootstrap, failure.empty(), "NCCL init agreement")) {
+  if (!ranks_reporting(*bootstrap, !failure.empty(), {"NCCL init agreement"}).empty()) {
     if (comm != nullptr) ncclCommAbort(comm);
     if (!failure.empty() && failure.find("did not finish") != std::string::npos)
       throw TimeoutError(who("not created: " + failure));

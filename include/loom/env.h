@@ -1,6 +1,9 @@
 // The environment variables torchloom reads, declared once, parsed in one place, range-checked.
 // docs/environment.md documents the same table: a unit test checks that every row there has
 // this table's name, default and description, word for word.
+//
+//   for (const auto& v : loom::env::all_variables()) std::cout << v.name << " = " << v.default_value << "\n";
+//   auto timeout = loom::env::seconds(loom::current_environment(), "LOOM_TIMEOUT", 0.001, 1e9);
 #pragma once
 
 #include <chrono>
