@@ -9,6 +9,10 @@ between the hosts and shared memory inside them.
                 non-zero, and its output names hostB
   resume-fewer  a checkpoint written by 4 ranks on two hosts resumes on one host at 2 ranks
                 (TP 2 x DP 1): resharded, training continues from its step
+  per-host-topology
+                LOOM_TOPOLOGY names one path, and each host holds its own file there (hostA two
+                NVLink-bridged RTX 3090s on 6 CPUs, hostB two PCIe RTX 5090s on 64): the plan joins
+                both nodes as each described itself
 
 Usage: check_multihost.py --loomrun PATH --train-gpt PATH --work DIR CASE
 Exit 0: passed; 1: failed; 77: cannot run here (not root, or no unshare/nsenter).
@@ -134,18 +138,45 @@ def resume_fewer(args):
     return 0
 
 
+def per_host_topology(args):
+    fixtures = os.path.join(HERE, "..", "fixtures", "topology")
+    path = os.path.join(args.work, "topology.txt")
+    # What the launching machine itself would read at that path: neither host's.
+    shutil.copy(os.path.join(fixtures, "gtx1080ti_2gpu_phb_numa_na.txt"), path)
+    shutil.copy(os.path.join(fixtures, "rtx3090_2gpu_nvlink_bridge_nv4.txt"), path + ".hostA")
+    shutil.copy(os.path.join(fixtures, "rtx5090_2gpu_phb_workstation.txt"), path + ".hostB")
+    env = environment()
+    env["LOOM_TEST_PER_HOST_FILE"] = path  # fake_rsh.sh mounts PATH.HOST onto PATH on each host
+    job = subprocess.run([args.loomrun, "-np", "4", "-H", "hostA:2,hostB:2", "--tp", "2", "-x", "LOOM_TOPOLOGY=" + path,
+                          "--", args.train_gpt, "--steps", "2"] + SMALL,
+                         capture_output=True, text=True, timeout=300, env=env)
+    text = job.stdout
+    rows = {r: (h, c) for r, h, c in re.findall(r"^  (\d)     (host\w) +\d +(\S+)", text, re.M)}
+    tp_links = re.findall(r"^  \d     \d,\d +(host\w):\d,\d +(\w+)", text, re.M)
+    print(f"ranks (host, CPUs): {rows}; TP groups (host, link): {tp_links}; exit {job.returncode}")
+    expected_rows = {"0": ("hostA", "0-2"), "1": ("hostA", "3-5"), "2": ("hostB", "0-31"), "3": ("hostB", "32-63")}
+    # Exit 1 is train_gpt's own verdict on a run this short (loss not below 60% of its start).
+    verdict_only = job.returncode == 1 and "FAILED, the loss did not fall" in text
+    if "on 2 nodes" not in text or rows != expected_rows or sorted(tp_links) != [("hostA", "NV4"), ("hostB", "PHB")] \
+            or final_loss(text) is None or (job.returncode != 0 and not verdict_only):
+        print(text[-3000:], job.stderr[-2000:])
+        return 1
+    return 0
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--loomrun", required=True)
     parser.add_argument("--train-gpt", required=True)
     parser.add_argument("--work", required=True)
-    parser.add_argument("case", choices=["same-loss", "host-killed", "resume-fewer"])
+    parser.add_argument("case", choices=["same-loss", "host-killed", "resume-fewer", "per-host-topology"])
     args = parser.parse_args()
     if os.geteuid() != 0 or not shutil.which("unshare") or not shutil.which("nsenter"):
         print("SKIP: fake hosts need root, unshare and nsenter")
         return 77
     os.makedirs(args.work, exist_ok=True)
-    return {"same-loss": same_loss, "host-killed": host_killed, "resume-fewer": resume_fewer}[args.case](args)
+    return {"same-loss": same_loss, "host-killed": host_killed, "resume-fewer": resume_fewer,
+            "per-host-topology": per_host_topology}[args.case](args)
 
 
 if __name__ == "__main__":

@@ -4,6 +4,15 @@
 # Separate daemons per host, node-local ranks and TCP between hosts, with no network beyond this
 # machine. Needs root (unshare --uts).
 #   fake_rsh.sh HOST COMMAND...   (COMMAND is a shell string, as ssh would pass it)
+#
+# Per-host files: with LOOM_TEST_PER_HOST_FILE=PATH and a file PATH.HOST, the host also gets a
+# mount namespace of its own in which PATH.HOST is bind-mounted onto PATH, so every host reads its
+# own file at one path, as real hosts read their own /etc (a per-host topology file, say).
 host=$1
 shift
+per_host=${LOOM_TEST_PER_HOST_FILE:-}
+if [ -n "$per_host" ] && [ -f "$per_host.$host" ]; then
+  exec unshare --uts --mount --propagation private /bin/sh -c \
+    'hostname "$0" && mount --bind "$1" "$2" && shift 2 && exec /bin/sh -c "$*"' "$host" "$per_host.$host" "$per_host" "$@"
+fi
 exec unshare --uts /bin/sh -c 'hostname "$0" && exec /bin/sh -c "$*"' "$host" "$@"
