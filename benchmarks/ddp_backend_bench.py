@@ -1,0 +1,141 @@
+#!/usr/bin/env python3
+"""PyTorch's own DistributedDataParallel over backend="loom" against over backend="gloo": the step
+time of the same model, in the same processes and the same run.
+
+The default process group is "loom" (torchloom's world communicator: MPI under mpirun, Gloo under
+torchrun); the reference is a new_group(backend="gloo") over the same ranks. Two DDP replicas of
+one model (same initial weights, same batches) train in rounds of --steps steps, loom and gloo
+alternating which goes first; a round starts after a barrier and its time is the slowest rank's
+(barrier and max on a third gloo group, so neither timed group does other work). A step is
+forward, backward (DDP's bucketed all-reduce overlapping it) and SGD.
+
+ratio = loom step time / gloo step time (median of rounds): <= 1.0 means loom is at least as fast
+(issue 25's target). The two replicas' parameters are compared at the end (they must agree).
+
+    mpirun -np 2 env PYTHONPATH=build/python python3 benchmarks/ddp_backend_bench.py --json ddp_backend_np2.json
+    PYTHONPATH=build/python python3 -m torch.distributed.run --standalone --nproc_per_node 2 \\
+        benchmarks/ddp_backend_bench.py
+"""
+
+import argparse
+import json
+import socket
+import statistics
+import sys
+import time
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--width", type=int, default=1024, help="hidden width of the MLP")
+    p.add_argument("--layers", type=int, default=4, help="hidden layers")
+    p.add_argument("--batch", type=int, default=32, help="samples per rank and step")
+    p.add_argument("--steps", type=int, default=5, help="steps per timed round")
+    p.add_argument("--rounds", type=int, default=10, help="timed rounds per backend")
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps per backend first")
+    p.add_argument("--bucket-mb", type=float, default=25.0, help="DDP bucket_cap_mb (both)")
+    p.add_argument("--json", help="write the results here (rank 0)")
+    args = p.parse_args()
+
+    import torch
+    import torch.distributed as dist
+    import torch.nn as nn
+    import torchloom
+
+    torch.set_num_threads(1)  # as the other benchmarks: one intra-op thread per rank
+    torchloom.init()
+    comm = torchloom.world_comm()
+    if torchloom.world().launcher == "torchrun":
+        dist.init_process_group("loom")
+    else:
+        port = torch.zeros(1, dtype=torch.int64)
+        if comm.rank == 0:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port[0] = s.getsockname()[1]
+        comm.broadcast(port, root=0).wait()
+        dist.init_process_group("loom", init_method=f"tcp://127.0.0.1:{int(port)}", rank=comm.rank,
+                                world_size=comm.size)
+    rank, size = dist.get_rank(), dist.get_world_size()
+    gloo = dist.new_group(backend="gloo")
+    sync = dist.new_group(backend="gloo")
+
+    def model():
+        torch.manual_seed(0)
+        layers = [nn.Linear(256, args.width), nn.ReLU()]
+        for _ in range(args.layers):
+            layers += [nn.Linear(args.width, args.width), nn.ReLU()]
+        layers.append(nn.Linear(args.width, 16))
+        return nn.Sequential(*layers)
+
+    sides = {
+        "loom": nn.parallel.DistributedDataParallel(model(), process_group=dist.group.WORLD,
+                                                    bucket_cap_mb=args.bucket_mb),
+        "gloo": nn.parallel.DistributedDataParallel(model(), process_group=gloo, bucket_cap_mb=args.bucket_mb),
+    }
+    optimizers = {name: torch.optim.SGD(m.parameters(), lr=1e-3) for name, m in sides.items()}
+    params = sum(p.numel() for p in sides["loom"].parameters())
+    steps_done = {name: 0 for name in sides}
+
+    def step(name):
+        g = torch.Generator().manual_seed(1000 * steps_done[name] + rank)
+        x, y = torch.randn(args.batch, 256, generator=g), torch.randn(args.batch, 16, generator=g)
+        loss = nn.functional.mse_loss(sides[name](x), y)
+        optimizers[name].zero_grad()
+        loss.backward()
+        optimizers[name].step()
+        steps_done[name] += 1
+
+    def timed_round(name):
+        dist.barrier(group=sync)
+        start = time.perf_counter()
+        for _ in range(args.steps):
+            step(name)
+        elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX, group=sync)
+        return elapsed.item() / args.steps
+
+    for name in sides:
+        for _ in range(args.warmup):
+            step(name)
+    times = {name: [] for name in sides}
+    for r in range(args.rounds):
+        order = ["loom", "gloo"] if r % 2 == 0 else ["gloo", "loom"]
+        for name in order:
+            times[name].append(timed_round(name))
+
+    # Same batches, same steps: the replicas must agree (the all-reduce order may differ by rounding).
+    agree = all(torch.allclose(a, b, rtol=1e-5, atol=1e-6)
+                for a, b in zip(sides["loom"].parameters(), sides["gloo"].parameters()))
+    result = {
+        "benchmark": "ddp_backend",
+        "launcher": torchloom.world().launcher,
+        "loom_host_backend": comm.backend,
+        "ranks": size,
+        "parameters": params,
+        "gradient_bytes": params * 4,
+        "batch_per_rank": args.batch,
+        "steps_per_round": args.steps,
+        "rounds": args.rounds,
+        "loom_step_s": statistics.median(times["loom"]),
+        "gloo_step_s": statistics.median(times["gloo"]),
+        "loom_rounds_s": times["loom"],
+        "gloo_rounds_s": times["gloo"],
+        "replicas_agree": agree,
+    }
+    result["ratio_loom_over_gloo"] = result["loom_step_s"] / result["gloo_step_s"]
+    if rank == 0:
+        print(f"DDP step, {size} ranks, {params / 1e6:.2f} M parameters, batch {args.batch}/rank: "
+              f"loom {result['loom_step_s'] * 1e3:.2f} ms, gloo {result['gloo_step_s'] * 1e3:.2f} ms, "
+              f"ratio loom/gloo {result['ratio_loom_over_gloo']:.3f} (target <= 1.0); replicas agree: {agree}")
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(result, f, indent=2)
+    dist.destroy_process_group()
+    torchloom.finalize()
+    if not agree:
+        sys.exit("the loom and gloo replicas disagree")
+
+
+if __name__ == "__main__":
+    main()
