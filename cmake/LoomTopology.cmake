@@ -65,6 +65,7 @@ add_library(loom_launcher STATIC
   ${LOOM_TOPOLOGY_DIR}/src/launcher/slurm.cpp
   ${LOOM_TOPOLOGY_DIR}/src/launcher/mpirun_command.cpp
   ${LOOM_TOPOLOGY_DIR}/src/launcher/launcher_exec.cpp
+  ${LOOM_TOPOLOGY_DIR}/src/launcher/host_probe.cpp
 )
 target_compile_features(loom_launcher PUBLIC cxx_std_20)
 target_include_directories(loom_launcher PUBLIC ${LOOM_TOPOLOGY_DIR}/src)

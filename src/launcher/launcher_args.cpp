@@ -161,6 +161,9 @@ Parsed parse_arguments(const std::vector<std::string>& raw, const std::string& e
   app.add_flag("--tag-output", o.tag_output, "prefix each output line with its rank (mpirun --tag-output)");
   app.add_option("--max-restarts", o.max_restarts,
                  "start the job again when it fails, up to N times (LOOM_RESTART_COUNT tells the ranks)");
+  app.add_flag("--drop-dead-hosts", o.drop_dead_hosts,
+               "with --max-restarts: before a restart, leave out the hosts that no longer answer (mpirun cannot start "
+               "`true` there within 15 s) and run at the ranks the others hold, a multiple of --tp");
 
   std::vector<std::string> argv_storage{"loomrun"};
   argv_storage.insert(argv_storage.end(), args.begin(), args.end());
@@ -213,6 +216,10 @@ Parsed parse_arguments(const std::vector<std::string>& raw, const std::string& e
   if (o.max_restarts < 0 || o.max_restarts > kMaxRestarts)
     throw UsageError("--max-restarts " + std::to_string(o.max_restarts) + ": expected 0 to " +
                      std::to_string(kMaxRestarts));
+  if (o.drop_dead_hosts && o.max_restarts == 0)
+    throw UsageError("--drop-dead-hosts acts on restarts: give --max-restarts N too");
+  if (o.drop_dead_hosts && o.hosts.empty())
+    throw UsageError("--drop-dead-hosts needs the hosts listed (-H or --hostfile): there is none to leave out");
   if (app.count("--output-dir") > 0) {
     if (o.output_dir.empty()) throw UsageError("--output-dir '': expected a directory");
     // Open MPI reads "DIR:nocopy" as DIR plus directives.

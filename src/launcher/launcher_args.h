@@ -2,7 +2,7 @@
 //
 //   loomrun -np N [-H host1:slots,host2:slots | --hostfile FILE] [--tp T] [--topology FILE]
 //           [--timeline PATH] [--timeout S] [-x NAME[=VALUE]]... [--mca KEY VALUE]... [--mpi-arg ARG]...
-//           [--output-dir DIR] [--tag-output] [--max-restarts N]
+//           [--output-dir DIR] [--tag-output] [--max-restarts N [--drop-dead-hosts]]
 //           [--dry-run] [--plan [--json] [--svg FILE]] -- program args...
 //
 // parse_arguments() throws UsageError (loomrun exits 2) with a message that says which argument is
@@ -57,6 +57,7 @@ struct Options {
   std::string output_dir;                                   // --output-dir (absolute): one file per rank
   bool tag_output = false;                                  // --tag-output: rank-prefixed lines
   int max_restarts = 0;                                     // --max-restarts: start a failed job again
+  bool drop_dead_hosts = false;                             // --drop-dead-hosts: restart without them
   std::vector<std::string> program;  // after "--": the program and its arguments, verbatim
 };
 

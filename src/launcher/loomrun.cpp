@@ -16,7 +16,9 @@
 #include <cstdio>
 #include <fstream>
 #include <iostream>
+#include <optional>
 
+#include "launcher/host_probe.h"
 #include "launcher/hosts.h"
 #include "launcher/launcher_args.h"
 #include "launcher/launcher_exec.h"
@@ -66,6 +68,35 @@ std::string describe(int status) {
   return "exit status " + std::to_string(status);
 }
 
+// --drop-dead-hosts, before a restart: the hosts that still answer, and the job that fits on them.
+// false (the job is not started again) when none is left.
+bool leave_out_dead_hosts(Options& o, const LaunchContext& ctx) {
+  const auto probed = std::chrono::steady_clock::now();
+  const std::vector<bool> alive = probe_hosts(o, ctx, o.hosts, std::chrono::seconds(15));
+  std::string dead;
+  for (size_t i = 0; i < o.hosts.size(); ++i)
+    if (!alive[i]) dead += (dead.empty() ? "" : ", ") + o.hosts[i].name;
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - probed).count();
+  char took[32];
+  std::snprintf(took, sizeof(took), "%.1f", seconds);
+  if (dead.empty()) {
+    std::cerr << "loomrun: every host answered (" << took << " s)\n";
+    return true;
+  }
+  std::string why;
+  std::optional<Options> next = without_dead_hosts(o, alive, why);
+  if (!next) {
+    std::cerr << "loomrun: " << dead << " did not answer (" << took << " s) and " << why << ": not starting again\n";
+    return false;
+  }
+  std::string live;
+  for (const auto& h : next->hosts) live += (live.empty() ? "" : ",") + h.name + ":" + std::to_string(h.slots);
+  std::cerr << "loomrun: " << dead << " did not answer (" << took << " s); starting again without it: -np " << next->np
+            << " -H " << live << "\n";
+  o = std::move(*next);
+  return true;
+}
+
 int run(int argc, char** argv) {
   Options o;
   LaunchContext ctx;
@@ -98,20 +129,26 @@ int run(int argc, char** argv) {
 
   std::string dir;
   std::string rankfile = "/tmp/loomrun-XXXXXX/rankfile";
-  if (!launch.rankfile.empty() && !o.dry_run) {
-    char pattern[] = "/tmp/loomrun-XXXXXX";
-    if (!mkdtemp(pattern)) {
-      std::perror("loomrun: mkdtemp");
-      return 1;
+  // Written before each attempt (the same file, unless dead hosts were left out).
+  auto write_rankfile = [&](const Launch& l) {
+    if (l.rankfile.empty()) return true;
+    if (dir.empty()) {
+      char pattern[] = "/tmp/loomrun-XXXXXX";
+      if (!mkdtemp(pattern)) {
+        std::perror("loomrun: mkdtemp");
+        return false;
+      }
+      dir = pattern;
+      rankfile = dir + "/rankfile";
     }
-    dir = pattern;
-    rankfile = dir + "/rankfile";
-    std::ofstream(rankfile) << launch.rankfile;  // the same for every attempt
-  }
+    std::ofstream(rankfile) << l.rankfile;
+    return true;
+  };
   auto place_rankfile = [&](Launch& l) {
     for (auto& arg : l.argv)
       if (arg == kRankfilePlaceholder) arg = rankfile;
   };
+  if (!o.dry_run && !write_rankfile(launch)) return 1;
   place_rankfile(launch);
   if (o.dry_run) {
     for (const auto& note : launch.notes) std::cout << "# " << note << "\n";
@@ -120,7 +157,8 @@ int run(int argc, char** argv) {
       std::cout << "# rankfile (written to a new /tmp/loomrun-* directory):\n" << launch.rankfile;
     if (o.max_restarts > 0)
       std::cout << "# when it fails, started again up to " << o.max_restarts
-                << " time(s), with LOOM_RESTART_COUNT=1, 2, ...\n";
+                << " time(s), with LOOM_RESTART_COUNT=1, 2, ..." << (o.drop_dead_hosts ? ", without hosts that no longer answer" : "")
+                << "\n";
     return 0;
   }
 
@@ -132,7 +170,14 @@ int run(int argc, char** argv) {
   for (int attempt = 0;; ++attempt) {
     if (attempt > 0) {
       ctx.attempt = attempt;
-      launch = build_launch(o, ctx);  // the same command, the new restart count
+      if (o.drop_dead_hosts && !leave_out_dead_hosts(o, ctx)) break;
+      try {
+        launch = build_launch(o, ctx);  // the same command, the new restart count (and hosts)
+      } catch (const std::exception& e) {
+        std::cerr << "loomrun: cannot start the job again: " << e.what() << "\n";
+        break;
+      }
+      if (!write_rankfile(launch)) break;
       place_rankfile(launch);
     }
     const auto started = std::chrono::steady_clock::now();

@@ -9,6 +9,10 @@ between the hosts and shared memory inside them.
                 non-zero, and its output names hostB
   resume-fewer  a checkpoint written by 4 ranks on two hosts resumes on one host at 2 ranks
                 (TP 2 x DP 1): resharded, training continues from its step
+  restart-without-host
+                loomrun --max-restarts 1 --drop-dead-hosts: hostB goes down (its ranks killed, its
+                "ssh" refused) after a checkpoint; loomrun starts the job again on hostA alone at 2
+                ranks, which resumes from the newest checkpoint (resharded to DP 1) and finishes
   per-host-topology
                 LOOM_TOPOLOGY names one path, and each host holds its own file there (hostA two
                 NVLink-bridged RTX 3090s on 6 CPUs, hostB two PCIe RTX 5090s on 64): the plan joins
@@ -66,6 +70,25 @@ def same_loss(args):
     return 0
 
 
+def ranks_on(args, wanted):
+    """The process ids of train_gpt ranks running on fake host `wanted`."""
+    found = []
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if args.train_gpt.encode() not in f.read():
+                    continue
+            host = subprocess.run(["nsenter", "-t", pid, "-u", "hostname"], capture_output=True,
+                                  text=True, timeout=10).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            continue
+        if host == wanted:
+            found.append(int(pid))
+    return found
+
+
 def host_killed(args):
     train = [args.train_gpt, "--steps", "400"] + SMALL
     job = subprocess.Popen([args.loomrun, "-np", "4", "-H", "hostA:2,hostB:2", "--tp", "2", "--"] + train,
@@ -77,20 +100,7 @@ def host_killed(args):
     deadline = time.time() + 120
     while job.poll() is None and time.time() < deadline:
         if killed_at is None and re.search(r"^step +\d+/", "".join(output), re.M):
-            victims = []
-            for pid in os.listdir("/proc"):
-                if not pid.isdigit():
-                    continue
-                try:
-                    with open(f"/proc/{pid}/cmdline", "rb") as f:
-                        if args.train_gpt.encode() not in f.read():
-                            continue
-                    host = subprocess.run(["nsenter", "-t", pid, "-u", "hostname"], capture_output=True,
-                                          text=True, timeout=10).stdout.strip()
-                except (OSError, subprocess.SubprocessError):
-                    continue
-                if host == "hostB":
-                    victims.append(int(pid))
+            victims = ranks_on(args, "hostB")
             for pid in victims:
                 os.kill(pid, signal.SIGKILL)
             killed_at = time.time()
@@ -138,6 +148,66 @@ def resume_fewer(args):
     return 0
 
 
+def restart_without_host(args):
+    ckpt = os.path.join(args.work, "ckpt-restart")
+    down = os.path.join(args.work, "down")
+    shutil.rmtree(ckpt, ignore_errors=True)
+    shutil.rmtree(down, ignore_errors=True)
+    os.makedirs(down)
+    env = environment()
+    env["LOOM_TEST_DOWN_HOSTS"] = down  # fake_rsh.sh refuses the hosts named there
+    steps = 120
+    job = subprocess.Popen([args.loomrun, "-np", "4", "-H", "hostA:2,hostB:2", "--tp", "2", "--max-restarts", "1",
+                            "--drop-dead-hosts", "--", args.train_gpt, "--steps", str(steps), "--save-every", "10",
+                            "--checkpoint-dir", ckpt, "--resume"] + SMALL,
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    output, stamped = [], []  # lines, and (time, line) for the timing
+    def read():
+        for line in iter(job.stdout.readline, ""):
+            output.append(line)
+            stamped.append((time.time(), line))
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    killed_at = None
+    deadline = time.time() + 240
+    while job.poll() is None and time.time() < deadline:
+        if killed_at is None and os.path.exists(os.path.join(ckpt, "step_000010", "manifest.json")):
+            open(os.path.join(down, "hostB"), "w").close()  # hostB is off: no new daemon starts there
+            victims = ranks_on(args, "hostB")
+            for pid in victims:
+                os.kill(pid, signal.SIGKILL)
+            killed_at = time.time()
+            print(f"hostB down: killed its {len(victims)} ranks")
+            if len(victims) != 2:
+                job.kill()
+                return 1
+        time.sleep(0.05)
+    if job.poll() is None:
+        job.kill()
+        print("FAIL: the job did not end within 240 s", "".join(output)[-3000:])
+        return 1
+    reader.join(timeout=10)
+    text = "".join(output)
+    shrunk = re.search(r"hostB did not answer .*starting again without it: -np 2 -H hostA:2", text)
+    resumed = re.search(r"resumed from .*step_0000(\d\d) at step (\d+)", text)
+    after = [(t, line) for t, line in stamped if killed_at and t > killed_at and re.match(r"step +\d+/", line)]
+    restarted_first_step = next((t for t, line in after if resumed and int(re.match(r"step +(\d+)/", line).group(1)) >
+                                 int(resumed.group(2))), None)
+    ranks_line = re.findall(r"train_gpt: (\d) ranks = TP 2 x DP (\d)", text)
+    for line in re.findall(r"^loomrun: .*$", text, re.M):
+        print(line)
+    print(f"shrunk: {bool(shrunk)}; resumed: {resumed.group(0) if resumed else None}; runs: {ranks_line}; "
+          f"exit {job.returncode}; final loss {final_loss(text)}")
+    if restarted_first_step:
+        print(f"kill of hostB to the first step after the restart: {restarted_first_step - killed_at:.2f} s")
+    verdict_only = job.returncode == 1 and "FAILED, the loss did not fall" in text
+    if not shrunk or not resumed or ranks_line[-1:] != [("2", "1")] or final_loss(text) is None or \
+            not re.search(rf"^step +{steps}/{steps}", text, re.M) or (job.returncode != 0 and not verdict_only):
+        print(text[-4000:])
+        return 1
+    return 0
+
+
 def per_host_topology(args):
     fixtures = os.path.join(HERE, "..", "fixtures", "topology")
     path = os.path.join(args.work, "topology.txt")
@@ -169,14 +239,15 @@ def main():
     parser.add_argument("--loomrun", required=True)
     parser.add_argument("--train-gpt", required=True)
     parser.add_argument("--work", required=True)
-    parser.add_argument("case", choices=["same-loss", "host-killed", "resume-fewer", "per-host-topology"])
+    parser.add_argument("case", choices=["same-loss", "host-killed", "resume-fewer", "restart-without-host",
+                                         "per-host-topology"])
     args = parser.parse_args()
     if os.geteuid() != 0 or not shutil.which("unshare") or not shutil.which("nsenter"):
         print("SKIP: fake hosts need root, unshare and nsenter")
         return 77
     os.makedirs(args.work, exist_ok=True)
     return {"same-loss": same_loss, "host-killed": host_killed, "resume-fewer": resume_fewer,
-            "per-host-topology": per_host_topology}[args.case](args)
+            "restart-without-host": restart_without_host, "per-host-topology": per_host_topology}[args.case](args)
 
 
 if __name__ == "__main__":

@@ -8,8 +8,15 @@
 # Per-host files: with LOOM_TEST_PER_HOST_FILE=PATH and a file PATH.HOST, the host also gets a
 # mount namespace of its own in which PATH.HOST is bind-mounted onto PATH, so every host reads its
 # own file at one path, as real hosts read their own /etc (a per-host topology file, say).
+#
+# Hosts that are down: with LOOM_TEST_DOWN_HOSTS=DIR, a host with a file DIR/HOST answers as ssh
+# does for a machine that is off (exit 255), so Open MPI cannot start anything there.
 host=$1
 shift
+if [ -n "${LOOM_TEST_DOWN_HOSTS:-}" ] && [ -e "$LOOM_TEST_DOWN_HOSTS/$host" ]; then
+  echo "ssh: connect to host $host port 22: No route to host" >&2
+  exit 255
+fi
 per_host=${LOOM_TEST_PER_HOST_FILE:-}
 if [ -n "$per_host" ] && [ -f "$per_host.$host" ]; then
   exec unshare --uts --mount --propagation private /bin/sh -c \

@@ -4,11 +4,13 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <fstream>
 #include <functional>
 
+#include "launcher/host_probe.h"
 #include "launcher/hosts.h"
 #include "launcher/launcher_args.h"
 #include "launcher/launcher_exec.h"
@@ -465,4 +467,28 @@ TEST(Loomrun, RunAndWaitSaysWhenLoomrunWasInterrupted) {
   // A SIGTERM to this process while the child runs: passed on, and reported.
   EXPECT_EQ(run_and_wait({"/bin/sh", "-c", "kill -TERM $PPID; sleep 5"}, error, &interrupted), 128 + 15);
   EXPECT_TRUE(interrupted);
+}
+
+TEST(Loomrun, DropDeadHostsShrinksTheJobToTheLiveHosts) {
+  EXPECT_NE(usage_error({"-np", "4", "-H", "a:2,b:2", "--drop-dead-hosts", "--", "x"}).find("--max-restarts"),
+            std::string::npos);
+  EXPECT_NE(usage_error({"-np", "4", "--max-restarts", "1", "--drop-dead-hosts", "--", "x"}).find("-H or --hostfile"),
+            std::string::npos);
+  Options o = parse({"-np", "10", "-H", "a:4,b:4,c:2", "--tp", "2", "--max-restarts", "1", "--drop-dead-hosts", "--", "x"});
+  std::string why;
+  // b is gone: a and c hold 6 slots, so 6 ranks (3 TP groups), and mpirun gets the live hosts.
+  auto next = without_dead_hosts(o, {true, false, true}, why);
+  ASSERT_TRUE(next.has_value()) << why;
+  EXPECT_EQ(next->np, 6);
+  ASSERT_EQ(next->hosts.size(), 2u);
+  EXPECT_EQ(next->hosts[0].name, "a");
+  EXPECT_EQ(next->hosts[1].name, "c");
+  Launch l = build_launch(*next, context());
+  EXPECT_NE(std::find(l.argv.begin(), l.argv.end(), "a:4,c:2"), l.argv.end());
+  // Only c is left at TP 4: 2 slots cannot hold one TP group.
+  Options tp4 = parse({"-np", "8", "-H", "a:4,b:4,c:2", "--tp", "4", "--max-restarts", "1", "--drop-dead-hosts", "--", "x"});
+  EXPECT_FALSE(without_dead_hosts(tp4, {false, false, true}, why).has_value());
+  EXPECT_NE(why.find("fewer than one tensor-parallel group of 4"), std::string::npos) << why;
+  EXPECT_FALSE(without_dead_hosts(tp4, {false, false, false}, why).has_value());
+  EXPECT_EQ(why, "no host answered");
 }
