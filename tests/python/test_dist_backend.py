@@ -272,6 +272,32 @@ def test_barrier_and_async_work(groups):
     work.wait(timeout=datetime.timedelta(seconds=30))
 
 
+def test_coalesced_calls(groups):
+    """torch's _coalescing_manager hands loom one list per kind (allreduce_coalesced, and the
+    all-gather and reduce-scatter into tensors): each runs as loom operations, one Work for all."""
+    from torch.distributed.distributed_c10d import _coalescing_manager
+    rank, size = rank_size()
+    tensors = [data(rank, n=4 + i, salt=20 + i) for i in range(3)]
+    with _coalescing_manager(async_ops=True) as cm:
+        for t in tensors:
+            dist.all_reduce(t)
+    cm.wait()
+    for i, t in enumerate(tensors):
+        assert torch.equal(t, sum(data(r, n=4 + i, salt=20 + i) for r in range(size)))
+    gathered = [torch.empty(size * 3) for _ in range(2)]
+    with _coalescing_manager():
+        for i, out in enumerate(gathered):
+            dist.all_gather_into_tensor(out, data(rank, n=3, salt=30 + i))
+    for i, out in enumerate(gathered):
+        assert torch.equal(out, torch.cat([data(r, n=3, salt=30 + i) for r in range(size)]))
+    scattered = [torch.empty(2) for _ in range(2)]
+    with _coalescing_manager():
+        for i, out in enumerate(scattered):
+            dist.reduce_scatter_tensor(out, data(rank, n=2 * size, salt=40 + i))
+    for i, out in enumerate(scattered):
+        assert torch.equal(out, sum(data(r, n=2 * size, salt=40 + i) for r in range(size)).chunk(size)[rank])
+
+
 def test_unsupported_operations_name_themselves(groups):
     rank, _ = rank_size()
     t = torch.ones(4, dtype=torch.int64)
