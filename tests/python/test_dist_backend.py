@@ -380,10 +380,10 @@ def batch(step, rank):
     return torch.randn(8, 12, generator=g), torch.randn(8, 4, generator=g)
 
 
-def train(model, rank, steps=STEPS):
+def train(model, rank, steps=STEPS, device="cpu"):
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     for step in range(steps):
-        x, y = batch(step, rank)
+        x, y = (t.to(device) for t in batch(step, rank))
         loss = nn.functional.mse_loss(model(x), y)
         opt.zero_grad()
         loss.backward()
@@ -453,3 +453,33 @@ def test_dcp_save_through_loom_load_through_gloo(groups, tmp_path_factory):
         for (name, a), b in zip(model.named_parameters(), fresh.parameters()):
             assert torch.equal(a.full_tensor(), b.full_tensor()), (name, pg)
     assert os.path.exists(os.path.join(where[0], ".metadata"))
+
+
+# ---- CUDA tensors (the device communicator; skipped where ranks have no GPU of their own) ---------
+
+def test_cuda_tensors_over_the_device_communicator(groups):
+    comm = torchloom.device_comm()
+    if comm is None:
+        pytest.skip("no device communicator here (every rank needs a GPU of its own)")
+    rank, size = rank_size()
+    loom_pg, gloo_pg = groups
+    dev = comm.device
+    assert loom_pg._get_backend(dev).device_comm.members == comm.members
+    t = data(rank, salt=50).to(dev)
+    dist.all_reduce(t)
+    ref = data(rank, salt=50)
+    dist.all_reduce(ref, group=gloo_pg)
+    assert torch.equal(t.cpu(), ref)
+    out = torch.empty(size * 6, device=dev)
+    dist.all_gather_into_tensor(out, data(rank, salt=51).to(dev))
+    assert torch.equal(out.cpu(), torch.cat([data(r, salt=51) for r in range(size)]))
+    part = torch.empty(3, device=dev)
+    dist.reduce_scatter_tensor(part, data(rank, n=3 * size, salt=52).to(dev))
+    assert torch.equal(part.cpu(), sum(data(r, n=3 * size, salt=52) for r in range(size)).chunk(size)[rank])
+    over_loom = nn.parallel.DistributedDataParallel(make_net(rank).to(dev), device_ids=[dev.index],
+                                                    process_group=loom_pg, bucket_cap_mb=0.001)
+    over_gloo = nn.parallel.DistributedDataParallel(make_net(rank), process_group=gloo_pg, bucket_cap_mb=0.001)
+    train(over_loom, rank, device=dev)
+    train(over_gloo, rank)
+    for (name, a), b in zip(over_loom.module.named_parameters(), over_gloo.module.parameters()):
+        torch.testing.assert_close(a.cpu(), b, rtol=1e-4, atol=1e-5, msg=name)  # GPU and CPU kernels round apart
