@@ -272,7 +272,12 @@ def sink_mode(a):
     with open(victim) as f:
         check(f.read() == "victim\n", "a symlink at the old fixed temporary name was not followed")
     time.sleep(0.3)  # a few steps' writes
-    subprocess.run(["rm", "-rf", directory])  # the metrics disk goes away mid-run
+    # The metrics disk goes away mid-run. Renamed first, in one step: a plain rm -rf races with the
+    # exporter, which writes a new temporary file there every step (interval 0), so the directory
+    # was at times "not empty" for rmdir and stayed, and no write ever failed.
+    gone = directory + ".gone"
+    os.rename(directory, gone)
+    subprocess.run(["rm", "-rf", gone])
     try:
         out, _ = proc.communicate(timeout=120)
     except subprocess.TimeoutExpired:
