@@ -53,7 +53,7 @@ def main():
             with socket.socket() as s:
                 s.bind(("127.0.0.1", 0))
                 port[0] = s.getsockname()[1]
-        comm.broadcast(port, root=0).wait()
+        comm.broadcast(port, 0).wait()  # rank 0 (a global rank and a group rank alike here)
         dist.init_process_group("loom", init_method=f"tcp://127.0.0.1:{int(port)}", rank=comm.rank,
                                 world_size=comm.size)
     rank, size = dist.get_rank(), dist.get_world_size()

@@ -475,9 +475,10 @@ c10::intrusive_ptr<c10d::Backend> DistBackend::split(const c10::intrusive_ptr<c1
     options->group_name = opts->group_name;
     options->group_desc = opts->group_desc;
   }
-  // The parent's timeout unless the caller gave another.
-  const loom::Timeout timeout = opts && opts->timeout != options_->timeout ? loom::Timeout(opts->timeout.count())
-                                                                           : loom::Timeout(timeout_ms_.load());
+  // The parent's timeout unless the caller gave another (torch passes its 30-minute default when
+  // split_group was given none).
+  const bool given = opts && opts->timeout != options_->timeout && opts->timeout != kBackendDefaultTimeout;
+  const loom::Timeout timeout = given ? loom::Timeout(opts->timeout.count()) : loom::Timeout(timeout_ms_.load());
   return split_ranks(ranks, timeout, std::move(options));
 }
 

@@ -7,37 +7,42 @@
 
 namespace torchloom_py {
 
-FutureCompleter::FutureCompleter() : thread_([this] { run(); }) {}
+FutureCompleter::FutureCompleter()
+    : state_(std::make_shared<State>()), thread_([state = state_] { run(state); }) {}
 
 FutureCompleter::~FutureCompleter() {
   {
-    std::lock_guard<std::mutex> lock(mutex_);
-    stopping_ = true;
+    std::lock_guard<std::mutex> lock(state_->mutex);
+    state_->stopping = true;
   }
-  wake_.notify_one();
-  thread_.join();
+  state_->wake.notify_one();
+  if (thread_.get_id() == std::this_thread::get_id()) {
+    thread_.detach();  // destroyed from a callback on the thread itself: it ends on its own
+  } else {
+    thread_.join();
+  }
 }
 
 void FutureCompleter::add(std::vector<loom::WorkPtr> works, c10::intrusive_ptr<c10::ivalue::Future> future,
                           c10::IValue value) {
   {
-    std::lock_guard<std::mutex> lock(mutex_);
-    queue_.push_back(Entry{std::move(works), std::move(future), std::move(value)});
+    std::lock_guard<std::mutex> lock(state_->mutex);
+    state_->queue.push_back(Entry{std::move(works), std::move(future), std::move(value)});
   }
-  wake_.notify_one();
+  state_->wake.notify_one();
 }
 
-void FutureCompleter::run() {
+void FutureCompleter::run(const std::shared_ptr<State>& state) {
   for (;;) {
     Entry entry;
     {
-      std::unique_lock<std::mutex> lock(mutex_);
+      std::unique_lock<std::mutex> lock(state->mutex);
       // Drains what is queued before stopping: every future handed out gets an outcome (each
       // wait below is bounded by its operation's timeout).
-      wake_.wait(lock, [this] { return stopping_ || !queue_.empty(); });
-      if (queue_.empty()) return;
-      entry = std::move(queue_.front());
-      queue_.pop_front();
+      state->wake.wait(lock, [&] { return state->stopping || !state->queue.empty(); });
+      if (state->queue.empty()) return;
+      entry = std::move(state->queue.front());
+      state->queue.pop_front();
     }
     std::exception_ptr error;
     try {

@@ -37,12 +37,17 @@ class FutureCompleter {
     c10::intrusive_ptr<c10::ivalue::Future> future;
     c10::IValue value;
   };
-  void run();
+  // Shared with the thread, which may outlive this object: a future's callback run by the thread
+  // can drop the last reference to the completer, whose destructor then cannot join its own thread.
+  struct State {
+    std::mutex mutex;
+    std::condition_variable wake;
+    std::deque<Entry> queue;
+    bool stopping = false;
+  };
+  static void run(const std::shared_ptr<State>& state);
 
-  std::mutex mutex_;
-  std::condition_variable wake_;
-  std::deque<Entry> queue_;
-  bool stopping_ = false;
+  std::shared_ptr<State> state_;
   std::thread thread_;
 };
 

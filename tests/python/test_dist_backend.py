@@ -31,7 +31,7 @@ def groups(loom):
             with socket.socket() as s:
                 s.bind(("127.0.0.1", 0))
                 port[0] = s.getsockname()[1]
-        comm.broadcast(port, root=0).wait()
+        comm.broadcast(port, 0).wait()  # rank 0 (a global rank and a group rank alike here)
         dist.init_process_group("loom", init_method=f"tcp://127.0.0.1:{int(port)}", rank=comm.rank,
                                 world_size=comm.size)
     gloo = dist.new_group(backend="gloo")
@@ -351,6 +351,12 @@ def test_new_group_timeout_is_the_groups(groups):
     t = torch.ones(1)
     dist.all_reduce(t, group=sub)
     assert t.item() == dist.get_world_size()
+    every = list(range(dist.get_world_size()))
+    split = dist.split_group(split_ranks=[every], timeout=datetime.timedelta(seconds=37))
+    assert split._get_backend(torch.device("cpu")).options._timeout == datetime.timedelta(seconds=37)
+    # Without one: the parent's (torchloom's own, reported as torch's default).
+    split = dist.split_group(split_ranks=[every])
+    assert split._get_backend(torch.device("cpu")).options._timeout == datetime.timedelta(minutes=30)
 
 
 # ---- PyTorch's own DDP, FSDP2 and DCP ----------------------------------------------------------

@@ -23,7 +23,7 @@ def test_rank_that_does_not_arrive_is_named(loom):
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port[0] = s.getsockname()[1]
-    comm.broadcast(port, root=0).wait()
+    comm.broadcast(port, 0).wait()  # rank 0 (a global rank and a group rank alike here)
     dist.init_process_group("loom", init_method=f"tcp://127.0.0.1:{int(port)}", rank=comm.rank, world_size=2)
     dist.all_reduce(torch.ones(4))
     if comm.rank == 1:
