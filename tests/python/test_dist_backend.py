@@ -414,6 +414,40 @@ def test_ddp_matches_gloo(groups):
     assert all(torch.equal(every[0], e) for e in every)
 
 
+class PartlyUsed(Net):
+    def forward(self, x, use_l2):
+        h = torch.relu(self.l1(x))
+        return self.head(torch.relu(self.l2(h)) if use_l2 else h)
+
+
+@pytest.mark.parametrize("hook", [None, "fp16_compress"])
+def test_ddp_unused_parameters_no_sync_and_comm_hooks_match_gloo(groups, hook):
+    """DDP's other paths: find_unused_parameters (its used-map all-reduce), no_sync accumulation, and
+    a communication hook that all-reduces a compressed copy through the future API."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    rank, _ = rank_size()
+    loom_pg, gloo_pg = groups
+    models = {}
+    for name, pg in (("loom", loom_pg), ("gloo", gloo_pg)):
+        torch.manual_seed(0)
+        ddp = nn.parallel.DistributedDataParallel(PartlyUsed(), process_group=pg, find_unused_parameters=True,
+                                                  bucket_cap_mb=0.001)
+        if hook == "fp16_compress":
+            ddp.register_comm_hook(pg, default_hooks.fp16_compress_hook)
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+        for step in range(4):
+            opt.zero_grad()
+            with ddp.no_sync():  # a micro-step without communication
+                x, y = batch(100 + step, rank)
+                nn.functional.mse_loss(ddp(x, use_l2=True), y).backward()
+            x, y = batch(200 + step, rank)
+            nn.functional.mse_loss(ddp(x, use_l2=(step + rank) % 2 == 0), y).backward()
+            opt.step()
+        models[name] = ddp.module
+    for (name, a), b in zip(models["loom"].named_parameters(), models["gloo"].parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7, msg=name)
+
+
 def fsdp_model(rank, pg):
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import fully_shard
