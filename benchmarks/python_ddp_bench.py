@@ -57,7 +57,7 @@ def main():
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port[0] = s.getsockname()[1]
-    comm.broadcast(port).wait()
+    comm.broadcast(port, src=0)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{int(port)}", rank=rank, world_size=world)
 
     models = {"plain": make_mlp(args),

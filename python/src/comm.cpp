@@ -8,6 +8,40 @@
 
 namespace torchloom_py {
 
+namespace {
+
+// As torch.distributed: a collective blocks (without the GIL) unless async_op=True. Blocking, it
+// still hands back the finished Work, so code written for the earlier always-asynchronous API
+// (`comm.all_reduce(t).wait()`) keeps working.
+std::shared_ptr<loom::Work> finish(std::shared_ptr<loom::Work> work, bool async_op) {
+  if (!async_op) work->wait();
+  return work;
+}
+
+// The group rank of a peer named either by its global (job) rank, as torch.distributed's src and
+// dst are, or by its rank in this group (group_src, group_dst); exactly one of them.
+int peer_in_group(const loom::Communicator& c, const char* op, const char* global_name, std::optional<int> global,
+                  const char* group_name, std::optional<int> group) {
+  const auto where = c.context(op);
+  if (global && group)
+    throw loom::InvalidArgumentError(where(std::string("give ") + global_name + " (a global rank) or " + group_name +
+                                           " (a rank of this group), not both"));
+  if (group) return *group;  // range-checked by the communicator, like every peer
+  if (!global)
+    throw loom::InvalidArgumentError(where(std::string("expected ") + global_name + " (a global rank) or " +
+                                           group_name + " (a rank of this group); found neither"));
+  const auto& members = c.members();
+  for (size_t r = 0; r < members.size(); ++r)
+    if (members[r] == *global) return static_cast<int>(r);
+  std::string listed;
+  for (int m : members) listed += (listed.empty() ? "" : ", ") + std::to_string(m);
+  throw loom::InvalidArgumentError(where(std::string(global_name) + "=" + std::to_string(*global) +
+                                         " is a global rank that is not in this group (its global ranks: " + listed +
+                                         "); for a rank of the group write " + group_name + "="));
+}
+
+}  // namespace
+
 void bind_comm(py::module_& m) {
   py::class_<loom::World>(m, "World", "Where this process stands in the job (loom::World).")
       .def_readonly("rank", &loom::World::rank)
@@ -57,8 +91,9 @@ void bind_comm(py::module_& m) {
 
   py::class_<loom::Communicator, std::shared_ptr<loom::Communicator>>(
       m, "Communicator",
-      "Collectives and point-to-point operations over a group of ranks (loom::Communicator). Every call is "
-      "asynchronous and returns a Work; tensors are updated in place.")
+      "Collectives and point-to-point operations over a group of ranks (loom::Communicator). As in "
+      "torch.distributed, a call blocks until done unless async_op=True, which returns a Work to wait on; "
+      "tensors are updated in place. Peers (src, dst) are global ranks; group_src/group_dst are ranks of the group.")
       .def_property_readonly("rank", &loom::Communicator::rank)
       .def_property_readonly("size", &loom::Communicator::size)
       .def_property_readonly("name", &loom::Communicator::name)
@@ -68,59 +103,83 @@ void bind_comm(py::module_& m) {
       .def_property_readonly("device", [](const loom::Communicator& c) { return c.device(); })
       .def("is_broken", &loom::Communicator::is_broken)
       .def("broken_reason", &loom::Communicator::broken_reason)
-      .def("all_reduce", [](loom::Communicator& c, at::Tensor tensor, loom::ReduceOp op, const py::object& timeout) {
+      .def("all_reduce", [](loom::Communicator& c, at::Tensor tensor, loom::ReduceOp op, const py::object& timeout,
+                            bool async_op) {
              loom::AllReduceOptions o{op, to_timeout(timeout)};
              py::gil_scoped_release release;
-             return c.all_reduce(tensor, o);
+             return finish(c.all_reduce(tensor, o), async_op);
            }, py::arg("tensor"), py::arg("op") = loom::ReduceOp::Sum, py::arg("timeout") = py::none(),
-           "In place: every rank's tensor becomes the reduction over the group.")
-      .def("broadcast", [](loom::Communicator& c, at::Tensor tensor, int root, const py::object& timeout) {
-             loom::BroadcastOptions o{root, to_timeout(timeout)};
+           py::arg("async_op") = false, "In place: every rank's tensor becomes the reduction over the group.")
+      .def("broadcast", [](loom::Communicator& c, at::Tensor tensor, std::optional<int> src, std::optional<int> group_src,
+                           std::optional<int> root, const py::object& timeout, bool async_op) {
+             if (root) {
+               // The old name, a rank in this group: kept working, and said so once.
+               PyErr_WarnEx(PyExc_DeprecationWarning,
+                            "Communicator.broadcast(root=) is a rank of this group; write group_src= (or src=, a "
+                            "global rank, as torch.distributed does)", 1);
+               if (group_src) throw loom::InvalidArgumentError(c.context("broadcast")("give group_src or root, not both"));
+               group_src = root;
+             }
+             loom::BroadcastOptions o{peer_in_group(c, "broadcast", "src", src, "group_src", group_src),
+                                      to_timeout(timeout)};
              py::gil_scoped_release release;
-             return c.broadcast(tensor, o);
-           }, py::arg("tensor"), py::arg("root") = 0, py::arg("timeout") = py::none(),
-           "The root's tensor is copied into every rank's tensor.")
-      .def("all_gather", [](loom::Communicator& c, const py::object& output, at::Tensor input, const py::object& timeout) {
+             return finish(c.broadcast(tensor, o), async_op);
+           }, py::arg("tensor"), py::arg("src") = py::none(), py::kw_only(), py::arg("group_src") = py::none(),
+           py::arg("root") = py::none(), py::arg("timeout") = py::none(), py::arg("async_op") = false,
+           "The source's tensor is copied into every rank's tensor. src: a global (job) rank, as torch.distributed's; "
+           "group_src: a rank of this group; give one of them.")
+      .def("all_gather", [](loom::Communicator& c, const py::object& output, at::Tensor input, const py::object& timeout,
+                            bool async_op) {
              loom::AllGatherOptions o{to_timeout(timeout)};
              if (py::isinstance<py::list>(output)) {
                auto outputs = output.cast<std::vector<at::Tensor>>();
                py::gil_scoped_release release;
-               return c.all_gather(outputs, input, o);
+               return finish(c.all_gather(outputs, input, o), async_op);
              }
              at::Tensor flat = output.cast<at::Tensor>();
              py::gil_scoped_release release;
-             return c.all_gather(flat, input, o);
-           }, py::arg("output"), py::arg("input"), py::arg("timeout") = py::none(),
+             return finish(c.all_gather(flat, input, o), async_op);
+           }, py::arg("output"), py::arg("input"), py::arg("timeout") = py::none(), py::arg("async_op") = false,
            "output: a tensor of size * input.numel() elements (rank r's input at offset r * numel), or a list of "
            "size tensors shaped like input.")
       .def("reduce_scatter", [](loom::Communicator& c, at::Tensor output, at::Tensor input, loom::ReduceOp op,
-                                const py::object& timeout) {
+                                const py::object& timeout, bool async_op) {
              loom::ReduceScatterOptions o{op, to_timeout(timeout)};
              py::gil_scoped_release release;
-             return c.reduce_scatter(output, input, o);
+             return finish(c.reduce_scatter(output, input, o), async_op);
            }, py::arg("output"), py::arg("input"), py::arg("op") = loom::ReduceOp::Sum, py::arg("timeout") = py::none(),
+           py::arg("async_op") = false,
            "input holds size * output.numel() elements; rank r receives the reduction of every rank's r-th chunk.")
-      .def("all_to_all", [](loom::Communicator& c, at::Tensor output, at::Tensor input, const py::object& timeout) {
+      .def("all_to_all", [](loom::Communicator& c, at::Tensor output, at::Tensor input, const py::object& timeout,
+                            bool async_op) {
              loom::AllToAllOptions o{to_timeout(timeout)};
              py::gil_scoped_release release;
-             return c.all_to_all(output, input, o);
-           }, py::arg("output"), py::arg("input"), py::arg("timeout") = py::none(),
+             return finish(c.all_to_all(output, input, o), async_op);
+           }, py::arg("output"), py::arg("input"), py::arg("timeout") = py::none(), py::arg("async_op") = false,
            "Chunk j of rank i's input lands in chunk i of rank j's output.")
-      .def("send", [](loom::Communicator& c, at::Tensor tensor, int dst, int tag, const py::object& timeout) {
+      .def("send", [](loom::Communicator& c, at::Tensor tensor, std::optional<int> dst, int tag,
+                      std::optional<int> group_dst, const py::object& timeout, bool async_op) {
              loom::SendRecvOptions o{tag, to_timeout(timeout)};
+             const int peer = peer_in_group(c, "send", "dst", dst, "group_dst", group_dst);
              py::gil_scoped_release release;
-             return c.send(tensor, dst, o);
-           }, py::arg("tensor"), py::arg("dst"), py::arg("tag") = 0, py::arg("timeout") = py::none())
-      .def("recv", [](loom::Communicator& c, at::Tensor tensor, int src, int tag, const py::object& timeout) {
+             return finish(c.send(tensor, peer, o), async_op);
+           }, py::arg("tensor"), py::arg("dst") = py::none(), py::arg("tag") = 0, py::kw_only(),
+           py::arg("group_dst") = py::none(), py::arg("timeout") = py::none(), py::arg("async_op") = false,
+           "dst: a global (job) rank, as torch.distributed's; group_dst: a rank of this group; give one of them.")
+      .def("recv", [](loom::Communicator& c, at::Tensor tensor, std::optional<int> src, int tag,
+                      std::optional<int> group_src, const py::object& timeout, bool async_op) {
              loom::SendRecvOptions o{tag, to_timeout(timeout)};
+             const int peer = peer_in_group(c, "recv", "src", src, "group_src", group_src);
              py::gil_scoped_release release;
-             return c.recv(tensor, src, o);
-           }, py::arg("tensor"), py::arg("src"), py::arg("tag") = 0, py::arg("timeout") = py::none())
-      .def("barrier", [](loom::Communicator& c, const py::object& timeout) {
+             return finish(c.recv(tensor, peer, o), async_op);
+           }, py::arg("tensor"), py::arg("src") = py::none(), py::arg("tag") = 0, py::kw_only(),
+           py::arg("group_src") = py::none(), py::arg("timeout") = py::none(), py::arg("async_op") = false,
+           "src: a global (job) rank, as torch.distributed's; group_src: a rank of this group; give one of them.")
+      .def("barrier", [](loom::Communicator& c, const py::object& timeout, bool async_op) {
              loom::BarrierOptions o{to_timeout(timeout)};
              py::gil_scoped_release release;
-             return c.barrier(o);
-           }, py::arg("timeout") = py::none())
+             return finish(c.barrier(o), async_op);
+           }, py::arg("timeout") = py::none(), py::arg("async_op") = false)
       .def("split", [](loom::Communicator& c, int color, int key, const std::string& name, const py::object& timeout) {
              loom::SplitOptions o{to_timeout(timeout)};
              py::gil_scoped_release release;

@@ -24,7 +24,7 @@ def gloo(loom):
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port[0] = s.getsockname()[1]
-    comm.broadcast(port, root=0).wait()
+    comm.broadcast(port, src=0)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{int(port)}", rank=comm.rank,
                             world_size=comm.size)
     yield
@@ -308,7 +308,7 @@ def test_checkpoint_round_trip(loom):
     import shutil
     comm = loom.world_comm()
     token = torch.randint(0, 2**31 - 1, (1,), dtype=torch.int64)
-    comm.broadcast(token).wait()
+    comm.broadcast(token, src=0)
     directory = f"/tmp/torchloom-pytest-ckpt-{int(token)}"
     try:
         torch.manual_seed(4)
@@ -342,3 +342,59 @@ def test_checkpoint_round_trip(loom):
         comm.barrier().wait()
         if comm.rank == 0:
             shutil.rmtree(directory, ignore_errors=True)
+
+
+def test_collectives_block_unless_async_op(loom):
+    """As torch.distributed: the call returns once the tensor holds the result; async_op=True hands
+    back a Work to wait on instead."""
+    comm = loom.world_comm()
+    n = comm.size
+    big = torch.full((1 << 22,), float(comm.rank + 1))  # 16 MiB: not done by the time a call returns on its own
+    work = comm.all_reduce(big)
+    assert work.is_completed()
+    assert torch.equal(big, torch.full_like(big, n * (n + 1) / 2))
+    pending = comm.all_reduce(big, async_op=True)
+    pending.wait()
+    assert torch.equal(big, torch.full_like(big, n * n * (n + 1) / 2))
+    out = torch.empty(n * 4)
+    comm.all_gather(out, torch.full((4,), float(comm.rank)))
+    assert torch.equal(out, torch.arange(n).repeat_interleave(4).float())
+    assert comm.barrier().is_completed()
+
+
+def test_peers_are_global_ranks_in_a_sub_group(loom):
+    """src and dst name global ranks, as torch.distributed's do; group_src/group_dst name ranks of
+    the group. The group is ordered backwards (group rank = n - 1 - global rank), so reading one as
+    the other would pick another rank (or wait for one that never sends)."""
+    comm = loom.world_comm()
+    n, me = comm.size, comm.rank
+    backwards = comm.split(0, -me, "backwards")
+    assert backwards.members == list(reversed(range(n)))
+    t = torch.full((4,), float(me))
+    backwards.broadcast(t, src=0)  # global rank 0 (group rank n - 1)
+    assert torch.equal(t, torch.zeros(4))
+    t = torch.full((4,), float(me))
+    backwards.broadcast(t, group_src=0)  # group rank 0 = global rank n - 1
+    assert torch.equal(t, torch.full((4,), float(n - 1)))
+    # A ring over global ranks: each sends its rank to global rank me + 1 and receives from me - 1.
+    right, left = (me + 1) % n, (me - 1) % n
+    got = torch.empty(2)
+    receive = backwards.recv(got, left, timeout=30, async_op=True)
+    backwards.send(torch.full((2,), float(me)), right, timeout=30)
+    receive.wait()
+    assert torch.equal(got, torch.full((2,), float(left)))
+    # The mistakes are named, before anything is sent.
+    with pytest.raises(torchloom.InvalidArgumentError, match="give src .* or group_src .*not both"):
+        backwards.broadcast(t, src=0, group_src=0)
+    with pytest.raises(torchloom.InvalidArgumentError, match="found neither"):
+        backwards.broadcast(t)
+    if n > 1:
+        half = comm.split(me % 2, me, f"parity{me % 2}")
+        outsider = (me + 1) % n  # the other parity: not in this rank's group
+        with pytest.raises(torchloom.InvalidArgumentError, match=f"dst={outsider} is a global rank that is not in "
+                                                                 "this group"):
+            half.send(torch.ones(1), outsider)
+    t = torch.full((4,), float(me))
+    with pytest.warns(DeprecationWarning, match=r"root=\) is a rank of this group"):
+        backwards.broadcast(t, root=0)
+    assert torch.equal(t, torch.full((4,), float(n - 1)))

@@ -56,7 +56,7 @@ def test_init_without_finalize_exits_cleanly():
 def test_bad_arguments_raise_mirrored_errors_with_the_cpp_message(loom):
     comm = loom.world_comm()
     with pytest.raises(torchloom.InvalidArgumentError) as e:
-        comm.broadcast(torch.ones(4), root=3)
+        comm.broadcast(torch.ones(4), group_src=3)
     msg = str(e.value)
     assert msg.startswith("[rank 0] broadcast"), msg
     assert "root" in msg and "3" in msg
