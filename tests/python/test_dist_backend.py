@@ -405,7 +405,7 @@ def test_ddp_matches_gloo(groups):
     train(over_gloo, rank)
     start = make_net(0)
     for (name, a), b, s in zip(over_loom.module.named_parameters(), over_gloo.module.parameters(), start.parameters()):
-        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7, msg=name)
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7, msg=lambda m, name=name: f"{name}: {m}")
         assert not torch.equal(a, s), name  # trained
     # Identical on every rank (checked over Gloo).
     flat = torch.cat([p.detach().flatten() for p in over_loom.parameters()])
@@ -444,8 +444,10 @@ def test_ddp_unused_parameters_no_sync_and_comm_hooks_match_gloo(groups, hook):
             nn.functional.mse_loss(ddp(x, use_l2=(step + rank) % 2 == 0), y).backward()
             opt.step()
         models[name] = ddp.module
+    # fp16 sums differ in their last bits when the two backends add four ranks in different orders.
+    rtol, atol = (1e-3, 1e-5) if hook == "fp16_compress" else (1e-6, 1e-7)
     for (name, a), b in zip(models["loom"].named_parameters(), models["gloo"].parameters()):
-        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7, msg=name)
+        torch.testing.assert_close(a, b, rtol=rtol, atol=atol, msg=lambda m, name=name: f"{name}: {m}")
 
 
 def fsdp_model(rank, pg):
@@ -471,7 +473,7 @@ def test_fsdp2_matches_gloo(groups):
     for (name, a), b, s in zip(over_loom.named_parameters(), over_gloo.parameters(), start.parameters()):
         assert a.device_mesh.get_group() is loom_pg
         full_a, full_b = a.full_tensor(), b.full_tensor()
-        torch.testing.assert_close(full_a, full_b, rtol=1e-5, atol=1e-6, msg=name)
+        torch.testing.assert_close(full_a, full_b, rtol=1e-5, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}")
         assert not torch.equal(full_a, s), name
 
 
@@ -522,4 +524,4 @@ def test_cuda_tensors_over_the_device_communicator(groups):
     train(over_loom, rank, device=dev)
     train(over_gloo, rank)
     for (name, a), b in zip(over_loom.module.named_parameters(), over_gloo.module.parameters()):
-        torch.testing.assert_close(a.cpu(), b, rtol=1e-4, atol=1e-5, msg=name)  # GPU and CPU kernels round apart
+        torch.testing.assert_close(a.cpu(), b, rtol=1e-4, atol=1e-5, msg=lambda m, name=name: f"{name}: {m}")  # GPU and CPU kernels round apart
