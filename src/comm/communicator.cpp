@@ -148,28 +148,29 @@ detail::Op make_op(OpType type, Timeout timeout, const at::Tensor* described) {
 
 }  // namespace
 
-WorkPtr Communicator::all_reduce(at::Tensor& tensor, const AllReduceOptions& options) {
+WorkPtr Communicator::all_reduce(const at::Tensor& tensor, const AllReduceOptions& options) {
   auto op = make_op(OpType::AllReduce, options.timeout, &tensor);
   op.info.reduce = options.op;
   op.outputs = {tensor};  // in place: read and written, listed once
   return enqueue_checked(op);
 }
 
-WorkPtr Communicator::broadcast(at::Tensor& tensor, const BroadcastOptions& options) {
+WorkPtr Communicator::broadcast(const at::Tensor& tensor, const BroadcastOptions& options) {
   auto op = make_op(OpType::Broadcast, options.timeout, &tensor);
   op.info.peer = options.root;
   op.outputs = {tensor};  // in place
   return enqueue_checked(op);
 }
 
-WorkPtr Communicator::all_gather(at::Tensor& output, const at::Tensor& input, const AllGatherOptions& options) {
+WorkPtr Communicator::all_gather(const at::Tensor& output, const at::Tensor& input,
+                                 const AllGatherOptions& options) {
   auto op = make_op(OpType::AllGather, options.timeout, &input);
   op.inputs = {input};
   op.outputs = {output};
   return enqueue_checked(op);
 }
 
-WorkPtr Communicator::all_gather(std::vector<at::Tensor>& outputs, const at::Tensor& input,
+WorkPtr Communicator::all_gather(const std::vector<at::Tensor>& outputs, const at::Tensor& input,
                                  const AllGatherOptions& options) {
   auto op = make_op(OpType::AllGather, options.timeout, &input);
   op.inputs = {input};
@@ -178,7 +179,8 @@ WorkPtr Communicator::all_gather(std::vector<at::Tensor>& outputs, const at::Ten
   return enqueue_checked(op);
 }
 
-WorkPtr Communicator::reduce_scatter(at::Tensor& output, const at::Tensor& input, const ReduceScatterOptions& options) {
+WorkPtr Communicator::reduce_scatter(const at::Tensor& output, const at::Tensor& input,
+                                     const ReduceScatterOptions& options) {
   auto op = make_op(OpType::ReduceScatter, options.timeout, &input);
   op.info.reduce = options.op;
   op.inputs = {input};
@@ -186,7 +188,7 @@ WorkPtr Communicator::reduce_scatter(at::Tensor& output, const at::Tensor& input
   return enqueue_checked(op);
 }
 
-WorkPtr Communicator::all_to_all(at::Tensor& output, const at::Tensor& input, const AllToAllOptions& options) {
+WorkPtr Communicator::all_to_all(const at::Tensor& output, const at::Tensor& input, const AllToAllOptions& options) {
   auto op = make_op(OpType::AllToAll, options.timeout, &input);
   op.inputs = {input};
   op.outputs = {output};
@@ -201,7 +203,7 @@ WorkPtr Communicator::send(const at::Tensor& tensor, int dst, const SendRecvOpti
   return enqueue_checked(op);
 }
 
-WorkPtr Communicator::recv(at::Tensor& tensor, int src, const SendRecvOptions& options) {
+WorkPtr Communicator::recv(const at::Tensor& tensor, int src, const SendRecvOptions& options) {
   auto op = make_op(OpType::Recv, options.timeout, &tensor);
   op.info.peer = src;
   op.tag = options.tag;

@@ -355,3 +355,16 @@ TEST(PointToPoint, ASendOfAFailedBatchStillDeliversItsTensor) {
   }
   world->barrier()->wait();
 }
+
+// Tensors are taken by const reference: a view made in the call itself (before, a non-const
+// reference refused it at compile time) is reduced in place into the tensor it views.
+TEST(Collectives, ReduceIntoAViewMadeInTheCall) {
+  auto comm = test::world();
+  const int n = comm->size();
+  at::Tensor t = at::full({8}, static_cast<double>(comm->rank() + 1));
+  comm->all_reduce(t.narrow(0, 2, 4))->wait();
+  const double sum = n * (n + 1) / 2.0;
+  EXPECT_TRUE(at::equal(t.narrow(0, 2, 4), at::full({4}, sum)));
+  EXPECT_EQ(t[0].item<double>(), comm->rank() + 1);  // outside the view: untouched
+  EXPECT_EQ(t[7].item<double>(), comm->rank() + 1);
+}

@@ -378,7 +378,7 @@ TEST_F(Nccl, FreedInputsAreNotReusedWhileInUse) {
     {
       at::Tensor x = at::full({1 << 20}, static_cast<double>(i), on_gpu(at::kFloat));
       outs.push_back(at::empty({size() << 20}, on_gpu(at::kFloat)));
-      comm->all_gather(outs.back(), x);
+      (void)comm->all_gather(outs.back(), x);
     }
     junk.push_back(at::full({1 << 20}, -1.0, on_gpu(at::kFloat)));
   }
@@ -451,7 +451,7 @@ TEST_F(Nccl, WaitWithTimeoutGivesUpButTheOperationGoesOn) {
 TEST_F(Nccl, RejectsCpuTensors) {
   at::Tensor t = at::ones({4});
   try {
-    comm->all_reduce(t);
+    (void)comm->all_reduce(t);
     ADD_FAILURE() << "a CPU tensor was accepted";
   } catch (const loom::InvalidArgumentError& e) {
     expect_contains(e.what(), "all_reduce");
@@ -463,7 +463,7 @@ TEST_F(Nccl, RejectsCpuTensors) {
 TEST_F(Nccl, RejectsAvgOnIntegers) {
   at::Tensor t = at::ones({4}, on_gpu(at::kInt));
   try {
-    comm->all_reduce(t, {ReduceOp::Avg});
+    (void)comm->all_reduce(t, {ReduceOp::Avg});
     ADD_FAILURE() << "avg on int32 was accepted";
   } catch (const loom::InvalidArgumentError& e) {
     expect_contains(e.what(), "avg");
@@ -484,7 +484,7 @@ TEST_F(Nccl, RejectsTensorsOnAnotherDevice) {
   const int other = (device_index() + 1) % c10::cuda::device_count();
   at::Tensor t = at::ones({4}, at::TensorOptions().device(at::kCUDA, other));
   try {
-    comm->all_reduce(t);
+    (void)comm->all_reduce(t);
     ADD_FAILURE() << "a tensor on cuda:" << other << " was accepted";
   } catch (const loom::InvalidArgumentError& e) {
     expect_contains(e.what(), "cuda:" + std::to_string(other));
@@ -523,7 +523,7 @@ TEST_F(Nccl, TimeoutFailsTheOperationAndBreaksTheCommunicator) {
   EXPECT_NE(work->exception(), nullptr);
   EXPECT_TRUE(timed->is_broken());
   try {
-    timed->all_reduce(t);
+    (void)timed->all_reduce(t);
     ADD_FAILURE() << "a broken communicator accepted an operation";
   } catch (const loom::CommError& e) {
     expect_contains(e.what(), "broken");

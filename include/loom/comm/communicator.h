@@ -69,32 +69,41 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
   // "[rank J] what group=NAME (rank r of n)": the prefix of this communicator's messages.
   ErrorContext context(std::string_view what) const { return ErrorContext(what, name_, rank_, size_); }
 
+  // Every call returns its Work ([[nodiscard]]: an operation nobody waits for is a bug, it may
+  // still be running when its tensors are read). Tensors are taken by const reference, as handles:
+  // the operation writes their data in place (a view such as t.narrow(0, 0, n) works too).
+
   // In place: every rank's tensor becomes the reduction over the group.
-  WorkPtr all_reduce(at::Tensor& tensor, const AllReduceOptions& options = {});
+  [[nodiscard]] WorkPtr all_reduce(const at::Tensor& tensor, const AllReduceOptions& options = {});
   // The root's tensor is copied into every rank's tensor.
-  WorkPtr broadcast(at::Tensor& tensor, const BroadcastOptions& options = {});
+  [[nodiscard]] WorkPtr broadcast(const at::Tensor& tensor, const BroadcastOptions& options = {});
   // output holds size() * input.numel() elements: rank r's input lands at offset r * input.numel().
-  WorkPtr all_gather(at::Tensor& output, const at::Tensor& input, const AllGatherOptions& options = {});
+  [[nodiscard]] WorkPtr all_gather(const at::Tensor& output, const at::Tensor& input,
+                                   const AllGatherOptions& options = {});
   // outputs[r] receives rank r's input; size() tensors shaped like input.
-  WorkPtr all_gather(std::vector<at::Tensor>& outputs, const at::Tensor& input, const AllGatherOptions& options = {});
+  [[nodiscard]] WorkPtr all_gather(const std::vector<at::Tensor>& outputs, const at::Tensor& input,
+                                   const AllGatherOptions& options = {});
   // input holds size() * output.numel() elements; rank r receives the reduction of every rank's
   // r-th chunk.
-  WorkPtr reduce_scatter(at::Tensor& output, const at::Tensor& input, const ReduceScatterOptions& options = {});
+  [[nodiscard]] WorkPtr reduce_scatter(const at::Tensor& output, const at::Tensor& input,
+                                       const ReduceScatterOptions& options = {});
   // input and output hold size() equal chunks; chunk j of rank i's input lands in chunk i of rank j's output.
-  WorkPtr all_to_all(at::Tensor& output, const at::Tensor& input, const AllToAllOptions& options = {});
+  [[nodiscard]] WorkPtr all_to_all(const at::Tensor& output, const at::Tensor& input,
+                                   const AllToAllOptions& options = {});
   // Point-to-point. A send and its receive match in issue order (and by tag on MPI). Two ranks
   // that both send and then both receive can deadlock on NCCL once the message exceeds its
   // buffering: exchange with batch_isend_irecv instead.
-  WorkPtr send(const at::Tensor& tensor, int dst, const SendRecvOptions& options = {});
-  WorkPtr recv(at::Tensor& tensor, int src, const SendRecvOptions& options = {});
+  [[nodiscard]] WorkPtr send(const at::Tensor& tensor, int dst, const SendRecvOptions& options = {});
+  [[nodiscard]] WorkPtr recv(const at::Tensor& tensor, int src, const SendRecvOptions& options = {});
   // Sends and receives issued together (one NCCL group; MPI non-blocking): any order of sends and
   // receives between the ranks completes. One Work for the whole batch; options.tag is unused.
-  WorkPtr batch_isend_irecv(std::vector<P2POp> operations, const SendRecvOptions& options = {});
-  WorkPtr barrier(const BarrierOptions& options = {});
+  [[nodiscard]] WorkPtr batch_isend_irecv(std::vector<P2POp> operations, const SendRecvOptions& options = {});
+  [[nodiscard]] WorkPtr barrier(const BarrierOptions& options = {});
 
   // Collective over this communicator: ranks that pass the same color form a new communicator,
   // ordered by key (ties by rank). A rank passing color < 0 joins none and gets nullptr.
-  std::shared_ptr<Communicator> split(int color, int key, const std::string& name, const SplitOptions& options = {});
+  [[nodiscard]] std::shared_ptr<Communicator> split(int color, int key, const std::string& name,
+                                                    const SplitOptions& options = {});
 
   // True once an operation timed out or failed; every later call raises loom::CommError.
   bool is_broken() const { return broken_.load(); }
