@@ -313,19 +313,19 @@ TEST(CheckpointDist, AsyncSaveCapturesTheStateAtSaveAndASecondSaveWaits) {
     opt.step();
   };
   step();
-  const at::Tensor w1 = ddp->weight.detach().clone();
+  const at::Tensor w1 = ddp.module()->weight.detach().clone();
   c.save({.step = 1});
   EXPECT_TRUE(c.pending());
   step();  // training goes on while the shards are written
-  const at::Tensor w2 = ddp->weight.detach().clone();
+  const at::Tensor w2 = ddp.module()->weight.detach().clone();
   c.save({.step = 2});  // waits for step 1's publication first
   step();
   c.wait();
   EXPECT_FALSE(c.pending());
   c.load(dir + "/step_000001");
-  EXPECT_TRUE(at::equal(ddp->weight, w1));
+  EXPECT_TRUE(at::equal(ddp.module()->weight, w1));
   c.load(dir + "/step_000002");
-  EXPECT_TRUE(at::equal(ddp->weight, w2));
+  EXPECT_TRUE(at::equal(ddp.module()->weight, w2));
   EXPECT_EQ(*Checkpointer::find_latest(dir), dir + "/step_000002");
   cleanup(dir);
 }

@@ -271,7 +271,7 @@ void train_branchy_and_compare(ReducerOptions options, int steps) {
     Batch mine = shard(full, rank);
     ddp_opt.zero_grad();
     torch::mse_loss(ddp.forward(mine.x, (rank + step) % 2 == 0), mine.y).backward();
-    EXPECT_EQ(ddp->never.grad().defined(), false) << "a parameter no rank used keeps no gradient";
+    EXPECT_EQ(ddp.module()->never.grad().defined(), false) << "a parameter no rank used keeps no gradient";
     ddp_opt.step();
     // The reference sees every rank's shard with that rank's choice: mean of per-shard losses.
     ref_opt.zero_grad();
@@ -389,6 +389,38 @@ TEST(DataParallel, ParameterAddedAfterConstructionIsAnError) {
   }
 }
 
+// The wrapper is a torch::nn module holder: ddp(x) and ddp->forward(x) run its checks (before,
+// ddp->forward reached the wrapped model's forward and skipped them), it registers as a submodule
+// whose parameters are the model's under "module.", and the model stays reachable.
+TEST(DataParallel, IsAModuleHolderWhoseEveryForwardIsChecked) {
+  auto comm = test::world();
+  for (int call = 0; call < 2; ++call) {
+    Mlp model;
+    DistributedDataParallel<Mlp> ddp(model, comm);
+    model->register_parameter("late", torch::zeros({3}));
+    try {
+      if (call == 0)
+        ddp(torch::zeros({2, 12}));
+      else
+        ddp->forward(torch::zeros({2, 12}));
+      ADD_FAILURE() << (call == 0 ? "ddp(x)" : "ddp->forward(x)") << " skipped the check";
+    } catch (const InvalidArgumentError& e) {
+      EXPECT_NE(std::string(e.what()).find("has 7 parameters but had 6"), std::string::npos) << e.what();
+    }
+  }
+  Mlp model;
+  DistributedDataParallel<Mlp> ddp(model, comm);
+  torch::nn::Module outer;
+  outer.register_module("ddp", ddp.ptr());
+  const auto named = outer.named_parameters();
+  EXPECT_EQ(named.size(), 6u);
+  EXPECT_TRUE(named.contains("ddp.module.l1.weight"));
+  EXPECT_EQ(named["ddp.module.l1.weight"].data_ptr(), model->l1->weight.data_ptr());
+  EXPECT_EQ(ddp.module()->l1->weight.data_ptr(), model->l1->weight.data_ptr());
+  at::Tensor y = ddp(torch::ones({2, 12}));
+  EXPECT_TRUE(at::equal(y, model->forward(torch::ones({2, 12}))));
+}
+
 // As PyTorch requires: freezing or unfreezing a parameter after wrapping is an error naming it.
 TEST(DataParallel, FreezingOrUnfreezingAfterConstructionIsAnError) {
   auto comm = test::world();
@@ -437,7 +469,7 @@ TEST(DataParallel, StepWhileBucketsArePendingIsAnError) {
   DistributedDataParallel<Mlp> ddp(model, comm, {options, true});
   std::string message;
   auto x = torch::randn({4, 12});
-  auto h = torch::relu(ddp->l1(x));  // l1's gradient arrives last, after l3's and l2's buckets
+  auto h = torch::relu(ddp.module()->l1(x));  // l1's gradient arrives last, after l3's and l2's buckets
   h.register_hook([&](at::Tensor grad) {
     try {
       ddp.reducer().require_synchronized("optimizer step");
@@ -446,7 +478,7 @@ TEST(DataParallel, StepWhileBucketsArePendingIsAnError) {
     }
     return grad;
   });
-  ddp->l3(torch::relu(ddp->l2(h))).sum().backward();
+  ddp.module()->l3(torch::relu(ddp.module()->l2(h))).sum().backward();
   EXPECT_NE(message.find("optimizer step while this iteration's gradients are still being reduced"), std::string::npos)
       << "message: " << message;
   EXPECT_NO_THROW(ddp.reducer().require_synchronized("optimizer step"));  // after backward: all done

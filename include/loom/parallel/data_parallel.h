@@ -15,11 +15,11 @@
 //     ready (rank 0's order, agreed by all).
 //
 //   auto rt = loom::init();
-//   loom::DistributedDataParallel<Net> ddp(Net(), rt->world_comm());
+//   loom::DistributedDataParallel<Net> ddp(Net(), rt->world_comm());  // a torch::nn module holder
 //   torch::optim::SGD opt(ddp->parameters(), 0.1);
 //   for (auto& [x, y] : my_shard) {
 //     ddp.zero_grad();                                // or opt.zero_grad()
-//     auto loss = torch::mse_loss(ddp.forward(x), y);
+//     auto loss = torch::mse_loss(ddp(x), y);         // ddp(x), ddp.forward(x), ddp->forward(x): all checked
 //     loss.backward();                                // all-reduce overlaps backward
 //     opt.step();                                     // averaged gradients
 //   }
@@ -30,6 +30,7 @@
 
 #include <ATen/core/Tensor.h>
 #include <torch/nn/module.h>
+#include <torch/nn/pimpl.h>
 
 #include <functional>
 #include <memory>
@@ -201,12 +202,15 @@ bool grad_enabled();
 }  // namespace detail
 
 // A module holder (e.g. a TORCH_MODULE like Net, or std::shared_ptr<MyModule>) made data
-// parallel: forward() is the module's, gradients are averaged over the group.
+// parallel: a torch::nn::Module whose one submodule, "module", is the model (as in PyTorch's DDP),
+// whose forward() is the model's after the per-step checks, and whose gradients are averaged over
+// the group. Use it through its holder, DistributedDataParallel<ModuleHolder>, below.
 template <typename ModuleHolder>
-class DistributedDataParallel {
+class DistributedDataParallelImpl : public torch::nn::Module {
  public:
-  DistributedDataParallel(ModuleHolder module, std::shared_ptr<Communicator> group, DataParallelOptions options = {})
-      : module_(std::move(module)),
+  DistributedDataParallelImpl(ModuleHolder module, std::shared_ptr<Communicator> group,
+                              DataParallelOptions options = {})
+      : module_(register_module("module", std::move(module))),
         options_(std::move(options)),
         group_(group),
         parameters_(detail::module_parameters(*module_)) {
@@ -218,6 +222,8 @@ class DistributedDataParallel {
     if (options_.broadcast_buffers) detail::broadcast_tensors(*group_, module_->buffers(), "buffer broadcast");
   }
 
+  // The model's forward, after checking that its parameters are those of construction and
+  // broadcasting its buffers when the last forward was followed by a synchronised backward.
   template <typename... Args>
   decltype(auto) forward(Args&&... args) {
     detail::check_module_unchanged(*group_, parameters_, *module_);
@@ -228,10 +234,11 @@ class DistributedDataParallel {
     return module_->forward(std::forward<Args>(args)...);
   }
 
+  // The wrapped model (its own members: ddp->module()->fc1). Calling its forward directly skips
+  // the checks above, as calling ddp.module in PyTorch does.
   ModuleHolder& module() { return module_; }
-  auto* operator->() { return &*module_; }
   GradientReducer& reducer() { return *reducer_; }
-  void zero_grad() { reducer_->zero_grad(); }
+  void zero_grad(bool set_to_none = true) override { reducer_->zero_grad(); }
   [[nodiscard]] GradientReducer::NoSyncGuard no_sync() { return reducer_->no_sync(); }
 
  private:
@@ -241,6 +248,34 @@ class DistributedDataParallel {
   detail::ModuleParameters parameters_;
   std::unique_ptr<GradientReducer> reducer_;
   bool buffers_need_sync_ = true;  // as PyTorch's DDP, which starts with require_forward_param_sync set
+};
+
+// The holder, as TORCH_MODULE makes for a module: registrable as a submodule
+// (register_module("ddp", ddp)), callable as ddp(x), and ddp->... reaches the DDP module itself,
+// so ddp->forward(x) runs the checks too. The wrapper's own calls are also on the holder.
+template <typename ModuleHolder>
+class DistributedDataParallel : public torch::nn::ModuleHolder<DistributedDataParallelImpl<ModuleHolder>> {
+  using Impl = DistributedDataParallelImpl<ModuleHolder>;
+  using Holder = torch::nn::ModuleHolder<Impl>;
+
+ public:
+  DistributedDataParallel(ModuleHolder module, std::shared_ptr<Communicator> group, DataParallelOptions options = {})
+      : Holder(std::make_shared<Impl>(std::move(module), std::move(group), std::move(options))) {}
+  DistributedDataParallel(std::nullptr_t) : Holder(nullptr) {}  // empty, to assign later
+
+  // ddp(x): the base holder's operator() cannot name the return type of a templated forward.
+  template <typename... Args>
+  decltype(auto) operator()(Args&&... args) {
+    return this->get()->forward(std::forward<Args>(args)...);
+  }
+  template <typename... Args>
+  decltype(auto) forward(Args&&... args) {
+    return this->get()->forward(std::forward<Args>(args)...);
+  }
+  ModuleHolder& module() { return this->get()->module(); }
+  GradientReducer& reducer() { return this->get()->reducer(); }
+  void zero_grad() { this->get()->zero_grad(); }
+  [[nodiscard]] GradientReducer::NoSyncGuard no_sync() { return this->get()->no_sync(); }
 };
 
 }  // namespace loom
