@@ -6,7 +6,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 APT_PACKAGES=(cmake ninja-build g++ openmpi-bin libopenmpi-dev libspdlog-dev nlohmann-json3-dev
-              libcli11-dev libhwloc-dev libxxhash-dev libgtest-dev libbenchmark-dev
+              libcli11-dev libhwloc-dev libxxhash-dev libgtest-dev
               python3-dev    # Python.h for the torchloom module (python/)
               clang libclang-rt-dev)  # libFuzzer for scripts/fuzz.sh
 

@@ -1,5 +1,5 @@
 // Autocast for C++ training loops: an RAII guard that turns on automatic mixed precision for
-// a device type (CUDA: float16 or bfloat16; CPU: bfloat16) and restores the previous state on
+// a device type (CUDA: float16 or bfloat16; CPU: bfloat16 or float16) and restores the previous state on
 // exit, clearing the cast cache when the outermost guard ends (as torch.autocast does).
 //
 //   {
