@@ -443,6 +443,26 @@ class Report:
             text += f"\n({len(ours)} loom and {len(ref)} PyTorch round file(s) in the results.)\n"
         return text
 
+    def ddp_backend(self):
+        """PyTorch's own DDP over torch.distributed backend "loom" against over "gloo" (ddp_backend_bench.py)."""
+        files = sorted(glob.glob(self.path("ddp_backend_np*.json")))
+        if not files:
+            self.skipped.append("torch.distributed backend: no ddp_backend_np*.json (BENCHMARKS without `python`)")
+            return None
+        rows = []
+        for f in files:
+            r = load(f)
+            rows.append([f"{r['ranks']} ({r['launcher']}, loom over {r['loom_host_backend']})",
+                         f"{r['parameters'] / 1e6:.2f} M", fmt(r["loom_step_s"] * 1e3, 2), fmt(r["gloo_step_s"] * 1e3, 2),
+                         fmt(r["ratio_loom_over_gloo"]), "met" if r["ratio_loom_over_gloo"] <= 1.0 else "**missed**",
+                         "yes" if r["replicas_agree"] else "**no**"])
+        text = ("`ddp_backend_bench.py`: PyTorch's `DistributedDataParallel` on the same MLP and batches, over "
+                "`init_process_group(\"loom\")` and over a Gloo group in the same processes, rounds alternating "
+                "which goes first; median step of the slowest rank. Ratio loom over gloo (target <= 1.0).\n\n")
+        text += table(["ranks", "parameters", "loom step (ms)", "gloo step (ms)", "ratio", "target <= 1.0",
+                       "replicas agree"], rows)
+        return text
+
     def tp(self):
         files = sorted(glob.glob(self.path("tp_np*.json")))
         if not files:
@@ -729,6 +749,7 @@ class Report:
                 os.remove(os.path.join(self.out, old))
         self.section("All-reduce bus bandwidth: torchloom, raw MPI, PyTorch Gloo", self.allreduce)
         self.section("DDP step time: torchloom against PyTorch DDP", self.ddp)
+        self.section("PyTorch's DDP over torch.distributed backend \"loom\" against \"gloo\"", self.ddp_backend)
         self.section("Tensor parallelism: speed-up and bytes communicated", self.tp)
         self.section("GradScaler: torchloom against PyTorch", self.amp)
         self.section("Checkpoints: throughput against the disk", self.checkpoint)

@@ -93,6 +93,12 @@ if [[ " $BENCHMARKS " == *" python "* ]]; then
   echo "== Python: torchloom DDP vs torch DDP (gloo), 2 ranks; per-call overhead"
   PYTHONPATH="build/python${PYTHONPATH:+:$PYTHONPATH}" mpirun -np 2 $LOOM_MPIRUN_FLAGS "$PYTHON" \
     benchmarks/python_ddp_bench.py --json "$RESULTS/python_ddp_np2.json"
+  # PyTorch's own DDP over torch.distributed backend "loom" against over "gloo", same processes.
+  for np in 2 4; do
+    echo "== PyTorch DDP over backend loom vs gloo, $np ranks"
+    PYTHONPATH="build/python${PYTHONPATH:+:$PYTHONPATH}" mpirun -np $np $LOOM_MPIRUN_FLAGS "$PYTHON" \
+      benchmarks/ddp_backend_bench.py --json "$RESULTS/ddp_backend_np$np.json"
+  done
 fi
 if [[ " $BENCHMARKS " == *" tp "* ]]; then
   echo "== tensor-parallel MLP, TP=2 against TP=1, 2 ranks"
