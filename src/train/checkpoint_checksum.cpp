@@ -1,6 +1,14 @@
 #include "train/checkpoint_checksum.h"
 
 #include <xxhash.h>
+// xxHash's build installs this header only when its library carries the runtime-dispatched
+// variants (DISPATCH=1, as Debian's and Ubuntu's do). Included after xxhash.h it renames
+// XXH3_64bits and XXH3_64bits_update to them: AVX2/AVX-512 where the CPU has it, the same digests.
+// The plain SSE2 build hashed 302 MB in 0.073 s here against 0.038 s dispatched, and on a 2-core
+// machine the checksum thread competes with the reads of a load and the writes of a save.
+#if defined(__x86_64__) && __has_include(<xxh_x86dispatch.h>)
+#include <xxh_x86dispatch.h>
+#endif
 
 #include <new>
 
