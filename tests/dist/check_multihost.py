@@ -89,17 +89,15 @@ def ranks_on(args, wanted):
     return found
 
 
-def host_killed(args):
-    train = [args.train_gpt, "--steps", "400"] + SMALL
-    job = subprocess.Popen([args.loomrun, "-np", "4", "-H", "hostA:2,hostB:2", "--tp", "2", "--"] + train,
-                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=environment())
-    output = []
-    reader = threading.Thread(target=lambda: output.extend(iter(job.stdout.readline, "")), daemon=True)
-    reader.start()
+def kill_host_b_when(args, job, ready, limit, before=lambda: None):
+    """Once ready() holds, runs before() and SIGKILLs the 2 ranks on hostB; then waits for the job to
+    end, `limit` seconds in all. The time of the kill, or None (said why) when there were not 2
+    ranks to kill or the job did not end."""
     killed_at = None
-    deadline = time.time() + 120
+    deadline = time.time() + limit
     while job.poll() is None and time.time() < deadline:
-        if killed_at is None and re.search(r"^step +\d+/", "".join(output), re.M):
+        if killed_at is None and ready():
+            before()
             victims = ranks_on(args, "hostB")
             for pid in victims:
                 os.kill(pid, signal.SIGKILL)
@@ -107,11 +105,26 @@ def host_killed(args):
             print(f"killed the {len(victims)} ranks of hostB: {victims}")
             if len(victims) != 2:
                 job.kill()
-                return 1
+                return None
         time.sleep(0.05)
     if job.poll() is None:
         job.kill()
-        print("FAIL: the job did not end within 120 s")
+        print(f"FAIL: the job did not end within {limit} s")
+        return None
+    if killed_at is None:
+        print(f"FAIL: the job ended (status {job.returncode}) before hostB's ranks were killed")
+    return killed_at
+
+
+def host_killed(args):
+    train = [args.train_gpt, "--steps", "400"] + SMALL
+    job = subprocess.Popen([args.loomrun, "-np", "4", "-H", "hostA:2,hostB:2", "--tp", "2", "--"] + train,
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=environment())
+    output = []
+    reader = threading.Thread(target=lambda: output.extend(iter(job.stdout.readline, "")), daemon=True)
+    reader.start()
+    killed_at = kill_host_b_when(args, job, lambda: re.search(r"^step +\d+/", "".join(output), re.M), 120)
+    if killed_at is None:
         return 1
     reader.join(timeout=10)
     text = "".join(output)
@@ -168,23 +181,11 @@ def restart_without_host(args):
             stamped.append((time.time(), line))
     reader = threading.Thread(target=read, daemon=True)
     reader.start()
-    killed_at = None
-    deadline = time.time() + 240
-    while job.poll() is None and time.time() < deadline:
-        if killed_at is None and os.path.exists(os.path.join(ckpt, "step_000010", "manifest.json")):
-            open(os.path.join(down, "hostB"), "w").close()  # hostB is off: no new daemon starts there
-            victims = ranks_on(args, "hostB")
-            for pid in victims:
-                os.kill(pid, signal.SIGKILL)
-            killed_at = time.time()
-            print(f"hostB down: killed its {len(victims)} ranks")
-            if len(victims) != 2:
-                job.kill()
-                return 1
-        time.sleep(0.05)
-    if job.poll() is None:
-        job.kill()
-        print("FAIL: the job did not end within 240 s", "".join(output)[-3000:])
+    # hostB is off (no new daemon starts there) and its ranks die, once the checkpoint of step 10 exists.
+    killed_at = kill_host_b_when(args, job, lambda: os.path.exists(os.path.join(ckpt, "step_000010", "manifest.json")),
+                                 240, before=lambda: open(os.path.join(down, "hostB"), "w").close())
+    if killed_at is None:
+        print("".join(output)[-3000:])
         return 1
     reader.join(timeout=10)
     text = "".join(output)

@@ -15,18 +15,10 @@ BATCH = 4  # per micro-batch and rank
 
 
 @pytest.fixture(scope="module")
-def gloo(loom):
-    """torch.distributed (Gloo) over the same processes; rank 0's free port broadcast by torchloom."""
-    import socket
+def gloo(loom, tcp_init_method):
+    """torch.distributed (Gloo) over the same processes."""
     comm = loom.world_comm()
-    port = torch.zeros(1, dtype=torch.int64)
-    if comm.rank == 0:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port[0] = s.getsockname()[1]
-    comm.broadcast(port, src=0)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{int(port)}", rank=comm.rank,
-                            world_size=comm.size)
+    dist.init_process_group("gloo", init_method=tcp_init_method(), rank=comm.rank, world_size=comm.size)
     yield
     dist.destroy_process_group()
 

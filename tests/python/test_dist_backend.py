@@ -6,7 +6,6 @@ with the same inputs; DDP and FSDP2 train the same model over each; a DCP checkp
 through loom is read back through Gloo."""
 import datetime
 import os
-import socket
 
 import pytest
 import torch
@@ -19,21 +18,14 @@ STEPS = 5
 
 
 @pytest.fixture(scope="module")
-def groups(loom):
+def groups(loom, tcp_init_method):
     """(loom world group, gloo group over the same ranks). Under torchrun torch's store is the
     launcher's (env://); under mpirun rank 0's free port is sent over torchloom."""
     comm = loom.world_comm()
     if loom.world().launcher == "torchrun":
         dist.init_process_group("loom")
     else:
-        port = torch.zeros(1, dtype=torch.int64)
-        if comm.rank == 0:
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", 0))
-                port[0] = s.getsockname()[1]
-        comm.broadcast(port, 0).wait()  # rank 0 (a global rank and a group rank alike here)
-        dist.init_process_group("loom", init_method=f"tcp://127.0.0.1:{int(port)}", rank=comm.rank,
-                                world_size=comm.size)
+        dist.init_process_group("loom", init_method=tcp_init_method(), rank=comm.rank, world_size=comm.size)
     gloo = dist.new_group(backend="gloo")
     yield dist.group.WORLD, gloo
     dist.destroy_process_group()

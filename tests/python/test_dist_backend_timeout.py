@@ -3,7 +3,6 @@ on the other, naming the rank that did not arrive, through torch.distributed's o
 under mpirun -np 2 with LOOM_ON_ERROR=raise and LOOM_TIMEOUT=2; a file of its own because the group
 is broken afterwards)."""
 import re
-import socket
 import time
 
 import torch
@@ -12,19 +11,13 @@ import torch.distributed as dist
 import torchloom
 
 
-def test_rank_that_does_not_arrive_is_named(loom):
+def test_rank_that_does_not_arrive_is_named(loom, tcp_init_method):
     comm = loom.world_comm()
     assert comm.size == 2
     # Where the ranks meet again at the end, once rank 1 has joined the timed-out call late (so that
     # rank 0's operation stuck in MPI completes and both can finalize).
     spare = comm.split(0, comm.rank, "spare")
-    port = torch.zeros(1, dtype=torch.int64)
-    if comm.rank == 0:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port[0] = s.getsockname()[1]
-    comm.broadcast(port, 0).wait()  # rank 0 (a global rank and a group rank alike here)
-    dist.init_process_group("loom", init_method=f"tcp://127.0.0.1:{int(port)}", rank=comm.rank, world_size=2)
+    dist.init_process_group("loom", init_method=tcp_init_method(), rank=comm.rank, world_size=2)
     dist.all_reduce(torch.ones(4))
     if comm.rank == 1:
         time.sleep(6)
