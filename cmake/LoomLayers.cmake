@@ -17,6 +17,22 @@ set(LOOM_CORE_PUBLIC loom/config.h loom/env.h loom/error.h loom/log.h loom/trace
 # or src:<module> for the layer's own private headers.
 function(loom_layer_include_dir layer)
   set(root ${CMAKE_BINARY_DIR}/layers/${layer})
+  set(wanted)
+  foreach(entry IN LISTS ARGN)
+    if(entry MATCHES "^src:(.+)$")
+      list(APPEND wanted ${root}/${CMAKE_MATCH_1})
+    else()
+      list(APPEND wanted ${root}/${entry})
+    endif()
+  endforeach()
+  # A link an older list made and this one does not (an entry taken away) must go, or the layer
+  # would go on seeing what it no longer may. Links only: nothing they point to is touched.
+  file(GLOB_RECURSE existing LIST_DIRECTORIES true ${root}/*)
+  foreach(path IN LISTS existing)
+    if(IS_SYMLINK ${path} AND NOT path IN_LIST wanted)
+      file(REMOVE ${path})
+    endif()
+  endforeach()
   foreach(entry IN LISTS ARGN)
     if(entry MATCHES "^src:(.+)$")
       set(target ${PROJECT_SOURCE_DIR}/src/${CMAKE_MATCH_1})
