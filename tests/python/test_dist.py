@@ -8,6 +8,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import torchloom
+from conftest import RENDEZVOUS_TIMEOUT
 
 STEPS = 6
 MICRO = 2
@@ -15,10 +16,11 @@ BATCH = 4  # per micro-batch and rank
 
 
 @pytest.fixture(scope="module")
-def gloo(loom, tcp_init_method):
+def gloo(loom, tcp_store):
     """torch.distributed (Gloo) over the same processes."""
     comm = loom.world_comm()
-    dist.init_process_group("gloo", init_method=tcp_init_method(), rank=comm.rank, world_size=comm.size)
+    dist.init_process_group("gloo", store=tcp_store(), rank=comm.rank, world_size=comm.size,
+                            timeout=RENDEZVOUS_TIMEOUT)
     yield
     dist.destroy_process_group()
 

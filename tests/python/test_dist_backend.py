@@ -13,20 +13,21 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import torchloom
+from conftest import RENDEZVOUS_TIMEOUT
 
 STEPS = 5
 
 
 @pytest.fixture(scope="module")
-def groups(loom, tcp_init_method):
+def groups(loom, tcp_store):
     """(loom world group, gloo group over the same ranks). Under torchrun torch's store is the
     launcher's (env://); under mpirun rank 0's free port is sent over torchloom."""
     comm = loom.world_comm()
     if loom.world().launcher == "torchrun":
         dist.init_process_group("loom")
     else:
-        dist.init_process_group("loom", init_method=tcp_init_method(), rank=comm.rank, world_size=comm.size)
-    gloo = dist.new_group(backend="gloo")
+        dist.init_process_group("loom", store=tcp_store(), rank=comm.rank, world_size=comm.size)
+    gloo = dist.new_group(backend="gloo", timeout=RENDEZVOUS_TIMEOUT)
     yield dist.group.WORLD, gloo
     dist.destroy_process_group()
 

@@ -10,10 +10,10 @@ import torch.distributed as dist
 import torchloom
 
 
-def test_all_reduce_of_different_sizes_names_both_ranks(loom, tcp_init_method):
+def test_all_reduce_of_different_sizes_names_both_ranks(loom, tcp_store):
     comm = loom.world_comm()
     assert comm.size == 2
-    dist.init_process_group("loom", init_method=tcp_init_method(), rank=comm.rank, world_size=2)
+    dist.init_process_group("loom", store=tcp_store(), rank=comm.rank, world_size=2)
     dist.all_reduce(torch.ones(4))  # a matching call first: the group works
     mine, theirs = (1024, 2048) if comm.rank == 0 else (2048, 1024)
     with pytest.raises(torchloom.MismatchError) as raised:

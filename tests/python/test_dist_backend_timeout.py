@@ -11,13 +11,13 @@ import torch.distributed as dist
 import torchloom
 
 
-def test_rank_that_does_not_arrive_is_named(loom, tcp_init_method):
+def test_rank_that_does_not_arrive_is_named(loom, tcp_store):
     comm = loom.world_comm()
     assert comm.size == 2
     # Where the ranks meet again at the end, once rank 1 has joined the timed-out call late (so that
     # rank 0's operation stuck in MPI completes and both can finalize).
     spare = comm.split(0, comm.rank, "spare")
-    dist.init_process_group("loom", init_method=tcp_init_method(), rank=comm.rank, world_size=2)
+    dist.init_process_group("loom", store=tcp_store(), rank=comm.rank, world_size=2)
     dist.all_reduce(torch.ones(4))
     if comm.rank == 1:
         time.sleep(6)
