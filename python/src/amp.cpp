@@ -8,7 +8,8 @@
 namespace torchloom_py {
 
 void bind_amp(py::module_& m) {
-  py::class_<loom::GradScaler, std::shared_ptr<loom::GradScaler>>(m, "GradScaler", "loom::GradScaler.")
+  py::class_<loom::GradScaler, std::shared_ptr<loom::GradScaler>>(m, "GradScaler", "loom::GradScaler.",
+      destroyed_without_gil())
       .def(py::init([](double init_scale, double growth_factor, double backoff_factor, int64_t growth_interval,
                        bool enabled, std::vector<std::shared_ptr<loom::Communicator>> sync_groups) {
              loom::GradScalerOptions o;

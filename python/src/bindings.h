@@ -19,6 +19,13 @@ namespace py = pybind11;
 // Releases the GIL for the duration of a (possibly blocking) C++ call.
 using release_gil = py::call_guard<py::gil_scoped_release>;
 
+// Given to every class whose C++ destructor can wait for a thread (a communicator joins its
+// progress thread, a checkpointer its writer), or that may hold the last reference to such an
+// object: the destructor runs without the GIL. That thread may itself need the GIL, to drop the
+// last reference to a tensor whose Python object is then freed; holding it while joining was a
+// deadlock (a sub-group going out of scope while its operation ran).
+using destroyed_without_gil = py::release_gil_before_calling_cpp_dtor;
+
 // A Python timeout (seconds as a number, a datetime.timedelta, or None for the default) as the
 // library's Timeout.
 loom::Timeout to_timeout(const py::object& timeout);

@@ -27,7 +27,8 @@ void bind_checkpoint(py::module_& m) {
       .def_readonly("stall_seconds", &loom::CheckpointInfo::stall_seconds);
 
   // The registered objects must outlive the checkpointer: keep_alive ties them to it.
-  py::class_<loom::Checkpointer>(m, "Checkpointer", "loom::Checkpointer (collective construction).")
+  py::class_<loom::Checkpointer>(m, "Checkpointer", "loom::Checkpointer (collective construction).",
+      destroyed_without_gil())
       .def(py::init([](std::shared_ptr<loom::Communicator> world, const std::string& directory, int keep_last,
                        bool async, const py::object& timeout) {
              loom::CheckpointOptions o;

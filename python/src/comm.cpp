@@ -70,7 +70,8 @@ void bind_comm(py::module_& m) {
       .value("PRODUCT", loom::ReduceOp::Product);
 
   py::class_<loom::Work, std::shared_ptr<loom::Work>>(
-      m, "Work", "Handle of an asynchronous operation (loom::Work), like torch.distributed's Work.")
+      m, "Work", "Handle of an asynchronous operation (loom::Work), like torch.distributed's Work.",
+      destroyed_without_gil())
       .def("wait", [](loom::Work& w, const py::object& timeout) {
              const loom::Timeout t = to_timeout(timeout);
              py::gil_scoped_release release;
@@ -93,7 +94,8 @@ void bind_comm(py::module_& m) {
       m, "Communicator",
       "Collectives and point-to-point operations over a group of ranks (loom::Communicator). As in "
       "torch.distributed, a call blocks until done unless async_op=True, which returns a Work to wait on; "
-      "tensors are updated in place. Peers (src, dst) are global ranks; group_src/group_dst are ranks of the group.")
+      "tensors are updated in place. Peers (src, dst) are global ranks; group_src/group_dst are ranks of the group.",
+      destroyed_without_gil())
       .def_property_readonly("rank", &loom::Communicator::rank)
       .def_property_readonly("size", &loom::Communicator::size)
       .def_property_readonly("name", &loom::Communicator::name)
@@ -191,7 +193,8 @@ void bind_comm(py::module_& m) {
                std::to_string(c.size()) + " (" + c.backend() + ")>";
       });
 
-  py::class_<loom::ParallelGroups>(m, "ParallelGroups", "TP and DP groups (loom::ParallelGroups).")
+  py::class_<loom::ParallelGroups>(m, "ParallelGroups", "TP and DP groups (loom::ParallelGroups).",
+      destroyed_without_gil())
       .def_readonly("tp_degree", &loom::ParallelGroups::tp_degree)
       .def_readonly("dp_degree", &loom::ParallelGroups::dp_degree)
       .def_readonly("tp_rank", &loom::ParallelGroups::tp_rank)
@@ -203,7 +206,8 @@ void bind_comm(py::module_& m) {
         py::arg("order") = std::vector<int>{}, py::arg("dp_rings") = std::vector<std::vector<int>>{}, release_gil(),
         "Collective over world: TP groups of tp_degree consecutive ranks (in order) and DP groups across them.");
 
-  py::class_<loom::Runtime, std::shared_ptr<loom::Runtime>>(m, "Runtime", "What loom::init() started.")
+  py::class_<loom::Runtime, std::shared_ptr<loom::Runtime>>(m, "Runtime", "What loom::init() started.",
+      destroyed_without_gil())
       .def_property_readonly("world", &loom::Runtime::world, py::return_value_policy::copy)
       .def_property_readonly("world_comm", &loom::Runtime::world_comm, "Every process of the job, CPU tensors (MPI).")
       .def_property_readonly("device_comm", &loom::Runtime::device_comm,

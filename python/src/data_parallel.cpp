@@ -94,7 +94,8 @@ void bind_data_parallel(py::module_& m) {
   m.attr("fp16_compress_hook") = BuiltinCommHook{"fp16_compress_hook", loom::comm_hooks::fp16_compress()};
   m.attr("bf16_compress_hook") = BuiltinCommHook{"bf16_compress_hook", loom::comm_hooks::bf16_compress()};
 
-  py::class_<PyGradBucket>(m, "GradBucket", "One bucket handed to a communication hook (loom::GradBucket).")
+  py::class_<PyGradBucket>(m, "GradBucket", "One bucket handed to a communication hook (loom::GradBucket).",
+      destroyed_without_gil())
       .def_readonly("index", &PyGradBucket::index)
       .def_readonly("buffer", &PyGradBucket::buffer, "Flat gradients of the bucket; reduce in place.")
       .def_readonly("parameters", &PyGradBucket::parameters, "Indices into the reducer's parameters.")
@@ -103,7 +104,8 @@ void bind_data_parallel(py::module_& m) {
 
   py::class_<loom::GradientReducer, std::shared_ptr<loom::GradientReducer>>(
       m, "GradientReducer",
-      "Bucketed gradient all-reduce overlapping backward, over a list of parameters (loom::GradientReducer).")
+      "Bucketed gradient all-reduce overlapping backward, over a list of parameters (loom::GradientReducer).",
+      destroyed_without_gil())
       .def(py::init([](std::vector<at::Tensor> parameters, std::shared_ptr<loom::Communicator> group,
                        double bucket_cap_mb, double first_bucket_cap_mb, bool find_unused_parameters, bool static_graph,
                        bool gradient_as_bucket_view, bool broadcast_parameters, std::optional<double> divisor,

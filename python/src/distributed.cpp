@@ -28,7 +28,7 @@ void bind_distributed(py::module_& m) {
   py::class_<DistBackend, c10d::Backend, c10::intrusive_ptr<DistBackend>>(
       m, "_DistBackend",
       "torch.distributed's backend \"loom\" (a c10d::Backend over torchloom's communicators); made by "
-      "torch.distributed.init_process_group(backend=\"loom\"), not by hand.")
+      "torch.distributed.init_process_group(backend=\"loom\"), not by hand.", destroyed_without_gil())
       .def_property_readonly("host_comm", &DistBackend::host_comm, "The communicator of CPU tensors.")
       .def_property_readonly("device_comm", &DistBackend::device_comm,
                              "The communicator of CUDA tensors, or None.")

@@ -83,7 +83,7 @@ void bind_tensor_parallel(py::module_& m) {
          py::arg("multiple") = 1);
 
   py::class_<loom::ColumnParallelLinearImpl, std::shared_ptr<loom::ColumnParallelLinearImpl>>(
-      tp, "ColumnParallelLinear", "loom::ColumnParallelLinear")
+      tp, "ColumnParallelLinear", "loom::ColumnParallelLinear", destroyed_without_gil())
       .def(py::init([](int64_t in, int64_t out, Group group, bool bias, bool gather_output, bool sequence_parallel,
                        const std::optional<std::string>& init) {
              loom::ColumnParallelLinearOptions o;
@@ -106,7 +106,8 @@ void bind_tensor_parallel(py::module_& m) {
       .def_readonly("out_start", &loom::ColumnParallelLinearImpl::out_start);
 
   py::class_<loom::RowParallelLinearImpl, std::shared_ptr<loom::RowParallelLinearImpl>>(tp, "RowParallelLinear",
-                                                                                        "loom::RowParallelLinear")
+                                                                                        "loom::RowParallelLinear",
+                                                                                        destroyed_without_gil())
       .def(py::init([](int64_t in, int64_t out, Group group, bool bias, bool input_is_parallel,
                        bool sequence_parallel, const std::optional<std::string>& init) {
              loom::RowParallelLinearOptions o;
@@ -129,7 +130,7 @@ void bind_tensor_parallel(py::module_& m) {
       .def_readonly("in_start", &loom::RowParallelLinearImpl::in_start);
 
   py::class_<loom::VocabParallelEmbeddingImpl, std::shared_ptr<loom::VocabParallelEmbeddingImpl>>(
-      tp, "VocabParallelEmbedding", "loom::VocabParallelEmbedding")
+      tp, "VocabParallelEmbedding", "loom::VocabParallelEmbedding", destroyed_without_gil())
       .def(py::init([](int64_t n, int64_t dim, Group group, bool sequence_parallel,
                        const std::optional<std::string>& init) {
              loom::VocabParallelEmbeddingOptions o;
@@ -176,7 +177,8 @@ void bind_tensor_parallel(py::module_& m) {
       py::arg("seed"), py::arg("tp_rank"), py::arg("tracker") = nullptr);
 
   py::class_<loom::ParallelState, std::shared_ptr<loom::ParallelState>>(m, "ParallelState",
-                                                                        "TP and DP groups (loom::ParallelState).")
+                                                                        "TP and DP groups (loom::ParallelState).",
+                                                                        destroyed_without_gil())
       .def(py::init([](std::shared_ptr<loom::Communicator> world, int tensor_parallel, std::vector<int> order,
                        std::vector<std::vector<int>> dp_rings, int64_t hidden_size, int64_t num_heads,
                        int64_t ffn_hidden_size, int64_t vocab_size) {

@@ -392,3 +392,20 @@ def test_peers_are_global_ranks_in_a_sub_group(loom):
     with pytest.warns(DeprecationWarning, match=r"root=\) is a rank of this group"):
         backwards.broadcast(t, root=0)
     assert torch.equal(t, torch.full((4,), float(n - 1)))
+
+
+def test_group_dropped_while_its_operation_runs(loom):
+    """A group whose last Python reference goes while its operation is still in flight: its C++
+    destructor waits for the progress thread, which, finishing the operation, drops the last
+    reference to a tensor whose Python object then needs the GIL. The destructor must not hold the
+    GIL while it waits (seen: both threads waiting for each other forever, at the end of a test whose
+    sub-groups went out of scope)."""
+    import time
+    comm = loom.world_comm()
+    for i in range(3):
+        sub = comm.split(0, comm.rank, f"short-lived-{i}")
+        if comm.rank == comm.size - 1:
+            time.sleep(0.3)  # the peers' all-reduce is still running when they drop the group
+        sub.all_reduce(torch.ones(1 << 10), async_op=True)  # neither the tensor nor the Work is kept
+        del sub
+    comm.barrier()
