@@ -23,6 +23,7 @@ struct PyGradBucket {
   std::vector<size_t> parameters;
   std::shared_ptr<loom::Communicator> group;
   double divisor;
+  bool last;
 };
 
 loom::ReducerOptions reducer_options(double bucket_cap_mb, double first_bucket_cap_mb, bool find_unused_parameters,
@@ -49,8 +50,9 @@ loom::ReducerOptions reducer_options(double bucket_cap_mb, double first_bucket_c
   return o;
 }
 
-// A Python callable hook(state, bucket) returning a Work, or (Work, finish) where finish() runs
-// after the wait and must leave bucket.buffer holding the averaged gradients.
+// A Python callable hook(state, bucket) returning a Work, or (Work or None, finish) where finish()
+// runs after the wait and must leave bucket.buffer holding the averaged gradients (torchloom's
+// DistributedDataParallel turns a torch-style hook's Future into (None, wait-and-copy)).
 loom::CommHook python_hook(py::object state, py::object fn) {
   // The Python objects are released with the GIL, whichever thread drops the reducer's last reference.
   auto keep = std::shared_ptr<std::pair<py::object, py::object>>(
@@ -61,12 +63,12 @@ loom::CommHook python_hook(py::object state, py::object fn) {
   return [keep](loom::GradBucket& bucket) -> loom::PendingReduction {
     py::gil_scoped_acquire gil;
     PyGradBucket b{bucket.index, bucket.buffer, bucket.parameters,
-                   bucket.group ? bucket.group->shared_from_this() : nullptr, bucket.divisor};
+                   bucket.group ? bucket.group->shared_from_this() : nullptr, bucket.divisor, bucket.last};
     py::object result = keep->second(keep->first, b);
     loom::PendingReduction pending;
     if (py::isinstance<py::tuple>(result)) {
       auto pair = result.cast<py::tuple>();
-      pending.work = pair[0].cast<loom::WorkPtr>();
+      if (!pair[0].is_none()) pending.work = pair[0].cast<loom::WorkPtr>();  // None: finish alone completes it
       if (!pair[1].is_none()) {
         auto finish = std::shared_ptr<py::object>(new py::object(pair[1]), [](py::object* f) {
           py::gil_scoped_acquire gil;
@@ -94,13 +96,14 @@ void bind_data_parallel(py::module_& m) {
   m.attr("fp16_compress_hook") = BuiltinCommHook{"fp16_compress_hook", loom::comm_hooks::fp16_compress()};
   m.attr("bf16_compress_hook") = BuiltinCommHook{"bf16_compress_hook", loom::comm_hooks::bf16_compress()};
 
-  py::class_<PyGradBucket>(m, "GradBucket", "One bucket handed to a communication hook (loom::GradBucket).",
+  py::class_<PyGradBucket>(m, "_GradBucket", "One bucket handed to a communication hook (loom::GradBucket).",
       destroyed_without_gil())
       .def_readonly("index", &PyGradBucket::index)
       .def_readonly("buffer", &PyGradBucket::buffer, "Flat gradients of the bucket; reduce in place.")
       .def_readonly("parameters", &PyGradBucket::parameters, "Indices into the reducer's parameters.")
       .def_readonly("group", &PyGradBucket::group)
-      .def_readonly("divisor", &PyGradBucket::divisor, "The reduced sum must be divided by this.");
+      .def_readonly("divisor", &PyGradBucket::divisor, "The reduced sum must be divided by this.")
+      .def_readonly("last", &PyGradBucket::last, "The last bucket reduced in this iteration.");
 
   py::class_<loom::GradientReducer, std::shared_ptr<loom::GradientReducer>>(
       m, "GradientReducer",

@@ -149,7 +149,7 @@ allreduce_hook: BuiltinCommHook
 fp16_compress_hook: BuiltinCommHook
 bf16_compress_hook: BuiltinCommHook
 
-class GradBucket:
+class _GradBucket:
     @property
     def index(self) -> int: ...
     @property
@@ -160,6 +160,8 @@ class GradBucket:
     def group(self) -> Communicator: ...
     @property
     def divisor(self) -> float: ...
+    @property
+    def last(self) -> bool: ...
 
 class GradientReducer:
     def __init__(self, parameters: List[torch.Tensor], group: Communicator, bucket_cap_mb: float = 25.0,

@@ -234,7 +234,8 @@ struct GradientReducer::Impl : std::enable_shared_from_this<GradientReducer::Imp
   void issue_in_order(bool during_backward) {
     while (next_to_issue < buckets.size() && buckets[next_to_issue].pending == 0 && !buckets[next_to_issue].issued) {
       Bucket& bucket = buckets[next_to_issue];
-      GradBucket handed{next_to_issue, bucket.buffer, bucket.members, group.get(), divisor};
+      GradBucket handed{next_to_issue, bucket.buffer, bucket.members, group.get(), divisor,
+                        next_to_issue + 1 == buckets.size()};
       bucket.issued_at = trace::now();
       bucket.reduction = passthrough() ? PendingReduction{} : hook(handed);
       // Nobody waits on a bucket before backward ends: it runs in the background from now on.
@@ -298,11 +299,13 @@ struct GradientReducer::Impl : std::enable_shared_from_this<GradientReducer::Imp
     bool host_waits = true;
     for (size_t b = 0; b < buckets.size(); ++b) {
       Bucket& bucket = buckets[b];
-      if (!bucket.reduction.work) continue;
-      host_waits = host_waits && bucket.reduction.work->wait_blocks_the_host();
-      bucket.reduction.work->wait();
+      if (!bucket.reduction.work && !bucket.reduction.finish) continue;
+      if (bucket.reduction.work) {  // a hook may return only a finish that waits by itself
+        host_waits = host_waits && bucket.reduction.work->wait_blocks_the_host();
+        bucket.reduction.work->wait();
+      }
       if (bucket.reduction.finish) bucket.reduction.finish();
-      if (trace::enabled()) record_bucket(b);
+      if (trace::enabled() && bucket.reduction.work) record_bucket(b);
     }
     // What backward did not hide: the wait for the last buckets (and any hook's finishing work).
     // A device wait returns at once (the stream waits): not a measurement.

@@ -86,9 +86,9 @@ def test_ddp_equals_torch_ddp_step_for_step(loom, gloo):
     assert stats["synchronized_iterations"] == STEPS and stats["iterations"] == STEPS * MICRO
 
 
-@pytest.mark.parametrize("options", [{}, {"gradient_as_bucket_view": False},
+@pytest.mark.parametrize("options", [{}, {"gradient_as_bucket_view": True},
                                      {"find_unused_parameters": True, "static_graph": True}],
-                         ids=["defaults", "copied_gradients", "static_graph"])
+                         ids=["defaults", "bucket_views", "static_graph"])
 def test_ddp_equals_one_process_on_the_whole_batch(loom, options):
     comm = loom.world_comm()
     n, rank = comm.size, comm.rank
@@ -97,7 +97,7 @@ def test_ddp_equals_one_process_on_the_whole_batch(loom, options):
         torch.manual_seed(1)
         return nn.Sequential(nn.Linear(5, 16), nn.Tanh(), nn.Linear(16, 3))
 
-    ours, whole = torchloom.DistributedDataParallel(mlp(), bucket_cap_mb=0.0005, **options), mlp()
+    ours, whole = torchloom.DistributedDataParallel(mlp(), bucket_cap_mb=0.0002, **options), mlp()
     our_opt = torch.optim.SGD(ours.parameters(), lr=0.1, momentum=0.9)
     whole_opt = torch.optim.SGD(whole.parameters(), lr=0.1, momentum=0.9)
     for step in range(STEPS):
@@ -117,9 +117,10 @@ def test_ddp_equals_one_process_on_the_whole_batch(loom, options):
             torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6, msg=f"step {step} parameter {name}")
     # the options reached the reducer
     storages = {p.grad.untyped_storage().data_ptr() for p in ours.module.parameters()}
-    assert len(ours.bucket_layout()) == 1  # (the first bucket holds up to 1 MB)
-    expected = 1 if options.get("gradient_as_bucket_view", True) else len(list(ours.module.parameters()))
-    assert len(storages) == expected, storages  # views into the bucket share its storage
+    buckets = len(ours.bucket_layout())
+    assert buckets > 1  # a cap given applies to the first bucket too, as in torch's DDP
+    expected = buckets if options.get("gradient_as_bucket_view", False) else len(list(ours.module.parameters()))
+    assert len(storages) == expected, storages  # views into a bucket share its storage
     agreements = ours.stats()["used_set_agreements"]
     assert agreements == (1 if options.get("static_graph") else 0), agreements
 
@@ -133,11 +134,21 @@ def test_ddp_comm_hooks(loom):
         ddp = torchloom.DistributedDataParallel(model)
         calls = []
         if hook == "python":
-            def average(state, bucket):
-                calls.append(bucket.index)
-                bucket.buffer.div_(bucket.divisor)
-                return bucket.group.all_reduce(bucket.buffer)
+            def average(state, bucket):  # torchloom's collectives: returns a Work
+                calls.append((bucket.index(), bucket.is_last(), [tuple(p.shape) for p in bucket.parameters()],
+                              [tuple(g.shape) for g in bucket.gradients()]))
+                bucket.buffer().div_(bucket.divisor)
+                return bucket.group.all_reduce(bucket.buffer(), async_op=True)
             ddp.register_comm_hook(None, average)
+        elif hook == "future":
+            def average_now(state, bucket):  # torch's signature: a Future of the averaged buffer
+                assert state == "state"
+                calls.append(bucket.index())
+                bucket.group.all_reduce(bucket.buffer())  # blocks
+                future = torch.futures.Future()
+                future.set_result([bucket.buffer() / bucket.divisor])  # a new tensor: copied into the bucket
+                return future
+            ddp.register_comm_hook("state", average_now)
         elif hook is not None:
             ddp.register_comm_hook(None, hook)
         x = torch.full((2, 4), float(comm.rank + 1))
@@ -146,13 +157,52 @@ def test_ddp_comm_hooks(loom):
 
     plain, _ = run(None)
     python, calls = run("python")
-    assert calls, "the Python hook was not called"
+    # one bucket, the last, holding the weight and the bias, their gradients shaped as they are
+    [(index, last, parameter_shapes, gradient_shapes)] = calls  # one bucket: weight and bias
+    assert index == 0 and last and sorted(parameter_shapes) == [(4,), (4, 4)], calls
+    assert gradient_shapes == parameter_shapes, calls
     torch.testing.assert_close(python, plain)
+    later, calls = run("future")
+    assert calls == [0], calls
+    torch.testing.assert_close(later, plain)
     for builtin in (torchloom.comm_hooks.fp16_compress_hook, torchloom.comm_hooks.bf16_compress_hook):
         g, _ = run(builtin)
         torch.testing.assert_close(g, plain, rtol=1e-2, atol=1e-2)
     with pytest.raises(torchloom.InvalidArgumentError, match="register_comm_hook"):
         torchloom.DistributedDataParallel(nn.Linear(1, 1)).register_comm_hook(None, 3)
+
+
+def test_ddp_takes_torchs_arguments(loom):
+    """torch.nn.parallel.DistributedDataParallel's arguments, in its order and with its defaults;
+    what torchloom does not do is refused by name."""
+    comm = loom.world_comm()
+    torch.manual_seed(3)
+    model = nn.Linear(3, 2)
+    # torch's positional order: module, device_ids, output_device, dim, broadcast_buffers, init_sync, process_group
+    ddp = torchloom.DistributedDataParallel(model, None, None, 0, True, True, comm)
+    assert ddp.process_group is comm
+    ddp(torch.ones(2, 3)).sum().backward()
+    assert model.weight.grad.untyped_storage().data_ptr() != model.bias.grad.untyped_storage().data_ptr()  # copies
+    assert torchloom.DistributedDataParallel(nn.Linear(3, 2), group=comm).process_group is comm  # the older name
+    refusals = [
+        ({"device_ids": [0]}, "device_ids must be None for a module on the CPU"),
+        ({"output_device": "cuda:0"}, "output_device cuda:0 is not the module's device cpu"),
+        ({"dim": 1}, "dim must be 0"),
+        ({"mixed_precision": object()}, "mixed_precision is not supported"),
+        ({"device_mesh": object()}, "device_mesh is not supported"),
+        ({"process_group": comm, "group": comm}, "process_group or group"),
+        ({"process_group": "world"}, "process_group must be a torchloom.Communicator.*found str"),
+    ]
+    for kwargs, message in refusals:
+        with pytest.raises(torchloom.InvalidArgumentError, match=message):
+            torchloom.DistributedDataParallel(nn.Linear(3, 2), **kwargs)
+    with pytest.raises(torchloom.InvalidArgumentError, match="join: uneven inputs are not supported"):
+        with ddp.join():
+            pass
+    from torch.distributed.algorithms import Join
+    with pytest.raises(torchloom.InvalidArgumentError, match="uneven inputs"):
+        with Join([ddp]):
+            pass
 
 
 def test_ddp_errors_name_parameters(loom):

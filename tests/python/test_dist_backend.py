@@ -454,6 +454,40 @@ def fsdp_model(rank, pg):
     return model
 
 
+@pytest.mark.parametrize("hook", ["allreduce_hook", "fp16_compress_hook", "bf16_compress_hook"])
+def test_torchs_comm_hooks_run_unchanged_in_torchloom_ddp(groups, hook):
+    """torchloom.DistributedDataParallel over the loom process group, with PyTorch's shipped hooks
+    (GradBucket methods, a Future from the backend's Work): the same parameters as PyTorch's DDP with
+    the same hook over Gloo."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    rank, size = rank_size()
+    loom_pg, gloo_pg = groups
+    ours = torchloom.DistributedDataParallel(make_net(rank), process_group=loom_pg, bucket_cap_mb=0.001)
+    reference = nn.parallel.DistributedDataParallel(make_net(rank), process_group=gloo_pg, bucket_cap_mb=0.001)
+    seen = []
+
+    def recorded(state, bucket):
+        seen.append((bucket.index(), bucket.is_last()))
+        return getattr(default_hooks, hook)(state, bucket)  # state None: torch's hooks use group.WORLD (loom)
+
+    ours.register_comm_hook(None, recorded)
+    reference.register_comm_hook(gloo_pg, getattr(default_hooks, hook))
+    train(ours, rank)
+    train(reference, rank)
+    n = len(ours.bucket_layout())
+    assert n > 1 and seen[:n] == [(i, i == n - 1) for i in range(n)], seen  # several buckets, each through it
+    tolerance = {"rtol": 1e-6, "atol": 1e-7} if hook == "allreduce_hook" else {"rtol": 1e-2, "atol": 1e-3}
+    for (name, a), b in zip(ours.module.named_parameters(), reference.module.parameters()):
+        torch.testing.assert_close(a, b, **tolerance, msg=lambda m, name=name: f"{name}: {m}")
+
+
+def test_torchloom_ddp_refuses_a_gloo_group(groups):
+    _, gloo_pg = groups
+    with pytest.raises(torchloom.InvalidArgumentError, match="process group of backend 'loom', found one of backend "
+                                                              "'gloo'"):
+        torchloom.DistributedDataParallel(make_net(0), process_group=gloo_pg)
+
+
 def test_fsdp2_matches_gloo(groups):
     rank, _ = rank_size()
     loom_pg, gloo_pg = groups

@@ -49,6 +49,7 @@ struct GradBucket {
   std::vector<size_t> parameters;  // indices into the reducer's parameter list
   Communicator* group = nullptr;
   double divisor = 1;              // the reduced sum must be divided by this
+  bool last = false;               // the last bucket reduced in this iteration (torch's is_last())
 };
 
 // What a hook started: the reducer waits for `work`, then runs `finish` (e.g. cast back).
