@@ -313,7 +313,8 @@ class Report:
         (allreduce_gloo_bench), each in the same processes; one file per round."""
         kinds = [("allreduce_torchrun", "torch.distributed (Python, same processes)", "torch_us",
                   "`allreduce_torchrun.py`: torchloom's Python all_reduce().wait() against "
-                  "torch.distributed.all_reduce on a gloo group"),
+                  "torch.distributed.all_reduce on a gloo group (a run's time per size: the mean of its central "
+                  "80% of calls, since these times are bimodal on 2 cores and a median jumps between the modes)"),
                  ("allreduce_gloo_cpp", "c10d::ProcessGroupGloo (C++, same processes)", "gloo_us",
                   "`allreduce_gloo_bench`: loom::Communicator against a c10d::ProcessGroupGloo the program makes")]
         text = ""
@@ -340,7 +341,8 @@ class Report:
                 text += (f"\n**Under torchrun, {n} ranks: torchloom over Gloo against {ref_name}**, "
                          f"{len(docs)} run(s). {what}, interleaved call by call in alternating order, each call "
                          "after a barrier on a third Gloo group, its time the slowest rank's. Times: median over "
-                         "runs of each run's median; ratio = reference time / torchloom time (>= 1: torchloom at "
+                         "runs of each run's time (its median unless said above); ratio = reference time / "
+                         "torchloom time (>= 1: torchloom at "
                          "least as fast), median over runs [range]; target >= 0.95 (issue 24).\n\n")
                 text += table(["size", "loom us", "reference us", "ratio", ">= 0.95", "correct"], rows)
                 streams = [d.get("back_to_back", []) for d in docs if d.get("back_to_back")]
