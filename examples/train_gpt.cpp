@@ -153,14 +153,12 @@ struct GptImpl : torch::nn::Module {
                                         0.02);
     for (int64_t l = 0; l < o.layers; ++l) {
       loom::ParallelTransformerBlockOptions b;
-      b.hidden_size = o.hidden;
-      b.num_heads = o.heads;
       b.attention_dropout = o.dropout;
       b.hidden_dropout = o.dropout;
       b.sequence_parallel = o.sequence_parallel;
       b.recompute = o.recompute;
       b.initialization = init;
-      blocks.push_back(register_module("block" + std::to_string(l), loom::ParallelTransformerBlock(b, group)));
+      blocks.push_back(register_module("block" + std::to_string(l), loom::ParallelTransformerBlock(o.hidden, o.heads, group, b)));
     }
     const auto replicated = torch::dtype(init.dtype).device(init.device);
     lnf_weight = register_parameter("lnf_weight", torch::ones({o.hidden}, replicated));

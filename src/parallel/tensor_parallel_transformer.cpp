@@ -22,19 +22,19 @@
 
 namespace loom {
 
-ParallelTransformerBlockImpl::ParallelTransformerBlockImpl(const ParallelTransformerBlockOptions& o,
-                                                           TensorParallelGroup g)
-    : options(o), group(std::move(g)) {
+ParallelTransformerBlockImpl::ParallelTransformerBlockImpl(int64_t hidden, int64_t heads, TensorParallelGroup g,
+                                                           const ParallelTransformerBlockOptions& o)
+    : hidden_size(hidden), num_heads(heads), options(o), group(std::move(g)) {
   const std::string where = detail::tp_where(group, "ParallelTransformerBlock");
   const int t = detail::tp_size(group);
-  const int64_t h = options.hidden_size;
+  const int64_t h = hidden_size;
   if (options.ffn_hidden_size == 0) options.ffn_hidden_size = 4 * h;
-  if (h <= 0 || options.num_heads <= 0 || h % options.num_heads != 0)
+  if (h <= 0 || num_heads <= 0 || h % num_heads != 0)
     throw InvalidArgumentError(where + ": hidden_size must be a positive multiple of num_heads; found hidden_size " +
-                               std::to_string(h) + ", num_heads " + std::to_string(options.num_heads));
-  detail::require_divisible(where, "number of attention heads", options.num_heads, t);
+                               std::to_string(h) + ", num_heads " + std::to_string(num_heads));
+  detail::require_divisible(where, "number of attention heads", num_heads, t);
   detail::require_divisible(where, "MLP hidden size", options.ffn_hidden_size, t);
-  heads_per_rank = options.num_heads / t;
+  heads_per_rank = num_heads / t;
   const bool sp = options.sequence_parallel;
 
   ParallelInit init = options.initialization;
@@ -59,7 +59,7 @@ ParallelTransformerBlockImpl::ParallelTransformerBlockImpl(const ParallelTransfo
 
 at::Tensor ParallelTransformerBlockImpl::forward(const at::Tensor& x) {
   const std::string where = detail::tp_where(group, "ParallelTransformerBlock");
-  const int64_t h = options.hidden_size;
+  const int64_t h = hidden_size;
   if (x.dim() != 3 || x.size(2) != h)
     throw InvalidArgumentError(where + ": expected input [sequence, batch, " + std::to_string(h) + "]; found " +
                                c10::str(x.sizes()));
@@ -85,7 +85,7 @@ at::Tensor ParallelTransformerBlockImpl::forward(const at::Tensor& x) {
 }
 
 at::Tensor ParallelTransformerBlockImpl::forward_block(const at::Tensor& x) {
-  const int64_t h = options.hidden_size;
+  const int64_t h = hidden_size;
   const bool sp = options.sequence_parallel;
   RngTracker& rng = options.rng ? *options.rng : rng_tracker();
   auto layer_norm = [&](const at::Tensor& in, const at::Tensor& w, const at::Tensor& b) {
@@ -106,7 +106,7 @@ at::Tensor ParallelTransformerBlockImpl::forward_block(const at::Tensor& x) {
 
   // Attention over this rank's heads, on the whole sequence.
   at::Tensor qkv_out = qkv(layer_norm(x, ln1_weight, ln1_bias));  // [s, b, heads_per_rank * 3 * d]
-  const int64_t s = qkv_out.size(0), b = qkv_out.size(1), d = h / options.num_heads;
+  const int64_t s = qkv_out.size(0), b = qkv_out.size(1), d = h / num_heads;
   auto parts = qkv_out.view({s, b, heads_per_rank, 3 * d}).split(d, -1);
   at::Tensor q = parts[0].permute({1, 2, 0, 3});  // [b, heads, s, d]
   at::Tensor k = parts[1].permute({1, 2, 0, 3});

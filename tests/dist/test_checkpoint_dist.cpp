@@ -80,13 +80,11 @@ struct TinyGptImpl : torch::nn::Module {
     tok = register_module("tok", VocabParallelEmbedding(kVocab, kHidden, group, tok_options));
     ParallelTransformerBlockOptions b;
     b.initialization = master;
-    b.hidden_size = kHidden;
-    b.num_heads = kHeads;
     b.ffn_hidden_size = kFfn;
     b.attention_dropout = 0.1;
     b.hidden_dropout = 0.1;
     b.rng = rng;
-    block = register_module("block", ParallelTransformerBlock(b, group));
+    block = register_module("block", ParallelTransformerBlock(kHidden, kHeads, group, b));
     lnf = register_module("lnf", torch::nn::LayerNorm(torch::nn::LayerNormOptions({kHidden})));
     ColumnParallelLinearOptions head_options;
     head_options.bias = false;

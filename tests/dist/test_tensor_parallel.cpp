@@ -383,11 +383,9 @@ TEST(TensorParallelLayers, TransformerBlockEqualsPlainBlock) {
       torch::manual_seed(15);
       ParallelTransformerBlockOptions options;
       options.initialization = master_init();
-      options.hidden_size = h;
-      options.num_heads = heads;
       options.ffn_hidden_size = f;
       options.sequence_parallel = sp;
-      ParallelTransformerBlock block(options, ps.tp_group());
+      ParallelTransformerBlock block(h, heads, ps.tp_group(), options);
       const int rank = ps.tp_rank();
       const int64_t rows = sp ? s / tp : s, r0 = sp ? rank * rows : 0;
 
@@ -450,9 +448,7 @@ struct TinyGptImpl : torch::nn::Module {
     for (int64_t l = 0; l < c.layers; ++l) {
       ParallelTransformerBlockOptions o;
       o.initialization = master_init();
-      o.hidden_size = c.hidden;
-      o.num_heads = c.heads;
-      blocks.push_back(register_module("block" + std::to_string(l), ParallelTransformerBlock(o, group)));
+      blocks.push_back(register_module("block" + std::to_string(l), ParallelTransformerBlock(c.hidden, c.heads, group, o)));
     }
     lnf_w = register_parameter("lnf_w", at::ones({c.hidden}));
     lnf_b = register_parameter("lnf_b", at::zeros({c.hidden}));
@@ -630,12 +626,10 @@ TEST(TensorParallelRng, AttentionDropoutIsReproducibleAndDiffersFromEval) {
   const auto& ps = state(degrees().back());
   ParallelTransformerBlockOptions o;
   o.initialization = master_init();
-  o.hidden_size = 16;
-  o.num_heads = 4;
   o.attention_dropout = 0.3;
   o.hidden_dropout = 0.2;
   torch::manual_seed(3);
-  ParallelTransformerBlock block(o, ps.tp_group());
+  ParallelTransformerBlock block(/*hidden_size=*/16, /*num_heads=*/4, ps.tp_group(), o);
   at::Tensor x = randn_seeded({4, 2, 16}, 30);
   ps.seed(99);
   at::Tensor a = block(x);
@@ -725,10 +719,9 @@ TEST(TensorParallelState, DivisibilityErrorsNameRankExpectedAndFound) {
     expect_invalid([&] { emb(at::tensor({0, tp * 3}, at::kLong)); },
                    job + "VocabParallelEmbedding" + in_group + "expected token ids in [0, " + std::to_string(tp * 3) +
                        "); found min 0, max " + std::to_string(tp * 3));
-    ParallelTransformerBlockOptions o;
-    o.num_heads = tp + 1;  // never a multiple of tp > 1
-    o.hidden_size = 4 * o.num_heads;
-    expect_invalid([&] { ParallelTransformerBlock(o, group); }, "number of attention heads must be a positive multiple");
+    const int64_t heads = tp + 1;  // never a multiple of tp > 1
+    expect_invalid([&] { ParallelTransformerBlock(4 * heads, heads, group); },
+                   "number of attention heads must be a positive multiple");
     RowParallelLinear row(8, 4, group);
     expect_invalid([&] { row(at::zeros({2, 8})); }, "expected an input whose last dimension is " +
                                                         std::to_string(8 / tp) + " (this rank's slice of in_features)");

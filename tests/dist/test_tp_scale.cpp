@@ -176,14 +176,12 @@ TEST(Recompute, ParallelBlockEqualsBlockWithoutRecomputation) {
       const auto& ps = state(tp);
       auto build = [&](bool recompute) {
         ParallelTransformerBlockOptions o;
-        o.hidden_size = h;
-        o.num_heads = heads;
         o.attention_dropout = 0.2;
         o.hidden_dropout = 0.3;
         o.sequence_parallel = sp;
         o.recompute = recompute;
         ps.seed(21);
-        return ParallelTransformerBlock(o, ps.tp_group());
+        return ParallelTransformerBlock(h, heads, ps.tp_group(), o);
       };
       ParallelTransformerBlock plain = build(false), recomputed = build(true);
       const int64_t rows = sp ? s / tp : s, r0 = sp ? ps.tp_rank() * rows : 0;

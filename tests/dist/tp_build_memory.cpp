@@ -44,10 +44,8 @@ int main(int argc, char** argv) {
     model->push_back(loom::VocabParallelEmbedding(vocab, hidden, ps.tp_group(), embedding));
     for (int l = 0; l < 2; ++l) {
       loom::ParallelTransformerBlockOptions block;
-      block.hidden_size = hidden;
-      block.num_heads = 8;
       block.initialization = init;
-      model->push_back(loom::ParallelTransformerBlock(block, ps.tp_group()));
+      model->push_back(loom::ParallelTransformerBlock(hidden, 8, ps.tp_group(), block));
     }
     loom::ColumnParallelLinearOptions head;
     head.bias = false;

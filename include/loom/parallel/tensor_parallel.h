@@ -397,9 +397,9 @@ int64_t padded_vocab_size(int64_t vocab, int tp_degree, int64_t multiple = 1);
 // ---------------------------------------------------------------------------------------------
 // Transformer block.
 
+// What a block may change from its defaults; its sizes are the constructor's arguments, in the
+// order every tensor-parallel layer takes: sizes, group, options.
 struct ParallelTransformerBlockOptions {
-  int64_t hidden_size = 0;
-  int64_t num_heads = 0;
   int64_t ffn_hidden_size = 0;     // 0: 4 * hidden_size
   double attention_dropout = 0.0;  // on the attention probabilities, per TP rank's heads
   double hidden_dropout = 0.0;     // after the attention and MLP outputs: the default stream (same mask on
@@ -427,7 +427,10 @@ struct ParallelTransformerBlockOptions {
 // contiguous slice of heads is a contiguous slice of rows).
 class ParallelTransformerBlockImpl : public torch::nn::Module {
  public:
-  ParallelTransformerBlockImpl(const ParallelTransformerBlockOptions& options, TensorParallelGroup group);
+  //   loom::ParallelTransformerBlock block(/*hidden_size=*/512, /*num_heads=*/8, ps.tp_group(),
+  //                                        loom::ParallelTransformerBlockOptions{.attention_dropout = 0.1});
+  ParallelTransformerBlockImpl(int64_t hidden_size, int64_t num_heads, TensorParallelGroup group,
+                               const ParallelTransformerBlockOptions& options = {});
   at::Tensor forward(const at::Tensor& x);
 
   at::Tensor ln1_weight, ln1_bias, ln2_weight, ln2_bias;
@@ -435,7 +438,9 @@ class ParallelTransformerBlockImpl : public torch::nn::Module {
   RowParallelLinear proj{nullptr};
   ColumnParallelLinear fc1{nullptr};
   RowParallelLinear fc2{nullptr};
-  ParallelTransformerBlockOptions options;
+  int64_t hidden_size = 0;
+  int64_t num_heads = 0;
+  ParallelTransformerBlockOptions options;  // ffn_hidden_size filled in (4 * hidden_size when 0)
   TensorParallelGroup group;
   int64_t heads_per_rank = 0;
 
