@@ -34,7 +34,7 @@ B=${GPU_BUILD_DIR:-build-gpu}
 if [[ ! -d "$B" && -d build ]]; then B=build; fi
 OUT=${OUT:-$PWD/$B/gpu_check}
 BUDGET=${GPU_CHECK_BUDGET:-480}  # seconds for the whole check; steps that would start later are skipped
-TARGETS=(test_nccl test_cuda_training test_cuda_checkpoint train_gpt)
+TARGETS=(test_nccl test_cuda_training test_cuda_checkpoint train_gpt torchloom_python)
 start=$SECONDS
 
 # ---- The steps: name, time limit (s), what a PASS proves, command (run with bash -c) ----------
@@ -73,6 +73,8 @@ step gpt_metrics.np1 120 "NVML gauges of the rank's own GPU in the Prometheus fi
   "$NP1 -x LOOM_METRICS=file:\$OUT/metrics -x LOOM_METRICS_INTERVAL=0 $GPT --steps 60 --log-every 30 && grep -E '^loom_gpu_memory_used_bytes\{.*\} [1-9]' \$OUT/metrics/torchloom_rank0.prom"
 step gpt_plain.np1 120 "the same run without metrics: its ms per step beside gpt_metrics' is the cost of sampling NVML" \
   "$NP1 $GPT --steps 60 --log-every 30"
+step python_rng.np2 90 "from Python, TP 2: GPU draws and dropout masks inside torchloom.tensor_parallel.fork() differ per TP rank, outside they agree (ParallelState.seed seeds the CUDA tracker)" \
+  "$NP2 -x PYTHONPATH=$B/python $HOSTS python3 tests/gpu/check_python_rng.py"
 
 if ((dry)); then
   echo "gpu_check steps (build dir $B, budget $BUDGET s):"
@@ -105,7 +107,7 @@ if ((build)) && missing; then
   B=build-gpu
   echo "[gpu_check] building ${TARGETS[*]} in $B"
   if [[ ! -f $B/build.ninja ]]; then
-    cmake -S . -B "$B" -G Ninja -DCMAKE_BUILD_TYPE=Release -DLOOM_WITH_NCCL=ON -DLOOM_BUILD_PYTHON=OFF \
+    cmake -S . -B "$B" -G Ninja -DCMAKE_BUILD_TYPE=Release -DLOOM_WITH_NCCL=ON -DLOOM_BUILD_PYTHON=ON \
       -DLOOM_BUILD_BENCHMARKS=OFF -DCMAKE_PREFIX_PATH="$(python3 -c 'import torch; print(torch.utils.cmake_prefix_path)')" \
       >"$B.configure.log" 2>&1 || { tail -n 30 "$B.configure.log"; echo "[gpu_check] FAIL: configure" >&2; exit 1; }
   fi

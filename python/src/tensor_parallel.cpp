@@ -5,6 +5,8 @@
 
 #include "loom/parallel/tensor_parallel.h"
 
+#include <torch/cuda.h>
+
 namespace torchloom_py {
 namespace {
 
@@ -28,7 +30,23 @@ struct ForkContext {
   loom::RngTracker* tracker;
   std::string name;
   std::optional<loom::RngTracker::ForkGuard> guard;
+  // torchloom.tensor_parallel.fork(): also the current CUDA device's tracker, when seeded.
+  loom::RngTracker* cuda_tracker = nullptr;
+  std::optional<loom::RngTracker::ForkGuard> cuda_guard;
 };
+
+// The current CUDA device's tracker, or nullptr where torch sees no GPU.
+loom::RngTracker* current_cuda_tracker() {
+  if (!torch::cuda::is_available()) return nullptr;
+  return &loom::rng_tracker(c10::Device(c10::kCUDA));  // no index: the current device
+}
+
+// Seeds the CPU tracker and, where there is a GPU, the current CUDA device's (as Megatron's
+// model_parallel_cuda_manual_seed): draws in a forked region differ per TP rank on either device.
+void seed_every_device(uint64_t seed, int tp_rank) {
+  loom::model_parallel_seed(seed, tp_rank, loom::rng_tracker());
+  if (loom::RngTracker* cuda = current_cuda_tracker()) loom::model_parallel_seed(seed, tp_rank, *cuda);
+}
 
 // init=None keeps the C++ default. "master": the full weight drawn as the plain torch layer would
 // from the default generator, then sliced (equal to the plain layer at every TP degree); "sharded":
@@ -148,11 +166,28 @@ void bind_tensor_parallel(py::module_& m) {
       .def_readonly("vocab_end", &loom::VocabParallelEmbeddingImpl::vocab_end);
 
   py::class_<ForkContext>(tp, "_ForkContext")
-      .def("__enter__", [](ForkContext& c) { c.guard.emplace(c.tracker->fork(c.name)); })
+      .def("__enter__", [](ForkContext& c) {
+        c.guard.emplace(c.tracker->fork(c.name));
+        if (c.cuda_tracker) c.cuda_guard.emplace(c.cuda_tracker->fork(c.name));
+      })
       .def("__exit__", [](ForkContext& c, const py::args&) {
+        c.cuda_guard.reset();
         c.guard.reset();
         return false;
       });
+  tp.def(
+      "fork",
+      [](const std::string& name) {
+        ForkContext c{&loom::rng_tracker(), name, std::nullopt};
+        // The CUDA tracker too when it has the stream (seeded by ParallelState.seed on a GPU
+        // machine); a CPU-only program never touches CUDA.
+        loom::RngTracker* cuda = current_cuda_tracker();
+        if (cuda && cuda->has(name)) c.cuda_tracker = cuda;
+        return c;
+      },
+      py::arg("name") = std::string(loom::kModelParallelRngStream),
+      "with torchloom.tensor_parallel.fork(): draws inside come from the named stream (different per TP rank) on "
+      "the CPU and, where seeded, on the current CUDA device: dropout in a split region, wherever it runs.");
   py::class_<loom::RngTracker>(tp, "RngTracker", "Named random streams (loom::RngTracker).")
       .def("add", &loom::RngTracker::add, py::arg("name"), py::arg("seed"))
       .def("has", &loom::RngTracker::has, py::arg("name"))
@@ -172,7 +207,8 @@ void bind_tensor_parallel(py::module_& m) {
   tp.def(
       "model_parallel_seed",
       [](uint64_t seed, int tp_rank, loom::RngTracker* tracker) {
-        loom::model_parallel_seed(seed, tp_rank, tracker ? *tracker : loom::rng_tracker());
+        if (tracker) loom::model_parallel_seed(seed, tp_rank, *tracker);
+        else seed_every_device(seed, tp_rank);
       },
       py::arg("seed"), py::arg("tp_rank"), py::arg("tracker") = nullptr);
 
@@ -206,7 +242,8 @@ void bind_tensor_parallel(py::module_& m) {
       .def(
           "seed",
           [](const loom::ParallelState& ps, uint64_t seed, loom::RngTracker* tracker) {
-            ps.seed(seed, tracker ? *tracker : loom::rng_tracker());
+            if (tracker) ps.seed(seed, *tracker);
+            else seed_every_device(seed, ps.tp_rank());  // the CPU's and the current GPU's trackers
           },
           py::arg("seed"), py::arg("tracker") = nullptr)
       .def("require_divisible", &loom::ParallelState::require_divisible, py::arg("what"), py::arg("value"));

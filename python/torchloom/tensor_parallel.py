@@ -37,6 +37,18 @@ def rng_tracker(device: Any = None) -> RngTracker:
     return _C.rng_tracker(None if device is None else torch.device(device))
 
 
+def fork(name: str = "model-parallel") -> Any:
+    """with fork(): random draws inside come from the named stream (per TP rank after
+    ParallelState.seed) on the CPU and, where ParallelState.seed ran on a machine with a GPU, on the
+    current CUDA device too: dropout inside a split region, wherever the tensors live.
+
+        ps.seed(1234)
+        with torchloom.tensor_parallel.fork():
+            h = torch.nn.functional.dropout(h, 0.1)   # a different mask on each TP rank
+    """
+    return _C.fork(name)
+
+
 def _adopt(module: torch.nn.Module, impl: Any, name: str) -> None:
     """Makes the C++ layer's tensor `name` this module's parameter (the same storage), and gives the
     parameter back to the C++ layer, so gradients land on the Python parameter."""

@@ -297,6 +297,9 @@ def test_tensor_parallel_layers_equal_plain_layers(loom):
         assert torch.equal(both[r, 1], outside)
         if r != comm.rank and r // tp == comm.rank // tp:
             assert not torch.equal(both[r, 0], inside)
+    ps.seed(1234)  # the device-independent fork: on the CPU, the CPU tracker's stream
+    with torchloom.tensor_parallel.fork():
+        assert torch.equal(torch.rand(4), inside)
 
 
 def test_gradscaler_agrees_across_ranks(loom):
