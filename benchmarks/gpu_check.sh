@@ -75,6 +75,8 @@ step gpt_plain.np1 120 "the same run without metrics: its ms per step beside gpt
   "$NP1 $GPT --steps 60 --log-every 30"
 step python_rng.np2 90 "from Python, TP 2: GPU draws and dropout masks inside torchloom.tensor_parallel.fork() differ per TP rank, outside they agree (ParallelState.seed seeds the CUDA tracker)" \
   "$NP2 -x PYTHONPATH=$B/python $HOSTS python3 tests/gpu/check_python_rng.py"
+step python_backend_cuda.np2 120 "torch.distributed backend loom on CUDA tensors (NCCL underneath): all_reduce, all_gather_into_tensor, reduce_scatter_tensor against Gloo on the CPU, PyTorch's DDP over it equal to over Gloo (fails if the test skips)" \
+  "$NP2 -x PYTHONPATH=$B/python $HOSTS python3 -m pytest -q -p no:cacheprovider tests/python/test_dist_backend.py -k cuda_tensors; grep -q '1 passed' \"\$LOG\""
 
 if ((dry)); then
   echo "gpu_check steps (build dir $B, budget $BUDGET s):"
