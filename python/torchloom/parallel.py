@@ -49,6 +49,15 @@ def _parameters_now(module: torch.nn.Module) -> "_C._ModuleParameters":
     return _C._ModuleParameters(tensors, names, trainable)
 
 
+def _where(what: str = "DistributedDataParallel") -> str:
+    """What an error names first, as the C++ library's do: "[rank R] DistributedDataParallel"."""
+    try:
+        from . import world
+        return f"[rank {world().rank}] {what}"
+    except Exception:  # before torchloom.init(): no rank yet
+        return what
+
+
 def _communicator_of(process_group: Any, module: torch.nn.Module, where: str) -> "_C.Communicator":
     """process_group as torch's DDP takes it, as the torchloom communicator to reduce over: a
     torchloom.Communicator, a torch.distributed ProcessGroup of backend "loom" (its communicator
@@ -134,7 +143,7 @@ def _finish_future(future: torch._C.Future, buffer: torch.Tensor) -> Callable[[]
         if isinstance(value, (list, tuple)):
             value = value[0]
         if not isinstance(value, torch.Tensor):
-            raise _C.InvalidArgumentError(f"DistributedDataParallel comm hook: the future's value must be a tensor "
+            raise _C.InvalidArgumentError(f"{_where('DistributedDataParallel comm hook')}: the future's value must be a tensor "
                                           f"(or a list of one), found {type(value).__name__}")
         if value.data_ptr() != buffer.data_ptr() or value.shape != buffer.shape:
             buffer.copy_(value.view_as(buffer))
@@ -162,7 +171,7 @@ class DistributedDataParallel(torch.nn.Module):
                  mixed_precision: Any = None, device_mesh: Any = None, *,
                  group: Optional[_C.Communicator] = None) -> None:
         super().__init__()
-        where = "DistributedDataParallel"
+        where = _where()
         unsupported = {"mixed_precision": mixed_precision, "device_mesh": device_mesh,
                        "delay_all_reduce_named_params": delay_all_reduce_named_params,
                        "param_to_hook_all_reduce": param_to_hook_all_reduce}
@@ -260,7 +269,7 @@ class DistributedDataParallel(torch.nn.Module):
             return
         if not callable(hook):
             raise _C.InvalidArgumentError(
-                f"DistributedDataParallel.register_comm_hook: expected a callable hook(state, bucket) or a "
+                f"{_where('DistributedDataParallel.register_comm_hook')}: expected a callable hook(state, bucket) or a "
                 f"torchloom.comm_hooks hook, found {type(hook).__name__}")
         parameters = self._trainable
 
@@ -276,7 +285,7 @@ class DistributedDataParallel(torch.nn.Module):
     def join(self, *args: Any, **kwargs: Any) -> None:
         """Refused: torchloom has no shadow collectives for ranks that ran out of inputs."""
         raise _C.InvalidArgumentError(
-            "DistributedDataParallel.join: uneven inputs are not supported by torchloom; give every rank the same "
+            f"{_where('DistributedDataParallel.join')}: uneven inputs are not supported by torchloom; give every rank the same "
             "number of batches (torch.utils.data.DistributedSampler(..., drop_last=True) does)")
 
     def join_hook(self, **kwargs: Any) -> None:

@@ -179,13 +179,17 @@ def test_ddp_takes_torchs_arguments(loom):
     torch.manual_seed(3)
     model = nn.Linear(3, 2)
     # torch's positional order: module, device_ids, output_device, dim, broadcast_buffers, init_sync, process_group
-    ddp = torchloom.DistributedDataParallel(model, None, None, 0, True, True, comm)
-    assert ddp.process_group is comm
+    # (a sub-group, not the world: a process_group argument read from the wrong position would
+    # fall back to the world and pass unnoticed)
+    sub = comm.split(0, comm.rank, "ddp-positional")
+    ddp = torchloom.DistributedDataParallel(model, None, None, 0, True, True, sub)
+    assert ddp.process_group is sub
     ddp(torch.ones(2, 3)).sum().backward()
     assert model.weight.grad.untyped_storage().data_ptr() != model.bias.grad.untyped_storage().data_ptr()  # copies
     assert torchloom.DistributedDataParallel(nn.Linear(3, 2), group=comm).process_group is comm  # the older name
     refusals = [
-        ({"device_ids": [0]}, "device_ids must be None for a module on the CPU"),
+        ({"device_ids": [0]}, rf"\[rank {comm.rank}\] DistributedDataParallel: device_ids must be None for a "
+                              "module on the CPU"),
         ({"output_device": "cuda:0"}, "output_device cuda:0 is not the module's device cpu"),
         ({"dim": 1}, "dim must be 0"),
         ({"mixed_precision": object()}, "mixed_precision is not supported"),
