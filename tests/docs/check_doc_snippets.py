@@ -14,24 +14,17 @@ A block the check must leave alone says why on the line before its fence:
     check_doc_snippets.py --source-dir DIR --emit doc_snippets.cpp
 """
 import argparse
-import glob
 import os
 import re
 import sys
 
-FENCE = re.compile(r"^```cpp\n(.*?)^```", re.S | re.M)
-SKIP = re.compile(r"<!--\s*snippet:\s*skip\b(.*?)-->")
+from markdown_blocks import blocks as page_blocks, pages
 
 
 def blocks(source_dir):
-    files = [os.path.join(source_dir, "README.md")] + sorted(glob.glob(os.path.join(source_dir, "docs", "*.md")))
-    for path in files:
-        text = open(path, encoding="utf-8").read()
-        for m in FENCE.finditer(text):
-            line = text.count("\n", 0, m.start()) + 1
-            before = text[:m.start()].rstrip("\n").rsplit("\n", 1)[-1]
-            skip = SKIP.search(before)
-            yield os.path.relpath(path, source_dir), line, m.group(1), (skip.group(1).strip() if skip else None)
+    for path in pages(source_dir):
+        for line, code, skip in page_blocks(path, "cpp"):
+            yield os.path.relpath(path, source_dir), line, code, skip
 
 
 def translation_unit(found):

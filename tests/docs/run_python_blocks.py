@@ -11,15 +11,12 @@ A block the check must leave alone says why on the line before its fence:
     <!-- snippet: skip REASON -->
 A failing block prints its file and line with the traceback and ends the job (exit 1).
 """
-import glob
 import os
-import re
 import socket
 import sys
 import traceback
 
-FENCE = re.compile(r"^```python\n(.*?)^```", re.S | re.M)
-SKIP = re.compile(r"<!--\s*snippet:\s*skip\b(.*?)-->")
+from markdown_blocks import blocks as page_blocks, pages
 
 PRELUDE = '''
 import contextlib
@@ -44,15 +41,8 @@ h = torch.randn(4, 2, hidden)
 
 
 def blocks(source_dir):
-    files = [os.path.join(source_dir, "README.md")] + sorted(glob.glob(os.path.join(source_dir, "docs", "*.md")))
-    for path in files:
-        text = open(path, encoding="utf-8").read()
-        found = []
-        for m in FENCE.finditer(text):
-            line = text.count("\n", 0, m.start()) + 1
-            before = text[:m.start()].rstrip("\n").rsplit("\n", 1)[-1]
-            skip = SKIP.search(before)
-            found.append((line, m.group(1), skip.group(1).strip() if skip else None))
+    for path in pages(source_dir):
+        found = list(page_blocks(path, "python"))
         if found:
             yield os.path.relpath(path, source_dir), found
 
