@@ -273,6 +273,9 @@ class GlooCommunicator final : public Communicator {
         o.timeout = gloo_timeout(op.info);
         at::Tensor input = op.inputs[0].view({-1});
         at::Tensor output = op.outputs[0].view({-1});
+        // In place (the output is this rank's chunk of the input): Gloo reads from a copy.
+        if (output.data_ptr() == static_cast<const char*>(input.data_ptr()) + rank() * output.nbytes())
+          op.staging = input = input.clone();
         return group_->reduce_scatter_single(output, input, o);
       }
       case OpType::AllToAll: {
@@ -304,7 +307,9 @@ class GlooCommunicator final : public Communicator {
                          op.info.reduce == ReduceOp::Avg && size() > 1;
     at::Tensor averaged = average ? op.outputs[0] : at::Tensor();
     const int n = size();
-    at::Tensor staging = op.staging;
+    // The list all-gather's staging is copied out; another operation's (an in-place reduce-scatter's
+    // copy of its input) is only kept alive.
+    at::Tensor staging = (op.info.type == OpType::AllGather && op.list_output) ? op.staging : at::Tensor();
     std::vector<at::Tensor> outputs = staging.defined() ? op.outputs : std::vector<at::Tensor>();
     // Empty when there is nothing to do on completion (a Sum all-reduce): no allocation per operation.
     std::function<void()> done;

@@ -414,10 +414,18 @@ class MpiCommunicator final : public Communicator {
       case OpType::ReduceScatter: {
         const at::Tensor& in = op.inputs[0];
         at::Tensor& out = op.outputs[0];
-        check_mpi(MPI_Reduce_scatter_block(in.data_ptr(), out.data_ptr(), element_count(out, op),
-                                           detail::mpi_datatype(in.scalar_type()),
-                                           detail::mpi_reduce_op(op.info.reduce, in.scalar_type()), comm_),
-                  op, "MPI_Reduce_scatter_block");
+        const int count = element_count(out, op);
+        const MPI_Datatype type = detail::mpi_datatype(in.scalar_type());
+        const MPI_Op reduce = detail::mpi_reduce_op(op.info.reduce, in.scalar_type());
+        if (out.data_ptr() == static_cast<const char*>(in.data_ptr()) + rank() * out.nbytes()) {
+          // In place: MPI leaves this rank's result at the start of the buffer; it moves to its chunk.
+          check_mpi(MPI_Reduce_scatter_block(MPI_IN_PLACE, in.data_ptr(), count, type, reduce, comm_), op,
+                    "MPI_Reduce_scatter_block");
+          if (rank() != 0) out.copy_(in.narrow(0, 0, out.numel()));
+        } else {
+          check_mpi(MPI_Reduce_scatter_block(in.data_ptr(), out.data_ptr(), count, type, reduce, comm_), op,
+                    "MPI_Reduce_scatter_block");
+        }
         if (op.info.reduce == ReduceOp::Avg && n > 1) out.div_(n);
         break;
       }

@@ -135,12 +135,10 @@ void check_aliasing(const Op& op, const at::Device& device) {
       const auto& out = op.outputs.front();
       if (!overlap(in, out)) break;
       const auto own = reinterpret_cast<uintptr_t>(in.data_ptr()) + static_cast<uintptr_t>(op.info.rank) * out.nbytes();
-      // NCCL reduces in place when the output is this rank's chunk of the input; MPI cannot.
-      if (device.is_cuda() && reinterpret_cast<uintptr_t>(out.data_ptr()) == own) break;
+      // In place (NCCL's form, which the host backends follow): the output is this rank's chunk of the input.
+      if (reinterpret_cast<uintptr_t>(out.data_ptr()) == own) break;
       reject_alias(op, "the output overlaps the input",
-                   device.is_cuda() ? "in place, the output must be exactly chunk " + std::to_string(op.info.rank) +
-                                          " of the input"
-                                    : "the host (MPI) backend has no in-place reduce_scatter: use a separate output");
+                   "in place, the output must be exactly chunk " + std::to_string(op.info.rank) + " of the input");
     }
     case OpType::AllToAll:
       if (overlap(op.inputs.front(), op.outputs.front()))

@@ -42,8 +42,11 @@ TEST(InputSafety, AllGatherInputOverlappingItsOutputIsRefused) {
 TEST(InputSafety, ReduceScatterAndAllToAllWithAliasedBuffersAreRefused) {
   auto comm = test::world();
   const int n = comm->size();
-  at::Tensor in = at::ones({n * 4}, at::kFloat);
-  at::Tensor out = in.narrow(0, 0, 4);
+  const int r = comm->rank();
+  at::Tensor base = at::ones({n * 4 + 2}, at::kFloat);
+  at::Tensor in = base.narrow(0, 0, n * 4);
+  // Overlapping the input, but not as this rank's chunk (shifted by half a chunk).
+  at::Tensor out = base.narrow(0, r * 4 + 2, 4);
   expect_contains(rejection([&] { comm->reduce_scatter(out, in)->wait(); }), "the output overlaps the input");
   at::Tensor both = at::ones({n * 2}, at::kFloat);
   expect_contains(rejection([&] { comm->all_to_all(both, both)->wait(); }), "the output overlaps the input");
@@ -51,6 +54,21 @@ TEST(InputSafety, ReduceScatterAndAllToAllWithAliasedBuffersAreRefused) {
   at::Tensor separate = at::empty({4}, at::kFloat);
   comm->reduce_scatter(separate, in)->wait();
   EXPECT_EQ(separate[0].item<float>(), static_cast<float>(n));
+}
+
+TEST(InputSafety, ReduceScatterInPlaceReducesIntoThisRanksChunk) {
+  // In place (ZeRO's form): the output is exactly this rank's chunk of the input. Element k of chunk
+  // j on rank i holds (i + 1) * 100 + j * 10 + k, so chunk r sums to a value each rank can check.
+  auto comm = test::world();
+  const int n = comm->size(), r = comm->rank();
+  for (at::ScalarType dtype : {at::kFloat, at::kDouble}) {
+    at::Tensor buffer = at::arange(n * 4, at::kDouble).remainder(4) + at::arange(n * 4, at::kDouble).div(4, "floor") * 10;
+    buffer = (buffer + (r + 1) * 100).to(dtype);
+    at::Tensor own = buffer.narrow(0, r * 4, 4);
+    comm->reduce_scatter(own, buffer)->wait();
+    for (int k = 0; k < 4; ++k)
+      EXPECT_EQ(own[k].item<double>(), 100.0 * n * (n + 1) / 2 + n * (r * 10 + k)) << "element " << k << " of rank " << r;
+  }
 }
 
 TEST(InputSafety, BatchReceiveSharingMemoryIsRefused) {
