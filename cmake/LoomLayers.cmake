@@ -1,6 +1,7 @@
 # The library's layers, and the build that holds them to their order:
 #
-#   core <- topology <- comm <- (runtime, parallel, amp) ; (comm, parallel, amp, topology) <- train
+#   core <- topology <- comm <- (runtime, parallel) ; parallel <- amp ; (comm, parallel, amp, topology) <- train
+#   (amp sees parallel for ZeRO: the scaler unscales a ZeroOptimizer's gradient shards)
 #
 # Each layer is an object library compiled against an include directory of its own,
 # build/layers/<layer>/, holding symbolic links to only what it may use: the public headers
@@ -65,7 +66,7 @@ loom_layer_include_dir(topology ${LOOM_CORE_PUBLIC} loom/topology src:topology)
 loom_layer_include_dir(comm ${LOOM_CORE_PUBLIC} loom/topology loom/comm src:comm)
 loom_layer_include_dir(runtime ${LOOM_CORE_PUBLIC} loom/topology loom/comm loom/runtime.h src:runtime)
 loom_layer_include_dir(parallel ${LOOM_CORE_PUBLIC} loom/comm loom/parallel src:parallel)
-loom_layer_include_dir(amp ${LOOM_CORE_PUBLIC} loom/comm loom/amp src:amp)
+loom_layer_include_dir(amp ${LOOM_CORE_PUBLIC} loom/comm loom/parallel loom/amp src:amp)
 loom_layer_include_dir(train ${LOOM_CORE_PUBLIC} loom/topology loom/comm loom/parallel loom/amp loom/train src:train)
 
 # loom_layer(<layer> <source>...): the layer's object library, loom_<layer>, with the settings every

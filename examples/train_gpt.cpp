@@ -51,6 +51,7 @@
 #include "loom/loom.h"
 #include "loom/parallel/recompute.h"
 #include "loom/parallel/tensor_parallel.h"
+#include "loom/parallel/zero.h"
 #include "loom/topology/placement.h"
 #include "loom/trace.h"
 #include "loom/train/accumulation.h"
@@ -89,6 +90,7 @@ struct Options {
   bool scaler = false;
   bool sequence_parallel = false;
   bool recompute = false;
+  int zero = 0;  // ZeRO stage over the DP group (0: plain data parallelism)
   std::string checkpoint_dir;
   int64_t save_every = 0;
   bool resume = false;
@@ -299,8 +301,25 @@ int train(Options o) {
   init.rng = on_gpu ? &device_rng : nullptr;
   Gpt model(o, vocab, ps.tp_group(), init);
   for (auto& block : model->blocks) block->options.rng = init.rng;
-  loom::GradientReducer reducer(model->parameters(), ps.dp_group());
-  torch::optim::AdamW opt(model->parameters(), torch::optim::AdamWOptions(o.lr).weight_decay(0.01));
+  // Plain data parallelism (a reducer and AdamW over every parameter), or ZeRO (AdamW over this
+  // rank's shard of the DP group's buckets, the reducer inside the ZeroOptimizer).
+  const auto adamw = torch::optim::AdamWOptions(o.lr).weight_decay(0.01);
+  std::unique_ptr<loom::ZeroOptimizer> zero;
+  std::unique_ptr<loom::GradientReducer> plain_reducer;
+  std::unique_ptr<torch::optim::AdamW> plain_opt;
+  if (o.zero > 0) {
+    loom::ZeroOptions zero_options;
+    zero_options.stage = o.zero;
+    zero = std::make_unique<loom::ZeroOptimizer>(
+        model->parameters(), ps.dp_group(),
+        [&](std::vector<torch::Tensor> shard) { return std::make_unique<torch::optim::AdamW>(shard, adamw); },
+        zero_options);
+  } else {
+    plain_reducer = std::make_unique<loom::GradientReducer>(model->parameters(), ps.dp_group());
+    plain_opt = std::make_unique<torch::optim::AdamW>(model->parameters(), adamw);
+  }
+  loom::GradientReducer& reducer = zero ? zero->reducer() : *plain_reducer;
+  torch::optim::Optimizer& opt = zero ? zero->optimizer() : *plain_opt;
   loom::GradientAccumulator accumulate(reducer, static_cast<size_t>(o.accumulate));
   std::unique_ptr<loom::GradScaler> scaler;
   if (use_scaler) {
@@ -397,6 +416,9 @@ int train(Options o) {
   int64_t first_step = 1;
   std::unique_ptr<loom::Checkpointer> checkpointer;
   if (!o.checkpoint_dir.empty()) {
+    if (zero)
+      throw loom::InvalidArgumentError("train_gpt: --zero with --checkpoint-dir: the checkpointer does not save a "
+                                       "ZeRO optimizer's sharded state yet; train without --zero to checkpoint");
     loom::CheckpointOptions options;
     options.directory = o.checkpoint_dir;
     checkpointer = std::make_unique<loom::Checkpointer>(world, options);  // host-side agreement over MPI
@@ -418,7 +440,10 @@ int train(Options o) {
   // Prometheus metrics per rank where LOOM_METRICS asks for them (file:DIR or port:N).
   loom::MetricsExporter metrics({.world = rt->world(), .cuda_device = rt->cuda_device(),
                                  .target = rt->config().metrics, .interval_seconds = rt->config().metrics_interval});
-  auto communicated = [&] { return loom::tp::comm_stats().total_bytes() + reducer.stats().bytes_reduced; };
+  auto communicated = [&] {
+    return loom::tp::comm_stats().total_bytes() + reducer.stats().bytes_reduced +
+           (zero ? zero->stats().bytes_all_gathered : 0);
+  };
   auto exposed = [&] { return loom::tp::comm_stats().wait_seconds + reducer.stats().wait_seconds; };
 
   // Ranks under mpirun write to a pseudo-terminal whatever mpirun writes to, so "auto" can be wrong
@@ -460,10 +485,13 @@ int train(Options o) {
       step_loss += loss.item<double>();
     }
     if (scaler) {
-      scaler->step(opt);
+      zero ? scaler->step(*zero) : scaler->step(opt);
       scaler->update();
     } else {
-      opt.step();
+      if (zero)
+        zero->step();
+      else
+        opt.step();
     }
     window += step_loss;
     ++window_steps;
@@ -566,6 +594,19 @@ int train(Options o) {
     row("held-out evaluation", s[4]);
     row("other (logging, sync)", std::max(0.0, s[5] - compute - s[2] - s[3] - s[0] - s[4]));
   }
+  // Training state held per rank, counted from the live tensors' storages.
+  {
+    const loom::ZeroMemory m =
+        zero ? zero->memory() : loom::count_training_memory(model->parameters(), reducer.bucket_buffers(), opt);
+    int64_t numel = 0;
+    for (const auto& p : model->parameters()) numel += p.numel();
+    if (log)
+      std::printf("training state per rank (%s over %d replicas, %.2f M parameters on this rank): parameters %.1f MB, "
+                  "gradients %.1f MB, optimizer state %.1f MB; %.2f bytes per parameter\n",
+                  zero ? ("ZeRO stage " + std::to_string(o.zero)).c_str() : "plain data parallelism", ps.dp_degree(),
+                  numel / 1e6, m.parameters / 1e6, m.gradients / 1e6, m.optimizer_state / 1e6,
+                  double(m.parameters + m.gradients + m.optimizer_state) / double(numel));
+  }
 
   // A sample: continue a held-out prompt, sampling at temperature 0.8 from a generator seeded the
   // same on every rank (each needs the same next byte). The last position's logits are gathered
@@ -662,6 +703,8 @@ int main(int argc, char** argv) {
   app.add_option("--precision", o.precision, "auto (bf16 on CPU, fp16 + GradScaler on GPU), fp32, bf16 or fp16")
       ->check(CLI::IsMember({"auto", "fp32", "bf16", "fp16"}));
   app.add_flag("--scaler", o.scaler, "scale the loss with loom::GradScaler whatever the precision");
+  app.add_option("--zero", o.zero, "ZeRO over the data-parallel group: 1 shards the optimizer state, 2 the gradients too")
+      ->check(CLI::Range(0, 2));
   app.add_flag("--sequence-parallel", o.sequence_parallel, "layernorm and dropout on sequence shards");
   app.add_flag("--recompute", o.recompute, "recompute each block in backward (less activation memory)");
   app.add_option("--checkpoint-dir", o.checkpoint_dir, "save checkpoints here (every --save-every steps and at the end)");

@@ -14,6 +14,7 @@
 #include <tuple>
 
 #include "loom/error.h"
+#include "loom/parallel/zero.h"
 
 namespace loom {
 
@@ -92,6 +93,20 @@ void GradScaler::unscale_(torch::optim::Optimizer& optimizer) {
 }
 
 void GradScaler::unscale_(const void* optimizer, const std::vector<at::Tensor>& gradients) {
+  unscale_agreed(optimizer, gradients, nullptr);
+}
+
+void GradScaler::unscale_(ZeroOptimizer& zero) {
+  unscale_agreed(&zero, zero.shard_gradients(), &zero.group());
+}
+
+bool GradScaler::step(ZeroOptimizer& zero) {
+  if (options_.enabled && state_of(&zero).stage == Stage::Ready) unscale_(zero);
+  return step(&zero, {}, [&] { zero.step(); });
+}
+
+void GradScaler::unscale_agreed(const void* optimizer, const std::vector<at::Tensor>& gradients,
+                                Communicator* also_over) {
   if (!options_.enabled) return;
   PerOptimizer& state = state_of(optimizer);
   if (state.stage == Stage::Unscaled)
@@ -136,7 +151,10 @@ void GradScaler::unscale_(const void* optimizer, const std::vector<at::Tensor>& 
   }
   // Every rank that shards or still holds different gradients must agree on skipping: the flag
   // travels on each group's own device (a device communicator takes only its GPU's tensors).
-  for (const auto& group : options_.sync_groups) {
+  std::vector<Communicator*> agree_over;
+  for (const auto& group : options_.sync_groups) agree_over.push_back(group.get());
+  if (also_over) agree_over.push_back(also_over);
+  for (Communicator* group : agree_over) {
     if (!group || group->size() == 1) continue;
     const bool same_device = group->device() == found.device();
     at::Tensor flag = same_device ? found : found.to(group->device());

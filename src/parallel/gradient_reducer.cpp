@@ -60,7 +60,9 @@ struct GradientReducer::Impl : std::enable_shared_from_this<GradientReducer::Imp
     bool ready = false;
   };
   struct Bucket {
-    at::Tensor buffer;
+    at::Tensor buffer;  // undefined while released (release_buckets)
+    int64_t numel = 0;  // padded to options.bucket_alignment
+    at::TensorOptions tensor_options;
     std::vector<size_t> members;
     size_t pending = 0;
     bool issued = false;
@@ -140,32 +142,49 @@ struct GradientReducer::Impl : std::enable_shared_from_this<GradientReducer::Imp
     auto plan = detail::plan_buckets(params, order, options.first_bucket_cap_bytes, options.bucket_cap_bytes);
     std::vector<Bucket> fresh(plan.size());
     std::vector<Slot> fresh_slots(params.size());
+    const auto alignment = static_cast<int64_t>(options.bucket_alignment);
     for (size_t b = 0; b < plan.size(); ++b) {
       int64_t total = 0;
-      for (size_t i : plan[b]) total += params[i].numel();
-      const at::Tensor& first = params[plan[b].front()];
-      fresh[b].buffer = at::zeros({total}, first.options().requires_grad(false));
-      fresh[b].members = plan[b];
-      fresh[b].pending = plan[b].size();
-      int64_t offset = 0;
       for (size_t i : plan[b]) {
         Slot& slot = fresh_slots[i];
         slot.bucket = b;
-        slot.offset = offset;
-        slot.view = alias_into(fresh[b].buffer, offset, params[i]);
-        offset += params[i].numel();
-        // Gradients present are carried over; absent ones stay absent (an optimizer skips a
-        // parameter without gradient, and must keep doing so for one no rank has used yet).
-        at::Tensor& grad = params[i].mutable_grad();
-        if (grad.defined() && !passthrough()) {
-          slot.view.copy_(grad);
-          if (options.gradient_as_bucket_view) grad = slot.view;
-        }
+        slot.offset = total;
+        total += params[i].numel();
       }
+      fresh[b].numel = (total + alignment - 1) / alignment * alignment;
+      fresh[b].tensor_options = params[plan[b].front()].options().requires_grad(false);
+      fresh[b].members = plan[b];
+      fresh[b].pending = plan[b].size();
     }
     buckets = std::move(fresh);
     slots = std::move(fresh_slots);
     stats.buckets = buckets.size();
+    if (options.release_buckets) return;  // allocated when their first gradient arrives
+    for (size_t b = 0; b < buckets.size(); ++b) {
+      allocate(b);
+      // Gradients present are carried over; absent ones stay absent (an optimizer skips a
+      // parameter without gradient, and must keep doing so for one no rank has used yet).
+      for (size_t i : buckets[b].members) {
+        at::Tensor& grad = params[i].mutable_grad();
+        if (grad.defined() && !passthrough()) {
+          slots[i].view.copy_(grad);
+          if (options.gradient_as_bucket_view) grad = slots[i].view;
+        }
+      }
+    }
+  }
+
+  // The bucket's zeroed buffer and its members' slot views into it.
+  void allocate(size_t b) {
+    Bucket& bucket = buckets[b];
+    if (bucket.buffer.defined()) return;
+    bucket.buffer = at::zeros({bucket.numel}, bucket.tensor_options);
+    for (size_t i : bucket.members) slots[i].view = alias_into(bucket.buffer, slots[i].offset, params[i]);
+  }
+
+  void release(size_t b) {
+    buckets[b].buffer.reset();
+    for (size_t i : buckets[b].members) slots[i].view.reset();
   }
 
   void install_hooks() {
@@ -192,7 +211,11 @@ struct GradientReducer::Impl : std::enable_shared_from_this<GradientReducer::Imp
   void place_gradient(size_t i) {
     at::Tensor& grad = params[i].mutable_grad();
     Slot& slot = slots[i];
-    if (options.gradient_as_bucket_view) {
+    if (options.release_buckets) {  // the bucket holds it from now on; the parameter keeps none
+      allocate(slot.bucket);
+      slot.view.copy_(grad);
+      grad.reset();
+    } else if (options.gradient_as_bucket_view) {
       if (!grad.is_same(slot.view)) {  // e.g. after optimizer.zero_grad() dropped the view
         slot.view.copy_(grad);
         grad = slot.view;
@@ -211,7 +234,8 @@ struct GradientReducer::Impl : std::enable_shared_from_this<GradientReducer::Imp
                                  " received its gradient twice in one backward pass (a second backward before the "
                                  "first finished, or a parameter used in two graphs)");
     slot.ready = true;
-    if (!passthrough()) place_gradient(i);
+    // Under no_sync a released bucket stays released: the gradient accumulates in .grad.
+    if (!passthrough() && (iteration_sync || !options.release_buckets)) place_gradient(i);
     if (!iteration_sync) return;
     if (options.rebuild_buckets && !rebuilt) ready_order.push_back(i);
     Bucket& bucket = buckets[slot.bucket];
@@ -268,6 +292,7 @@ struct GradientReducer::Impl : std::enable_shared_from_this<GradientReducer::Imp
     // issued all of theirs from the hooks already, so this keeps one order of operations on every
     // rank (buckets, then the agreement) whatever each rank used.
     for (size_t i : missing) {
+      allocate(slots[i].bucket);
       slots[i].view.zero_();
       --buckets[slots[i].bucket].pending;
     }
@@ -316,6 +341,11 @@ struct GradientReducer::Impl : std::enable_shared_from_this<GradientReducer::Imp
     size_t unused = 0;
     for (size_t i = 0; i < params.size(); ++i) {
       at::Tensor& grad = params[i].mutable_grad();
+      if (options.release_buckets) {  // the hook took the reduced gradients where it wanted them
+        grad.reset();
+        unused += globally_used[i] ? 0 : 1;
+        continue;
+      }
       if (!globally_used[i]) {  // no rank used it: no gradient, as in one process
         grad.reset();
         ++unused;
@@ -330,6 +360,8 @@ struct GradientReducer::Impl : std::enable_shared_from_this<GradientReducer::Imp
         grad = slots[i].view.clone();
       }
     }
+    if (options.release_buckets)
+      for (size_t b = 0; b < buckets.size(); ++b) release(b);
     stats.last_unused_parameters = unused;
     stats.last_buckets_issued_during_backward = issued_during_backward;
     ++stats.synchronized_iterations;
@@ -393,6 +425,11 @@ GradientReducer::GradientReducer(std::vector<at::Tensor> parameters, std::shared
   if (!impl_->options.parameter_names.empty() && impl_->options.parameter_names.size() != impl_->params.size())
     throw InvalidArgumentError(impl_->where() + ": " + std::to_string(impl_->options.parameter_names.size()) +
                                " parameter names for " + std::to_string(impl_->params.size()) + " parameters");
+  if (impl_->options.bucket_alignment == 0)
+    throw InvalidArgumentError(impl_->where() + ": bucket_alignment must be at least 1, found 0");
+  if (impl_->options.release_buckets && impl_->options.gradient_as_bucket_view)
+    throw InvalidArgumentError(impl_->where() + ": release_buckets needs gradient_as_bucket_view = false (a gradient "
+                               "cannot stay a view of a buffer that is freed after each reduction)");
   impl_->check_parameters();
   impl_->verify_same_model_on_all_ranks();
   if (impl_->options.broadcast_parameters) impl_->broadcast_parameters();
@@ -473,6 +510,27 @@ std::vector<std::vector<size_t>> GradientReducer::bucket_layout() const {
   std::vector<std::vector<size_t>> layout;
   for (const auto& bucket : impl_->buckets) layout.push_back(bucket.members);
   return layout;
+}
+
+std::vector<GradientReducer::BucketShape> GradientReducer::bucket_shapes() const {
+  std::lock_guard<std::mutex> lock(impl_->mutex);
+  std::vector<BucketShape> shapes;
+  for (const auto& bucket : impl_->buckets) {
+    BucketShape shape;
+    shape.parameters = bucket.members;
+    for (size_t i : bucket.members) shape.offsets.push_back(impl_->slots[i].offset);
+    shape.numel = bucket.numel;
+    shapes.push_back(std::move(shape));
+  }
+  return shapes;
+}
+
+std::vector<at::Tensor> GradientReducer::bucket_buffers() const {
+  std::lock_guard<std::mutex> lock(impl_->mutex);
+  std::vector<at::Tensor> buffers;
+  for (const auto& bucket : impl_->buckets)
+    if (bucket.buffer.defined()) buffers.push_back(bucket.buffer);
+  return buffers;
 }
 
 ReducerStats GradientReducer::stats() const {

@@ -6,7 +6,6 @@
 #include <torch/optim/adagrad.h>
 #include <torch/optim/adam.h>
 #include <torch/optim/adamw.h>
-#include <torch/optim/lbfgs.h>
 #include <torch/optim/optimizer.h>
 #include <torch/optim/rmsprop.h>
 #include <torch/optim/sgd.h>
@@ -19,6 +18,7 @@
 #include <type_traits>
 
 #include "loom/error.h"
+#include "loom/parallel/optimizer_state.h"
 #include "train/checkpoint_providers.h"
 
 namespace loom::detail::ckpt {
@@ -28,54 +28,7 @@ namespace {
 using json = nlohmann::json;
 using namespace torch::optim;
 
-enum class Kind { SGD, Adam, AdamW, RMSprop, Adagrad };
-
-const char* kind_name(Kind kind) {
-  switch (kind) {
-    case Kind::SGD: return "SGD";
-    case Kind::Adam: return "Adam";
-    case Kind::AdamW: return "AdamW";
-    case Kind::RMSprop: return "RMSprop";
-    case Kind::Adagrad: return "Adagrad";
-  }
-  return "?";
-}
-
-std::optional<Kind> kind_of(Optimizer& optimizer) {
-  if (dynamic_cast<AdamW*>(&optimizer)) return Kind::AdamW;
-  if (dynamic_cast<Adam*>(&optimizer)) return Kind::Adam;
-  if (dynamic_cast<SGD*>(&optimizer)) return Kind::SGD;
-  if (dynamic_cast<RMSprop*>(&optimizer)) return Kind::RMSprop;
-  if (dynamic_cast<Adagrad*>(&optimizer)) return Kind::Adagrad;
-  return std::nullopt;
-}
-
-std::string unsupported(Optimizer& optimizer) {
-  if (dynamic_cast<LBFGS*>(&optimizer))
-    return "torch::optim::LBFGS cannot be checkpointed (its state is a closure's history, not tensors per "
-           "parameter); supported are SGD, Adam, AdamW, RMSprop and Adagrad";
-  return "the optimizer is not one of torch::optim::SGD, Adam, AdamW, RMSprop, Adagrad";
-}
-
-// The optimizer's state is keyed by the parameter's TensorImpl: as void* in current LibTorch, as
-// its printed address in older releases.
-template <typename Map>
-typename Map::key_type state_key(const Map&, const at::Tensor& parameter) {
-  using Key = typename Map::key_type;
-  if constexpr (std::is_same_v<Key, std::string>) {
-    std::ostringstream s;
-    s << parameter.unsafeGetTensorImpl();
-    return s.str();
-  } else {
-    return static_cast<Key>(parameter.unsafeGetTensorImpl());
-  }
-}
-
-OptimizerParamState* find_state(Optimizer& optimizer, const at::Tensor& parameter) {
-  auto& state = optimizer.state();
-  auto it = state.find(state_key(state, parameter));
-  return it == state.end() ? nullptr : it->second.get();
-}
+using Kind = OptimizerKind;
 
 // Each kind's hyper-parameters: 'd' double, 'b' bool, 'p' pair of doubles.
 std::vector<std::pair<const char*, char>> option_keys(Kind kind) {
@@ -175,43 +128,6 @@ void check_options_on_scratch(Kind kind, const OptimizerOptions& live, const jso
   }
 }
 
-// The state tensors of one parameter by key, and its step count.
-void state_tensors(Kind kind, const OptimizerParamState& state, std::vector<std::pair<std::string, at::Tensor>>& tensors,
-                   std::optional<int64_t>& step) {
-  auto add = [&](const char* key, const at::Tensor& t) {
-    if (t.defined()) tensors.emplace_back(key, t);
-  };
-  switch (kind) {
-    case Kind::SGD:
-      add("momentum_buffer", static_cast<const SGDParamState&>(state).momentum_buffer());
-      return;
-    case Kind::Adam: {
-      const auto& s = static_cast<const AdamParamState&>(state);
-      step = s.step();
-      add("exp_avg", s.exp_avg()), add("exp_avg_sq", s.exp_avg_sq()), add("max_exp_avg_sq", s.max_exp_avg_sq());
-      return;
-    }
-    case Kind::AdamW: {
-      const auto& s = static_cast<const AdamWParamState&>(state);
-      step = s.step();
-      add("exp_avg", s.exp_avg()), add("exp_avg_sq", s.exp_avg_sq()), add("max_exp_avg_sq", s.max_exp_avg_sq());
-      return;
-    }
-    case Kind::RMSprop: {
-      const auto& s = static_cast<const RMSpropParamState&>(state);
-      step = s.step();
-      add("square_avg", s.square_avg()), add("momentum_buffer", s.momentum_buffer()), add("grad_avg", s.grad_avg());
-      return;
-    }
-    case Kind::Adagrad: {
-      const auto& s = static_cast<const AdagradParamState&>(state);
-      step = s.step();
-      add("sum", s.sum());
-      return;
-    }
-  }
-}
-
 // A fresh state object for one parameter from the loaded tensors (`get` returns an undefined tensor
 // for a key the checkpoint does not hold); nullptr when there is nothing to restore.
 std::unique_ptr<OptimizerParamState> make_state(Kind kind, const std::function<at::Tensor(const char*)>& get,
@@ -290,8 +206,8 @@ void state_keys(Kind kind, const json& options, std::set<std::string>& required,
 void OptimizerState::collect(int /*rank*/, SaveState& out) {
   if (optimizer_ == nullptr) return;
   auto& optimizer = *optimizer_;
-  const auto kind = kind_of(optimizer);
-  if (!kind) throw CheckpointError("cannot save the optimizer: " + unsupported(optimizer));
+  const auto kind = optimizer_kind(optimizer);
+  if (!kind) throw CheckpointError("cannot save the optimizer: " + unsupported_optimizer(optimizer, "checkpointed"));
   if (model_.model() == nullptr)
     throw CheckpointError("the optimizer's state is saved by parameter name: register the model too");
   const auto names = model_.parameter_names();
@@ -308,11 +224,10 @@ void OptimizerState::collect(int /*rank*/, SaveState& out) {
         continue;
       }
       params.push_back(name->second);
-      const auto* s = find_state(optimizer, p);
+      const auto* s = find_optimizer_state(optimizer, p);
       if (s == nullptr) continue;
-      std::vector<std::pair<std::string, at::Tensor>> tensors;
       std::optional<int64_t> step;
-      state_tensors(*kind, *s, tensors, step);
+      const auto tensors = optimizer_state_tensors(*kind, *s, &step);
       if (step) steps[name->second] = *step;
       // The parameter's layout, so the state follows it when resharded.
       const LocalTensor* param = out.find("model/" + name->second);
@@ -332,7 +247,7 @@ void OptimizerState::collect(int /*rank*/, SaveState& out) {
     throw CheckpointError(std::to_string(unnamed.size()) + " optimizer parameter(s) are not parameters of the model (shapes " +
                           list + ")");
   }
-  out.sections["optimizer"] = {{"type", kind_name(*kind)}, {"param_groups", std::move(groups)}, {"steps", std::move(steps)}};
+  out.sections["optimizer"] = {{"type", optimizer_kind_name(*kind)}, {"param_groups", std::move(groups)}, {"steps", std::move(steps)}};
   for (auto& t : state) out.tensors.push_back(std::move(t));
 }
 
@@ -340,13 +255,13 @@ void OptimizerState::plan(const LoadContext& context, std::vector<Need>& needs, 
   if (optimizer_ == nullptr) return;
   auto& optimizer = *optimizer_;
   const json& saved = context.manifest.optimizer;
-  const auto kind = kind_of(optimizer);
-  if (!kind) return problems.push_back(unsupported(optimizer));
+  const auto kind = optimizer_kind(optimizer);
+  if (!kind) return problems.push_back(unsupported_optimizer(optimizer, "checkpointed"));
   if (saved.is_null()) return problems.push_back("the checkpoint holds no optimizer state");
-  if (!saved.contains("type") || !saved["type"].is_string() || saved["type"].get<std::string>() != kind_name(*kind))
+  if (!saved.contains("type") || !saved["type"].is_string() || saved["type"].get<std::string>() != optimizer_kind_name(*kind))
     return problems.push_back("the checkpoint's optimizer is " +
                               (saved.contains("type") ? saved["type"].dump() : std::string("unnamed")) +
-                              "; the live one is " + kind_name(*kind));
+                              "; the live one is " + optimizer_kind_name(*kind));
   if (!saved.contains("param_groups") || !saved["param_groups"].is_array() || !saved.contains("steps") ||
       !saved["steps"].is_object())
     return problems.push_back("the checkpoint's optimizer section has no param_groups or steps");
@@ -398,7 +313,7 @@ void OptimizerState::plan(const LoadContext& context, std::vector<Need>& needs, 
       check_options_on_scratch(*kind, live[g].options(), options);
     } catch (const std::exception& e) {
       std::string what = e.what();
-      problems.push_back(context_text + "options refused by " + kind_name(*kind) + ": " + what.substr(0, what.find('\n')));
+      problems.push_back(context_text + "options refused by " + optimizer_kind_name(*kind) + ": " + what.substr(0, what.find('\n')));
     }
   }
   for (auto it = saved["steps"].begin(); it != saved["steps"].end(); ++it)
@@ -423,11 +338,11 @@ void OptimizerState::plan(const LoadContext& context, std::vector<Need>& needs, 
       if (it == saved_keys.end()) continue;  // no state yet (never stepped)
       for (const auto& key : required)
         if (!it->second.count(key))
-          problems.push_back("optimizer state of " + param + " lacks " + key + ", which " + kind_name(*kind) +
+          problems.push_back("optimizer state of " + param + " lacks " + key + ", which " + optimizer_kind_name(*kind) +
                              " with these options keeps for every parameter with state");
       for (const auto& key : it->second)
         if (!allowed.count(key))
-          problems.push_back("optimizer state of " + param + " has " + key + ", which " + kind_name(*kind) +
+          problems.push_back("optimizer state of " + param + " has " + key + ", which " + optimizer_kind_name(*kind) +
                              " with these options does not keep");
     }
   }
@@ -456,7 +371,7 @@ void OptimizerState::apply(const LoadContext& context, const LoadedTensors& data
   if (optimizer_ == nullptr) return;
   auto& optimizer = *optimizer_;
   const json& saved = context.manifest.optimizer;
-  const auto kind = *kind_of(optimizer);
+  const auto kind = *optimizer_kind(optimizer);
   const auto names = model_.parameter_names();
   auto& groups = optimizer.param_groups();
   auto& state = optimizer.state();
@@ -474,7 +389,7 @@ void OptimizerState::apply(const LoadContext& context, const LoadedTensors& data
       };
       std::optional<int64_t> step;
       if (steps.contains(name)) step = steps[name].get<int64_t>();
-      if (auto s = make_state(kind, get, step)) state[state_key(state, p)] = std::move(s);
+      if (auto s = make_state(kind, get, step)) set_optimizer_state(optimizer, p, std::move(s));
     }
   }
 }

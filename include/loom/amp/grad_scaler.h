@@ -38,6 +38,8 @@ class Optimizer;
 
 namespace loom {
 
+class ZeroOptimizer;
+
 struct GradScalerOptions {
   double init_scale = 65536.0;
   double growth_factor = 2.0;
@@ -66,6 +68,11 @@ class GradScaler {
   // identifies it, `grads` are its parameters' defined gradients, `optimizer_step` runs its step.
   void unscale_(const void* optimizer, const std::vector<at::Tensor>& grads);
   bool step(const void* optimizer, const std::vector<at::Tensor>& grads, const std::function<void()>& optimizer_step);
+  // The same for ZeRO (loom/parallel/zero.h): its gradients are this rank's shards, so found-inf is
+  // agreed over its group as well as the sync groups, and a skipped step skips every shard.
+  //   scaler.unscale_(zero); zero.clip_grad_norm(1.0); scaler.step(zero); scaler.update();
+  void unscale_(ZeroOptimizer& zero);
+  bool step(ZeroOptimizer& zero);
   // Adjusts the scale from this step's found-inf flags (back off, or grow after growth_interval
   // clean steps) and starts the next step.
   void update();
@@ -96,6 +103,8 @@ class GradScaler {
   };
 
   void lazy_init(const at::Device& device);
+  // Unscales and agrees on found-inf over the sync groups and `also_over` (when given).
+  void unscale_agreed(const void* optimizer, const std::vector<at::Tensor>& gradients, Communicator* also_over);
   // Sets the scale and growth tracker, now or (before the first scale()) when they are created.
   void set_state(double scale, int64_t growth_tracker);
   PerOptimizer& state_of(const void* optimizer);

@@ -92,6 +92,13 @@ struct ReducerOptions {
   CommHook comm_hook;
   // The parameters' names (as named_parameters() gives them), for error messages; empty: indices.
   std::vector<std::string> parameter_names;
+  // Each bucket's buffer is padded with zeros to a multiple of this many elements (ZeRO pads to
+  // the group size, so every rank's shard of a bucket is the same size).
+  size_t bucket_alignment = 1;
+  // A bucket's buffer exists only from its first gradient of a synchronised backward until its
+  // reduction is finished, and parameters keep no gradient after backward (ZeRO stage 2, where the
+  // hook reduces into memory of its own). Requires gradient_as_bucket_view = false.
+  bool release_buckets = false;
 };
 
 struct ReducerStats {
@@ -152,6 +159,16 @@ class GradientReducer {
   const std::vector<at::Tensor>& parameters() const;
   // Parameter indices of each bucket, in issue order.
   std::vector<std::vector<size_t>> bucket_layout() const;
+  // Each bucket's parameters, where each starts in the bucket's flat buffer, and the buffer's
+  // element count (padding included).
+  struct BucketShape {
+    std::vector<size_t> parameters;
+    std::vector<int64_t> offsets;
+    int64_t numel = 0;
+  };
+  std::vector<BucketShape> bucket_shapes() const;
+  // The buckets' buffers now allocated (all of them, unless release_buckets).
+  std::vector<at::Tensor> bucket_buffers() const;
   ReducerStats stats() const;
   Communicator& group() const;
 

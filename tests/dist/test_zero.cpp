@@ -1,0 +1,337 @@
+// ZeRO stages 1 and 2 against DDP: the same model, the same data on each rank, the same optimizer;
+// after 20 steps the parameters must agree to 1e-6 (fp32). Small bucket caps give several buckets
+// and padded shards. Also: memory counted from live storages against the ZeRO formulas, bytes
+// communicated against DDP's, and the refusals.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <limits>
+#include <optional>
+
+#include <torch/nn.h>
+#include <torch/optim.h>
+
+#include "loom/amp/grad_scaler.h"
+#include "loom/parallel/data_parallel.h"
+#include "loom/parallel/optimizer_state.h"
+#include "loom/parallel/tensor_parallel.h"
+#include "loom/parallel/zero.h"
+#include "test_util.h"
+
+using namespace loom;
+
+namespace {
+
+struct NetImpl : torch::nn::Module {
+  NetImpl() {
+    l1 = register_module("l1", torch::nn::Linear(12, 33));  // odd sizes: shards split parameters
+    l2 = register_module("l2", torch::nn::Linear(33, 29));
+    l3 = register_module("l3", torch::nn::Linear(29, 4));
+  }
+  at::Tensor forward(const at::Tensor& x) { return l3(torch::tanh(l2(torch::tanh(l1(x))))); }
+  torch::nn::Linear l1{nullptr}, l2{nullptr}, l3{nullptr};
+};
+TORCH_MODULE(Net);
+
+enum class Opt { SgdMomentum, Adam, AdamW };
+const char* opt_name(Opt o) { return o == Opt::SgdMomentum ? "SGD" : o == Opt::Adam ? "Adam" : "AdamW"; }
+
+std::unique_ptr<torch::optim::Optimizer> make(Opt opt, std::vector<at::Tensor> params) {
+  switch (opt) {
+    case Opt::SgdMomentum:
+      return std::make_unique<torch::optim::SGD>(params,
+                                                 torch::optim::SGDOptions(0.05).momentum(0.9).nesterov(true).weight_decay(1e-3));
+    case Opt::Adam: return std::make_unique<torch::optim::Adam>(params, torch::optim::AdamOptions(1e-2).weight_decay(1e-3));
+    case Opt::AdamW: return std::make_unique<torch::optim::AdamW>(params, torch::optim::AdamWOptions(1e-2));
+  }
+  return nullptr;
+}
+
+// This rank's micro-batch `m` of step `step` (different on every rank).
+std::pair<at::Tensor, at::Tensor> batch(int step, int m, int rank) {
+  at::manual_seed(10000 + 100 * step + 10 * m + rank);
+  return {at::randn({6, 12}), at::randn({6, 4})};
+}
+
+struct Schedule {
+  int steps = 20;
+  int micro_batches = 1;
+  double clip = 0;         // > 0: clip the global gradient norm to this
+  bool scaler = false;     // loom::GradScaler, with a step whose gradients overflow on one rank
+};
+
+// A gradient that overflows on rank 1 at step 7 (l3's bias only), so that a single shard sees it.
+at::Tensor maybe_overflow(const Net& net, int step, int rank, const at::Tensor& loss) {
+  if (step != 7 || rank != 1) return loss;
+  return loss + net->l3->bias.sum() * std::numeric_limits<float>::infinity();
+}
+
+struct Trained {
+  std::vector<at::Tensor> params;
+  std::vector<double> norms;
+  double scale = 0;
+};
+
+Trained train_ddp(Opt opt, const Schedule& s) {
+  auto comm = test::world();
+  at::manual_seed(3);
+  Net net;
+  ReducerOptions options;
+  options.bucket_cap_bytes = 2048;
+  options.first_bucket_cap_bytes = 512;
+  DistributedDataParallel<Net> ddp(net, comm, {options});
+  auto optimizer = make(opt, ddp->parameters());
+  GradScaler scaler({.init_scale = 1024, .growth_interval = 3});
+  Trained out;
+  for (int step = 0; step < s.steps; ++step) {
+    ddp.zero_grad();
+    for (int m = 0; m < s.micro_batches; ++m) {
+      auto guard = m + 1 < s.micro_batches ? std::optional(ddp.no_sync()) : std::nullopt;
+      auto [x, y] = batch(step, m, comm->rank());
+      at::Tensor loss = torch::mse_loss(ddp(x), y) / s.micro_batches;
+      if (s.scaler) loss = scaler.scale(maybe_overflow(net, step, comm->rank(), loss));
+      loss.backward();
+    }
+    if (s.scaler) scaler.unscale_(*optimizer);
+    if (s.clip > 0) out.norms.push_back(torch::nn::utils::clip_grad_norm_(ddp->parameters(), s.clip));
+    if (s.scaler) {
+      scaler.step(*optimizer);
+      scaler.update();
+    } else {
+      optimizer->step();
+    }
+  }
+  for (auto& p : net->parameters()) out.params.push_back(p.detach().clone());
+  out.scale = s.scaler ? scaler.get_scale() : 0;
+  return out;
+}
+
+Trained train_zero(Opt opt, int stage, const Schedule& s, ZeroStats* stats = nullptr) {
+  auto comm = test::world();
+  // Each rank starts from other weights: the ZeRO optimizer must broadcast rank 0's.
+  at::manual_seed(comm->rank() == 0 ? 3 : 50 + comm->rank());
+  Net net;
+  ZeroOptions options;
+  options.stage = stage;
+  options.bucket_cap_bytes = 2048;
+  options.first_bucket_cap_bytes = 512;
+  ZeroOptimizer zero(net->parameters(), comm, [opt](std::vector<at::Tensor> shard) { return make(opt, shard); },
+                     options);
+  EXPECT_GT(zero.shard_parameters().size(), 2u) << "expected several buckets";
+  GradScaler scaler({.init_scale = 1024, .growth_interval = 3});
+  Trained out;
+  for (int step = 0; step < s.steps; ++step) {
+    zero.zero_grad();
+    for (int m = 0; m < s.micro_batches; ++m) {
+      auto guard = m + 1 < s.micro_batches ? std::optional(zero.no_sync()) : std::nullopt;
+      auto [x, y] = batch(step, m, comm->rank());
+      at::Tensor loss = torch::mse_loss(net(x), y) / s.micro_batches;
+      if (s.scaler) loss = scaler.scale(maybe_overflow(net, step, comm->rank(), loss));
+      loss.backward();
+    }
+    if (s.scaler) scaler.unscale_(zero);
+    if (s.clip > 0) out.norms.push_back(zero.clip_grad_norm(s.clip));
+    if (s.scaler) {
+      scaler.step(zero);
+      scaler.update();
+    } else {
+      zero.step();
+    }
+  }
+  for (auto& p : net->parameters()) out.params.push_back(p.detach().clone());
+  out.scale = s.scaler ? scaler.get_scale() : 0;
+  if (stats) *stats = zero.stats();
+  return out;
+}
+
+void expect_equal(const Trained& zero, const Trained& ddp, const std::string& what) {
+  ASSERT_EQ(zero.params.size(), ddp.params.size());
+  for (size_t i = 0; i < zero.params.size(); ++i) {
+    const double diff = (zero.params[i] - ddp.params[i]).abs().max().item<double>();
+    EXPECT_LE(diff, 1e-6) << what << ": parameter " << i << " differs from DDP's by " << diff;
+  }
+  ASSERT_EQ(zero.norms.size(), ddp.norms.size());
+  for (size_t k = 0; k < zero.norms.size(); ++k) {
+    if (!std::isfinite(ddp.norms[k])) {  // the overflowing step: inf on both sides
+      EXPECT_FALSE(std::isfinite(zero.norms[k])) << what << ": gradient norm of step " << k;
+      continue;
+    }
+    EXPECT_NEAR(zero.norms[k], ddp.norms[k], 1e-5 * ddp.norms[k]) << what << ": gradient norm of step " << k;
+  }
+  EXPECT_EQ(zero.scale, ddp.scale) << what << ": loss scale";
+}
+
+void compare(const Schedule& s, const std::vector<Opt>& opts = {Opt::SgdMomentum, Opt::Adam, Opt::AdamW}) {
+  for (Opt opt : opts) {
+    const Trained ddp = train_ddp(opt, s);
+    for (int stage : {1, 2}) expect_equal(train_zero(opt, stage, s), ddp, std::string(opt_name(opt)) + " stage " + std::to_string(stage));
+  }
+}
+
+}  // namespace
+
+TEST(Zero, Stages1And2EqualDdpAfter20Steps) { compare({}); }
+
+TEST(Zero, GradientAccumulationUnderNoSyncEqualsDdp) { compare({.steps = 10, .micro_batches = 3}); }
+
+TEST(Zero, ClippingByTheGlobalNormAcrossShardsEqualsDdp) {
+  // The norm is computed from other partial sums than torch's (shards, not parameters), so the clip
+  // factors differ in the last float bit; a max_norm that leaves gradients far above Adam's eps
+  // keeps that from being amplified. Every step must really clip.
+  const double max_norm = 0.3;
+  compare({.steps = 10, .clip = max_norm}, {Opt::SgdMomentum, Opt::Adam});
+  const Trained ddp = train_ddp(Opt::Adam, {.steps = 10, .clip = max_norm});
+  for (double norm : ddp.norms) EXPECT_GT(norm, max_norm) << "a step that did not clip";
+}
+
+TEST(Zero, ScalerSkipsEveryShardWhenOneShardOverflows) {
+  // Rank 1's overflow lands in the shard of one rank only; every shard must skip that step, and
+  // the scale must back off exactly as DDP's does (growth_interval 3: it also grows).
+  if (test::world()->size() < 2) GTEST_SKIP() << "needs two ranks for a one-rank overflow";
+  compare({.steps = 12, .clip = 1.0, .scaler = true}, {Opt::Adam});
+}
+
+namespace {
+struct TpNetImpl : torch::nn::Module {
+  explicit TpNetImpl(const TensorParallelGroup& group) {
+    col = register_module("col", ColumnParallelLinear(12, 34, group));
+    row = register_module("row", RowParallelLinear(34, 4, group));
+  }
+  at::Tensor forward(const at::Tensor& x) { return row(torch::tanh(col(x))); }
+  ColumnParallelLinear col{nullptr};
+  RowParallelLinear row{nullptr};
+};
+TORCH_MODULE(TpNet);
+}  // namespace
+
+TEST(Zero, TensorParallel2xDataParallel2EqualsDdpOverTheDataParallelGroup) {
+  // ZeRO shards inside each DP group; the TP layers' own all-reduces run over the TP group as before.
+  auto world = test::world();
+  if (world->size() != 4) GTEST_SKIP() << "TP 2 x DP 2 needs 4 ranks";
+  ParallelState ps(world, 2);
+  auto build = [&] {
+    at::manual_seed(3);
+    ps.seed(3);
+    return TpNet(ps.tp_group());
+  };
+  auto train = [&](auto&& step_fn, TpNet& net) {
+    for (int step = 0; step < 20; ++step) {
+      auto [x, y] = batch(step, 0, ps.dp_rank());  // the same on both ranks of a TP group
+      step_fn(torch::mse_loss(net(x), y));
+    }
+  };
+  TpNet ddp_net = build();
+  ReducerOptions small;
+  small.bucket_cap_bytes = 512;
+  small.first_bucket_cap_bytes = 256;
+  GradientReducer reducer(ddp_net->parameters(), ps.dp_group(), small);
+  auto ddp_opt = make(Opt::Adam, ddp_net->parameters());
+  train([&](at::Tensor loss) { reducer.zero_grad(); loss.backward(); ddp_opt->step(); }, ddp_net);
+
+  for (int stage : {1, 2}) {
+    TpNet net = build();
+    ZeroOptions options;
+    options.stage = stage;
+    options.bucket_cap_bytes = 512;
+    options.first_bucket_cap_bytes = 256;
+    ZeroOptimizer zero(net->parameters(), ps.dp_group(), [](std::vector<at::Tensor> shard) { return make(Opt::Adam, shard); },
+                       options);
+    train([&](at::Tensor loss) { zero.zero_grad(); loss.backward(); zero.step(); }, net);
+    auto a = net->parameters(), b = ddp_net->parameters();
+    for (size_t i = 0; i < a.size(); ++i) {
+      const double diff = (a[i] - b[i]).abs().max().item<double>();
+      EXPECT_LE(diff, 1e-6) << "stage " << stage << ": parameter " << i << " (tp rank " << ps.tp_rank() << ", dp rank "
+                            << ps.dp_rank() << ") differs from DDP's by " << diff;
+    }
+  }
+}
+
+TEST(Zero, BytesCommunicatedEqualDdps) {
+  // Per step: the reduce-scatter's input and the all-gather's output are each the (padded) buckets,
+  // one DDP all-reduce's worth of traffic each; DDP's all-reduce is a reduce-scatter plus an
+  // all-gather. So ZeRO's two together equal 2 x DDP's all-reduced bytes (padding aside).
+  auto comm = test::world();
+  const int n = comm->size();
+  at::manual_seed(3);
+  Net net;
+  int64_t numel = 0;
+  for (auto& p : net->parameters()) numel += p.numel();
+  for (int stage : {1, 2}) {
+    ZeroStats stats;
+    train_zero(Opt::Adam, stage, {.steps = 4}, &stats);
+    EXPECT_EQ(stats.steps, 4u);
+    const double per_step = static_cast<double>(stats.bytes_reduce_scattered + stats.bytes_all_gathered) / 4;
+    const double ddp_per_step = 2.0 * numel * sizeof(float);
+    EXPECT_GE(per_step, ddp_per_step) << "stage " << stage;
+    // Padding: at most n - 1 elements per bucket, twice.
+    EXPECT_LE(per_step, ddp_per_step + 2.0 * sizeof(float) * (n - 1) * 8) << "stage " << stage;
+  }
+}
+
+TEST(Zero, MemoryCountedFromLiveStoragesMatchesTheFormulas) {
+  // fp32 parameters with Adam, counted from the tensors' storages after a step:
+  //   stage 1: 4 + 4 + 8/N bytes per parameter; stage 2: 4 + 4/N + 8/N; DDP (counted the same way) 4 + 4 + 8.
+  auto comm = test::world();
+  const double n = comm->size();
+  torch::nn::Sequential net(torch::nn::Linear(256, 512), torch::nn::ReLU(), torch::nn::Linear(512, 256));
+  auto make_params = [&] {
+    std::vector<at::Tensor> fresh;
+    for (auto& p : net->parameters()) fresh.push_back(p.detach().clone().requires_grad_(true));
+    return fresh;
+  };
+  int64_t P = 0;
+  for (auto& p : net->parameters()) P += p.numel();
+  for (int stage : {1, 2}) {
+    auto params = make_params();
+    ZeroOptions options;
+    options.stage = stage;
+    options.bucket_cap_bytes = 256 << 10;
+    ZeroOptimizer zero(params, comm, [](std::vector<at::Tensor> shard) {
+      return std::make_unique<torch::optim::Adam>(shard, torch::optim::AdamOptions(1e-3));
+    }, options);
+    at::Tensor x = at::randn({4, 256});
+    for (int step = 0; step < 2; ++step) {
+      zero.zero_grad();
+      at::Tensor h = at::relu(at::linear(x, params[0], params[1]));
+      at::linear(h, params[2], params[3]).square().mean().backward();
+      zero.step();
+    }
+    const ZeroMemory m = zero.memory();
+    const double grads = stage == 1 ? 4.0 * P : 4.0 * P / n;
+    EXPECT_NEAR(m.parameters, 4.0 * P, 0.05 * 4.0 * P) << "stage " << stage;
+    EXPECT_NEAR(m.gradients, grads, 0.05 * grads) << "stage " << stage;
+    EXPECT_NEAR(m.optimizer_state, 8.0 * P / n, 0.05 * 8.0 * P / n) << "stage " << stage;
+    // Independently of memory(): the optimizer's state tensors are shard-sized.
+    int64_t state_numel = 0;
+    for (auto& shard : zero.shard_parameters())
+      if (auto* s = find_optimizer_state(zero.optimizer(), shard))
+        for (auto& [key, t] : optimizer_state_tensors(OptimizerKind::Adam, *s)) state_numel += t.numel();
+    EXPECT_NEAR(static_cast<double>(state_numel), 2.0 * P / n, 0.05 * 2.0 * P / n) << "stage " << stage;
+    // The parameters live in the flat buffers (the originals were re-seated), and in stage 2 no
+    // parameter keeps a gradient after backward.
+    for (auto& p : params) {
+      if (stage == 2) EXPECT_FALSE(p.grad().defined());
+    }
+  }
+}
+
+TEST(Zero, RefusalsNameWhatWasExpected) {
+  auto comm = test::world();
+  Net net;
+  auto lbfgs = [](std::vector<at::Tensor> shard) -> std::unique_ptr<torch::optim::Optimizer> {
+    return std::make_unique<torch::optim::LBFGS>(shard);
+  };
+  test::expect_contains(test::rejection([&] { ZeroOptimizer z(net->parameters(), comm, lbfgs); }), "LBFGS");
+  auto adam = [](std::vector<at::Tensor> shard) -> std::unique_ptr<torch::optim::Optimizer> {
+    return std::make_unique<torch::optim::Adam>(shard);
+  };
+  test::expect_contains(test::rejection([&] { ZeroOptimizer z(net->parameters(), comm, adam, {.stage = 3}); }),
+                        "stage must be 1 (optimizer state sharded) or 2 (gradients too), found 3");
+  auto own_params = [&](std::vector<at::Tensor>) -> std::unique_ptr<torch::optim::Optimizer> {
+    return std::make_unique<torch::optim::Adam>(net->parameters());
+  };
+  test::expect_contains(test::rejection([&] { ZeroOptimizer z(net->parameters(), comm, own_params); }),
+                        "expected the optimizer over exactly the");
+  ZeroOptimizer zero(net->parameters(), comm, adam);
+  test::expect_contains(test::rejection([&] { zero.step(); }), "no synchronised backward since the last step");
+}
