@@ -416,14 +416,16 @@ int train(Options o) {
   int64_t first_step = 1;
   std::unique_ptr<loom::Checkpointer> checkpointer;
   if (!o.checkpoint_dir.empty()) {
-    if (zero)
-      throw loom::InvalidArgumentError("train_gpt: --zero with --checkpoint-dir: the checkpointer does not save a "
-                                       "ZeRO optimizer's sharded state yet; train without --zero to checkpoint");
     loom::CheckpointOptions options;
     options.directory = o.checkpoint_dir;
     checkpointer = std::make_unique<loom::Checkpointer>(world, options);  // host-side agreement over MPI
     // The tracker the model draws from (on a GPU its device's: its dropout streams must resume too).
-    checkpointer->model(model).optimizer(opt).rng(on_gpu ? device_rng : loom::rng_tracker()).accumulator(accumulate);
+    // A ZeRO run's checkpoint is in the plain format: it resumes with or without --zero, at any DP size.
+    checkpointer->model(model).rng(on_gpu ? device_rng : loom::rng_tracker()).accumulator(accumulate);
+    if (zero)
+      checkpointer->optimizer(*zero);
+    else
+      checkpointer->optimizer(opt);
     if (scaler) checkpointer->scaler(*scaler);
     if (o.resume) {
       if (auto info = checkpointer->load_latest()) {

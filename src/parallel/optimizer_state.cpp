@@ -9,6 +9,7 @@
 #include <torch/optim/rmsprop.h>
 #include <torch/optim/sgd.h>
 
+#include <functional>
 #include <sstream>
 #include <type_traits>
 
@@ -112,6 +113,66 @@ std::vector<std::pair<std::string, at::Tensor>> optimizer_state_tensors(Optimize
     }
   }
   return tensors;
+}
+
+std::unique_ptr<OptimizerParamState> make_optimizer_state(OptimizerKind kind, const std::function<at::Tensor(const char*)>& get,
+                                                std::optional<int64_t> step) {
+  switch (kind) {
+    case OptimizerKind::SGD: {
+      at::Tensor momentum = get("momentum_buffer");
+      if (!momentum.defined()) return nullptr;
+      auto s = std::make_unique<SGDParamState>();
+      s->momentum_buffer(momentum);
+      return s;
+    }
+    case OptimizerKind::Adam:
+    case OptimizerKind::AdamW: {
+      at::Tensor exp_avg = get("exp_avg"), exp_avg_sq = get("exp_avg_sq"), max_sq = get("max_exp_avg_sq");
+      if (!step && !exp_avg.defined()) return nullptr;
+      auto fill = [&](auto s) -> std::unique_ptr<OptimizerParamState> {
+        s->step(step.value_or(0));
+        s->exp_avg(exp_avg);
+        s->exp_avg_sq(exp_avg_sq);
+        s->max_exp_avg_sq(max_sq);
+        return s;
+      };
+      if (kind == OptimizerKind::Adam) return fill(std::make_unique<AdamParamState>());
+      return fill(std::make_unique<AdamWParamState>());
+    }
+    case OptimizerKind::RMSprop: {
+      at::Tensor square_avg = get("square_avg");
+      if (!step && !square_avg.defined()) return nullptr;
+      auto s = std::make_unique<RMSpropParamState>();
+      s->step(step.value_or(0));
+      s->square_avg(square_avg);
+      s->momentum_buffer(get("momentum_buffer"));
+      s->grad_avg(get("grad_avg"));
+      return s;
+    }
+    case OptimizerKind::Adagrad: {
+      at::Tensor sum = get("sum");
+      if (!sum.defined()) return nullptr;  // Adagrad creates its state at construction
+      auto s = std::make_unique<AdagradParamState>();
+      s->step(step.value_or(0));
+      s->sum(sum);
+      return s;
+    }
+  }
+  return nullptr;
+}
+
+std::unique_ptr<Optimizer> make_optimizer(OptimizerKind kind, std::vector<at::Tensor> parameters,
+                                          const OptimizerOptions& options) {
+  switch (kind) {
+    case OptimizerKind::SGD: return std::make_unique<SGD>(parameters, static_cast<const SGDOptions&>(options));
+    case OptimizerKind::Adam: return std::make_unique<Adam>(parameters, static_cast<const AdamOptions&>(options));
+    case OptimizerKind::AdamW: return std::make_unique<AdamW>(parameters, static_cast<const AdamWOptions&>(options));
+    case OptimizerKind::RMSprop:
+      return std::make_unique<RMSprop>(parameters, static_cast<const RMSpropOptions&>(options));
+    case OptimizerKind::Adagrad:
+      return std::make_unique<Adagrad>(parameters, static_cast<const AdagradOptions&>(options));
+  }
+  return nullptr;
 }
 
 }  // namespace loom

@@ -85,12 +85,13 @@ struct Checkpointer::Impl {
   ModelState model;
   ExtraTensors extras;
   OptimizerState optimizer{model};
+  ZeroOptimizerState zero_optimizer{model};
   ScalerState scaler;
   RngState rng;
   AccumulationState accumulation;
   UserObjects objects;
   std::vector<StateProvider*> providers() {
-    return {&model, &extras, &optimizer, &scaler, &rng, &accumulation, &objects};
+    return {&model, &extras, &optimizer, &zero_optimizer, &scaler, &rng, &accumulation, &objects};
   }
   Staging staging;
   std::thread worker;
@@ -169,6 +170,12 @@ Checkpointer& Checkpointer::model(torch::nn::Module& module) {
 }
 Checkpointer& Checkpointer::optimizer(torch::optim::Optimizer& optimizer) {
   impl_->optimizer.set(&optimizer);
+  impl_->zero_optimizer.set(nullptr);
+  return *this;
+}
+Checkpointer& Checkpointer::optimizer(ZeroOptimizer& zero) {
+  impl_->zero_optimizer.set(&zero);
+  impl_->optimizer.set(nullptr);
   return *this;
 }
 Checkpointer& Checkpointer::scaler(GradScaler& scaler) {

@@ -118,62 +118,7 @@ void set_options(Kind kind, OptimizerOptions& options, const json& j) {
 void check_options_on_scratch(Kind kind, const OptimizerOptions& live, const json& saved) {
   std::unique_ptr<OptimizerOptions> options = live.clone();
   set_options(kind, *options, saved);
-  std::vector<at::Tensor> scratch = {at::zeros({1})};
-  switch (kind) {
-    case Kind::SGD: SGD(scratch, static_cast<SGDOptions&>(*options)); return;
-    case Kind::Adam: Adam(scratch, static_cast<AdamOptions&>(*options)); return;
-    case Kind::AdamW: AdamW(scratch, static_cast<AdamWOptions&>(*options)); return;
-    case Kind::RMSprop: RMSprop(scratch, static_cast<RMSpropOptions&>(*options)); return;
-    case Kind::Adagrad: Adagrad(scratch, static_cast<AdagradOptions&>(*options)); return;
-  }
-}
-
-// A fresh state object for one parameter from the loaded tensors (`get` returns an undefined tensor
-// for a key the checkpoint does not hold); nullptr when there is nothing to restore.
-std::unique_ptr<OptimizerParamState> make_state(Kind kind, const std::function<at::Tensor(const char*)>& get,
-                                                std::optional<int64_t> step) {
-  switch (kind) {
-    case Kind::SGD: {
-      at::Tensor momentum = get("momentum_buffer");
-      if (!momentum.defined()) return nullptr;
-      auto s = std::make_unique<SGDParamState>();
-      s->momentum_buffer(momentum);
-      return s;
-    }
-    case Kind::Adam:
-    case Kind::AdamW: {
-      at::Tensor exp_avg = get("exp_avg"), exp_avg_sq = get("exp_avg_sq"), max_sq = get("max_exp_avg_sq");
-      if (!step && !exp_avg.defined()) return nullptr;
-      auto fill = [&](auto s) -> std::unique_ptr<OptimizerParamState> {
-        s->step(step.value_or(0));
-        s->exp_avg(exp_avg);
-        s->exp_avg_sq(exp_avg_sq);
-        s->max_exp_avg_sq(max_sq);
-        return s;
-      };
-      if (kind == Kind::Adam) return fill(std::make_unique<AdamParamState>());
-      return fill(std::make_unique<AdamWParamState>());
-    }
-    case Kind::RMSprop: {
-      at::Tensor square_avg = get("square_avg");
-      if (!step && !square_avg.defined()) return nullptr;
-      auto s = std::make_unique<RMSpropParamState>();
-      s->step(step.value_or(0));
-      s->square_avg(square_avg);
-      s->momentum_buffer(get("momentum_buffer"));
-      s->grad_avg(get("grad_avg"));
-      return s;
-    }
-    case Kind::Adagrad: {
-      at::Tensor sum = get("sum");
-      if (!sum.defined()) return nullptr;  // Adagrad creates its state at construction
-      auto s = std::make_unique<AdagradParamState>();
-      s->step(step.value_or(0));
-      s->sum(sum);
-      return s;
-    }
-  }
-  return nullptr;
+  make_optimizer(kind, {at::zeros({1})}, *options);
 }
 
 // The state tensors a parameter with state must have, and may have, for these saved options
@@ -389,7 +334,7 @@ void OptimizerState::apply(const LoadContext& context, const LoadedTensors& data
       };
       std::optional<int64_t> step;
       if (steps.contains(name)) step = steps[name].get<int64_t>();
-      if (auto s = make_state(kind, get, step)) set_optimizer_state(optimizer, p, std::move(s));
+      if (auto s = make_optimizer_state(kind, get, step)) set_optimizer_state(optimizer, p, std::move(s));
     }
   }
 }

@@ -5,6 +5,7 @@
 #pragma once
 
 #include <functional>
+#include <memory>
 #include <optional>
 #include <string>
 #include <unordered_map>
@@ -23,6 +24,7 @@ namespace loom {
 class GradScaler;
 class RngTracker;
 class GradientAccumulator;
+class ZeroOptimizer;
 }  // namespace loom
 
 namespace loom::detail::ckpt {
@@ -106,6 +108,25 @@ class OptimizerState final : public StateProvider {
  private:
   const ModelState& model_;
   torch::optim::Optimizer* optimizer_ = nullptr;
+};
+
+// A ZeRO optimizer's sharded state, in OptimizerState's format (checkpoint_zero_state.cpp): the
+// same checkpoint loads with or without ZeRO, at any data-parallel size.
+class ZeroOptimizerState final : public StateProvider {
+ public:
+  explicit ZeroOptimizerState(const ModelState& model);
+  ~ZeroOptimizerState() override;
+  void set(ZeroOptimizer* zero) { zero_ = zero; }
+  void collect(int rank, SaveState& out) override;
+  void plan(const LoadContext& context, std::vector<Need>& needs, std::vector<std::string>& problems) override;
+  void apply(const LoadContext& context, const LoadedTensors& data) override;
+
+ private:
+  using json = nlohmann::json;
+  const ModelState& model_;
+  ZeroOptimizer* zero_ = nullptr;
+  std::unique_ptr<torch::optim::Optimizer> view_;  // the whole model's optimizer, while saving or loading
+  OptimizerState full_;                            // over view_
 };
 
 // GradScaler::state_dict() as the "scaler" section.

@@ -48,25 +48,8 @@ const ParallelState& state(int tp) {
   return *cache.at(tp);
 }
 
-// A directory every rank agrees on (rank 0's pid names it), empty at the start.
-std::string shared_dir(const std::string& name) {
-  auto world = test::world();
-  at::Tensor id = at::full({1}, world->rank() == 0 ? static_cast<int64_t>(::getpid()) : 0, at::kLong);
-  world->all_reduce(id, {ReduceOp::Max})->wait();
-  const std::string dir = ::testing::TempDir() + "loom_ckpt_" + name + "_np" + std::to_string(world->size()) + "_" +
-                          std::to_string(id.item<int64_t>());
-  if (world->rank() == 0) {
-    fs::remove_all(dir);
-    fs::create_directories(dir);
-  }
-  world->barrier()->wait();
-  return dir;
-}
-
-void cleanup(const std::string& dir) {
-  test::world()->barrier()->wait();
-  if (test::world()->rank() == 0) fs::remove_all(dir);
-}
+using test::cleanup;
+using test::shared_dir;
 
 constexpr int64_t kVocab = 16, kHidden = 16, kHeads = 4, kFfn = 32, kSeq = 6;
 

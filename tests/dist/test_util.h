@@ -5,7 +5,9 @@
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
+#include <filesystem>
 #include <string>
+#include <unistd.h>
 #include <vector>
 
 #include "loom/comm/communicator.h"
@@ -99,5 +101,26 @@ inline at::Tensor expected_reduction(int size, at::IntArrayRef shape, at::Scalar
 }
 
 inline std::string name_of(at::ScalarType t) { return c10::toString(t); }
+
+// A directory every rank agrees on (rank 0's pid names it), empty at the start. Collective.
+inline std::string shared_dir(const std::string& name) {
+  auto comm = world();
+  at::Tensor id = at::full({1}, comm->rank() == 0 ? static_cast<int64_t>(::getpid()) : 0, at::kLong);
+  comm->all_reduce(id, {ReduceOp::Max})->wait();
+  const std::string dir = ::testing::TempDir() + "loom_ckpt_" + name + "_np" + std::to_string(comm->size()) + "_" +
+                          std::to_string(id.item<int64_t>());
+  if (comm->rank() == 0) {
+    std::filesystem::remove_all(dir);
+    std::filesystem::create_directories(dir);
+  }
+  comm->barrier()->wait();
+  return dir;
+}
+
+// Removes a shared_dir once every rank is done with it. Collective.
+inline void cleanup(const std::string& dir) {
+  world()->barrier()->wait();
+  if (world()->rank() == 0) std::filesystem::remove_all(dir);
+}
 
 }  // namespace loom::test

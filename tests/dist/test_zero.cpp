@@ -16,6 +16,7 @@
 #include "loom/parallel/optimizer_state.h"
 #include "loom/parallel/tensor_parallel.h"
 #include "loom/parallel/zero.h"
+#include "loom/train/checkpoint.h"
 #include "test_util.h"
 
 using namespace loom;
@@ -334,4 +335,141 @@ TEST(Zero, RefusalsNameWhatWasExpected) {
                         "expected the optimizer over exactly the");
   ZeroOptimizer zero(net->parameters(), comm, adam);
   test::expect_contains(test::rejection([&] { zero.step(); }), "no synchronised backward since the last step");
+}
+
+namespace {
+
+// One step of a global batch of 4 micro-batches, split over the `dp` ranks of `group` (each runs
+// 4 / dp of them, accumulating locally): the same global step at any data-parallel size.
+constexpr int kMicroBatches = 4;
+
+template <typename ZeroGrad, typename Step>
+void global_steps(Net& net, GradientReducer& reducer, int from, int to, ZeroGrad&& zero_grad, Step&& step) {
+  const int dp = reducer.group().size(), r = reducer.group().rank();
+  const int mine = kMicroBatches / dp;
+  for (int s = from; s < to; ++s) {
+    zero_grad();
+    for (int k = 0; k < mine; ++k) {
+      auto guard = k + 1 < mine ? std::optional(reducer.no_sync()) : std::nullopt;
+      auto [x, y] = batch(s, 0, r * mine + k);
+      (torch::mse_loss(net(x), y) / mine).backward();
+    }
+    step();
+  }
+}
+
+std::unique_ptr<ZeroOptimizer> zero_over(Net& net, std::shared_ptr<Communicator> group, int stage) {
+  ZeroOptions options;
+  options.stage = stage;
+  options.bucket_cap_bytes = 2048;
+  options.first_bucket_cap_bytes = 512;
+  return std::make_unique<ZeroOptimizer>(net->parameters(), std::move(group),
+                                         [](std::vector<at::Tensor> shard) { return make(Opt::Adam, shard); }, options);
+}
+
+Net fresh_net(int seed) {
+  at::manual_seed(seed);
+  return Net();
+}
+
+// 20 global steps of ZeRO (stage 2) over the world, uninterrupted.
+std::vector<at::Tensor> uninterrupted() {
+  Net net = fresh_net(3);
+  auto zero = zero_over(net, test::world(), 2);
+  global_steps(net, zero->reducer(), 0, 20, [&] { zero->zero_grad(); }, [&] { zero->step(); });
+  std::vector<at::Tensor> out;
+  for (auto& p : net->parameters()) out.push_back(p.detach().clone());
+  return out;
+}
+
+void expect_params(Net& net, const std::vector<at::Tensor>& want, const std::string& what) {
+  auto got = net->parameters();
+  ASSERT_EQ(got.size(), want.size());
+  for (size_t i = 0; i < got.size(); ++i) {
+    const double diff = (got[i] - want[i]).abs().max().item<double>();
+    EXPECT_LE(diff, 1e-6) << what << ": parameter " << i << " differs from the uninterrupted run's by " << diff;
+  }
+}
+
+// The ranks of a smaller data-parallel group (the first half of the world), or the world alone.
+std::shared_ptr<Communicator> smaller_group() {
+  auto world = test::world();
+  if (world->size() == 1) return world;
+  const bool in = world->rank() < world->size() / 2;
+  return world->split(in ? 0 : -1, world->rank(), "half");
+}
+
+}  // namespace
+
+TEST(ZeroCheckpoint, ResumedAtAnotherDataParallelSizeEqualsTheUninterruptedRun) {
+  // Saved by ZeRO stage 2 over N ranks at step 10; loaded by ZeRO stage 1 over N/2 ranks (whose
+  // shards cut the parameters elsewhere) and trained to step 20: equal to 20 uninterrupted steps.
+  if (test::gloo_bootstrap()) GTEST_SKIP() << "checkpoints are tested under mpirun";
+  auto world = test::world();
+  const auto want = uninterrupted();
+  const std::string dir = test::shared_dir("zero_resume");
+  {
+    Net net = fresh_net(3);
+    auto zero = zero_over(net, world, 2);
+    global_steps(net, zero->reducer(), 0, 10, [&] { zero->zero_grad(); }, [&] { zero->step(); });
+    Checkpointer ckpt(world, {.directory = dir, .async = false});
+    ckpt.model(net).optimizer(*zero);
+    ckpt.save({.step = 10});
+  }
+  if (auto group = smaller_group()) {
+    Net net = fresh_net(99);  // other weights: all must come from the checkpoint
+    auto zero = zero_over(net, group, 1);
+    Checkpointer ckpt(group, {.directory = dir});
+    ckpt.model(net).optimizer(*zero);
+    ASSERT_TRUE(ckpt.load_latest().has_value());
+    global_steps(net, zero->reducer(), 10, 20, [&] { zero->zero_grad(); }, [&] { zero->step(); });
+    expect_params(net, want, "ZeRO at DP " + std::to_string(group->size()));
+  }
+  test::cleanup(dir);
+}
+
+TEST(ZeroCheckpoint, ConvertsToAndFromAPlainDataParallelCheckpoint) {
+  // The ZeRO checkpoint is the plain optimizer's format: a reducer + Adam over every parameter
+  // resumes from it; and ZeRO resumes from one saved by that plain pair. Both equal the
+  // uninterrupted run.
+  if (test::gloo_bootstrap()) GTEST_SKIP() << "checkpoints are tested under mpirun";
+  auto world = test::world();
+  const auto want = uninterrupted();
+  const std::string from_zero = test::shared_dir("zero_to_ddp"), from_ddp = test::shared_dir("ddp_to_zero");
+  {
+    Net net = fresh_net(3);
+    auto zero = zero_over(net, world, 2);
+    global_steps(net, zero->reducer(), 0, 10, [&] { zero->zero_grad(); }, [&] { zero->step(); });
+    Checkpointer ckpt(world, {.directory = from_zero, .async = false});
+    ckpt.model(net).optimizer(*zero).save({.step = 10});
+  }
+  {
+    Net net = fresh_net(3);
+    GradientReducer reducer(net->parameters(), world);
+    auto adam = make(Opt::Adam, net->parameters());
+    global_steps(net, reducer, 0, 10, [&] { reducer.zero_grad(); }, [&] { adam->step(); });
+    Checkpointer ckpt(world, {.directory = from_ddp, .async = false});
+    ckpt.model(net).optimizer(*adam).save({.step = 10});
+  }
+  {
+    Net net = fresh_net(99);
+    GradientReducer reducer(net->parameters(), world);
+    auto adam = make(Opt::Adam, net->parameters());
+    Checkpointer ckpt(world, {.directory = from_zero});
+    ckpt.model(net).optimizer(*adam);
+    ASSERT_TRUE(ckpt.load_latest().has_value());
+    global_steps(net, reducer, 10, 20, [&] { reducer.zero_grad(); }, [&] { adam->step(); });
+    expect_params(net, want, "plain DDP from a ZeRO checkpoint");
+  }
+  {
+    Net net = fresh_net(99);
+    auto zero = zero_over(net, world, 2);
+    Checkpointer ckpt(world, {.directory = from_ddp});
+    ckpt.model(net).optimizer(*zero);
+    ASSERT_TRUE(ckpt.load_latest().has_value());
+    global_steps(net, zero->reducer(), 10, 20, [&] { zero->zero_grad(); }, [&] { zero->step(); });
+    expect_params(net, want, "ZeRO from a plain DDP checkpoint");
+  }
+  test::cleanup(from_zero);
+  test::cleanup(from_ddp);
 }

@@ -9,6 +9,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -18,6 +19,7 @@
 namespace torch::optim {
 class Optimizer;
 class OptimizerParamState;
+class OptimizerOptions;
 }  // namespace torch::optim
 
 namespace loom {
@@ -40,5 +42,14 @@ void set_optimizer_state(torch::optim::Optimizer& optimizer, const at::Tensor& p
 // The state's tensors by key (those defined), and its step count where the kind keeps one.
 std::vector<std::pair<std::string, at::Tensor>> optimizer_state_tensors(
     OptimizerKind kind, const torch::optim::OptimizerParamState& state, std::optional<int64_t>* step = nullptr);
+
+// A fresh state object of `kind` from tensors by key (`get` returns an undefined tensor for a key
+// not held) and a step count; nullptr when there is nothing to restore.
+std::unique_ptr<torch::optim::OptimizerParamState> make_optimizer_state(
+    OptimizerKind kind, const std::function<at::Tensor(const char*)>& get, std::optional<int64_t> step);
+// An optimizer of `kind` over `parameters` with a copy of `options` (which must be that kind's);
+// LibTorch's constructor checks their ranges.
+std::unique_ptr<torch::optim::Optimizer> make_optimizer(OptimizerKind kind, std::vector<at::Tensor> parameters,
+                                                        const torch::optim::OptimizerOptions& options);
 
 }  // namespace loom

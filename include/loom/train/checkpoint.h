@@ -72,6 +72,7 @@ namespace loom {
 class GradScaler;
 class RngTracker;
 class GradientAccumulator;
+class ZeroOptimizer;
 
 struct CheckpointOptions {
   // Holds step_<N>/ directories and the `latest` pointer; created when missing.
@@ -127,8 +128,13 @@ class Checkpointer {
   Checkpointer& model(DistributedDataParallel<ModuleHolder>& ddp) {
     return model(static_cast<torch::nn::Module&>(*ddp.module()));
   }
-  // SGD, Adam or AdamW (other optimizers are a CheckpointError at save).
+  // SGD, Adam, AdamW, RMSprop or Adagrad (other optimizers are a CheckpointError at save).
   Checkpointer& optimizer(torch::optim::Optimizer& optimizer);
+  // A ZeRO optimizer (loom/parallel/zero.h) instead: its sharded state is saved in the plain
+  // optimizer's format (each DP rank writing about 1/N of it), so the checkpoint loads at any
+  // data-parallel size, with or without ZeRO, and a plain checkpoint loads into ZeRO. Saving
+  // all-gathers the state over the ZeRO group one bucket and key at a time.
+  Checkpointer& optimizer(ZeroOptimizer& zero);
   Checkpointer& scaler(GradScaler& scaler);
   // The tracker's streams (call once per tracker: one per device type, e.g. the CPU tracker and
   // loom::rng_tracker(cuda_device)); the default CPU generator and, where a GPU is visible, the
