@@ -43,6 +43,7 @@
 #include "loom/loom.h"
 #include "loom/parallel/data_parallel.h"
 #include "bench_common.h"
+#include "bench_mlp.h"
 
 namespace {
 
@@ -64,18 +65,8 @@ struct Config {
 
 using loom::bench::median;
 
-// Linear+ReLU x layers, then a Linear to the classes; the same weights for every call with a seed.
 torch::nn::Sequential make_mlp(const Config& c) {
-  torch::manual_seed(c.seed);
-  torch::nn::Sequential net;
-  int64_t in = c.input;
-  for (int64_t l = 0; l < c.layers; ++l) {
-    net->push_back(torch::nn::Linear(in, c.hidden));
-    net->push_back(torch::nn::ReLU());
-    in = c.hidden;
-  }
-  net->push_back(torch::nn::Linear(in, c.classes));
-  return net;
+  return loom::bench::make_mlp({c.input, c.hidden, c.layers, c.classes}, c.seed);
 }
 
 enum Variant { kPlain = 0, kDdp = 1, kAllReduce = 2, kPlainKept = 3, kDdpUnchecked = 4, kDdpControl = 5, kVariants = 6 };

@@ -5,7 +5,7 @@
     python3 benchmarks/report.py --write-machine results-dir/machine.json [--setting KEY=VALUE ...]
 
 The report is regenerated, never hand-edited: every number comes from the JSON the benchmark
-programs wrote (allreduce_np*.json, allreduce_gloo_np*.json, allreduce_torchrun_np*.json, allreduce_gloo_cpp_np*.json, ddp_*.json, tp_np*.json, amp*.json,
+programs wrote (allreduce_np*.json, allreduce_gloo_np*.json, allreduce_torchrun_np*.json, allreduce_gloo_cpp_np*.json, ddp_*.json, zero_np*.json, tp_np*.json, amp*.json,
 placement.json, checkpoint.json, soak.txt) and machine.json, which run_all.sh writes at the start
 of a run (the second form above) with the CPU, cores, host, date, commit and the run's settings.
 Benchmarks whose results are missing or unreadable get a one-line note instead of a section.
@@ -27,7 +27,7 @@ import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DPI = 100
-PLOTS = ["allreduce_busbw.png", "ddp_step.png", "tp_mlp.png", "amp_unscale.png", "checkpoint.png", "placement.png"]
+PLOTS = ["allreduce_busbw.png", "ddp_step.png", "zero_memory.png", "tp_mlp.png", "amp_unscale.png", "checkpoint.png", "placement.png"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -465,6 +465,61 @@ class Report:
                        "replicas agree"], rows)
         return text
 
+    def zero(self):
+        """ZeRO stages 1 and 2 against DDP (zero_bench): memory per rank against the DP size, step time."""
+        files = sorted(glob.glob(self.path("zero_np*.json")))
+        if not files:
+            self.skipped.append("ZeRO: no zero_np*.json (BENCHMARKS without `zero`, or the run failed)")
+            return None
+        runs = [load(f) for f in files]
+        by_ranks = {}
+        for r in runs:
+            by_ranks.setdefault(r["ranks"], []).append(r)
+        names = [("ddp", "DDP", "C7"), ("zero1", "ZeRO stage 1", "C0"), ("zero2", "ZeRO stage 2", "C2")]
+        ranks = sorted(by_ranks)
+        plt = self.plt
+        fig, ax = plt.subplots(figsize=(6.4, 3.9))
+        xs = [n for n in ranks]
+        formulas = {"ddp": lambda n: 16.0, "zero1": lambda n: 8 + 8 / n, "zero2": lambda n: 4 + 4 / n + 8 / n}
+        fine = [1 + k * (max(ranks) - 1) / 60 for k in range(61)] if max(ranks) > 1 else [1]
+        for key, label, colour in names:
+            measured = [by_ranks[n][0]["memory"][key]["bytes_per_parameter"] for n in ranks]
+            ax.plot(xs, measured, "o", color=colour, label=f"{label}, measured", markersize=7)
+            ax.plot(fine, [formulas[key](n) for n in fine], "--", color=colour, linewidth=1, label=f"{label}, formula")
+        ax.set_xlabel("data-parallel ranks N")
+        ax.set_xticks(xs)
+        ax.set_ylabel("bytes per parameter per rank")
+        ax.set_ylim(0, 18)
+        ax.set_title("training state per rank (fp32, Adam): parameters + gradients + optimizer state")
+        ax.legend(fontsize=7, ncol=2, loc="lower left")
+        self.layout(fig, "zero")
+        cfg = runs[0]["config"]
+        text = (f"`zero_bench`: `loom::ZeroOptimizer` stages 1 and 2 against loom's DDP, Adam, on `ddp_bench`'s MLP "
+                f"({runs[0]['parameters'] / 1e6:.2f} M parameters, batch {cfg['batch_per_rank']} per rank, fp32, "
+                f"{cfg['threads_per_rank']} thread per rank), the three interleaved in the same processes, "
+                f"{cfg['iters']} timed steps each; time = the slowest rank's, medians; the ratio is the median over "
+                f"steps of ZeRO's time over DDP's in the same step (target <= 1.05 at 2 ranks). Memory: bytes of the "
+                f"live tensors' storages after the run (`loom::count_training_memory`), against the ZeRO formulas "
+                f"for fp32 parameters with Adam (DDP 4+4+8, stage 1 4+4+8/N, stage 2 4+4/N+8/N).\n\n")
+        text += self.save(fig, "zero_memory.png", "Training state per rank against the data-parallel size", "zero")
+        rows = []
+        for n in ranks:
+            for r in by_ranks[n]:
+                for key, label, _ in names:
+                    m = r["memory"][key]
+                    ratio = r.get("step_time_over_ddp", {}).get(key)
+                    target = "" if ratio is None or n != 2 else ("met" if ratio <= 1.05 else "**missed**")
+                    rows.append([str(n), label, fmt(r["median_s"][key] * 1e3, 2), "" if ratio is None else fmt(ratio),
+                                 target, f"{m['bytes_per_parameter']:.2f}", f"{m['formula_bytes_per_parameter']:.2f}",
+                                 f"{r['communicated_bytes_per_step'][key] / 1e6:.1f}",
+                                 "yes" if r["correct"] else "**no**"])
+        text += "\n" + table(["ranks", "variant", "step (ms)", "over DDP", "target", "bytes/param", "formula",
+                               "MB handed to the communicator per step", "equal to DDP"], rows)
+        text += ("\nDDP's communicated figure is its all-reduced bytes; ZeRO's the reduce-scattered plus the "
+                 "all-gathered bytes, each half an all-reduce's traffic: the same volume on the wire reads as twice "
+                 "DDP's figure (padding aside).\n")
+        return text
+
     def tp(self):
         files = sorted(glob.glob(self.path("tp_np*.json")))
         if not files:
@@ -752,6 +807,7 @@ class Report:
         self.section("All-reduce bus bandwidth: torchloom, raw MPI, PyTorch Gloo", self.allreduce)
         self.section("DDP step time: torchloom against PyTorch DDP", self.ddp)
         self.section("PyTorch's DDP over torch.distributed backend \"loom\" against \"gloo\"", self.ddp_backend)
+        self.section("ZeRO: memory per rank and step time against DDP", self.zero)
         self.section("Tensor parallelism: speed-up and bytes communicated", self.tp)
         self.section("GradScaler: torchloom against PyTorch", self.amp)
         self.section("Checkpoints: throughput against the disk", self.checkpoint)

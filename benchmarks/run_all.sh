@@ -5,7 +5,7 @@
 #   bash benchmarks/run_all.sh [results-dir]
 # The last step writes benchmarks/report/README.md and its plots from the results (REPORT=0 skips
 # it; on its own: python3 benchmarks/report.py [results-dir]).
-# BENCHMARKS selects which run (default: all of "allreduce ddp python tp amp placement soak checkpoint"); DDP_ROUNDS how many times the
+# BENCHMARKS selects which run (default: all of "allreduce ddp zero python tp amp placement soak checkpoint"); DDP_ROUNDS how many times the
 # loom/PyTorch DDP pair is repeated, alternating which goes first (default 3); TORCHRUN_ROUNDS how many
 # times the all-reduce pair under torchrun (loom over Gloo) is run (default 3).
 set -euo pipefail
@@ -23,7 +23,7 @@ busy=$( { head -1 /proc/stat; sleep 1; head -1 /proc/stat; } |
 if ((busy > 20)); then
   echo "WARNING: the CPUs are ${busy}% busy before the benchmarks start (another process): results will be noisy"
 fi
-BENCHMARKS=${BENCHMARKS:-allreduce ddp python tp amp placement soak checkpoint}
+BENCHMARKS=${BENCHMARKS:-allreduce ddp zero python tp amp placement soak checkpoint}
 PYTHON=${PYTHON:-python3}
 # What machine and run the results come from (CPU, cores, host, date, commit, these settings): the
 # report prints it under every plot.
@@ -86,6 +86,19 @@ if [[ " $BENCHMARKS " == *" ddp "* ]]; then
   echo "== DDP summary"
   "$PYTHON" benchmarks/ddp_reference.py --summarize --ours "${ours[@]}" --pytorch "${ref[@]}" \
     --ours-single "$RESULTS/ddp_loom_np1.json" --json "$RESULTS/ddp_summary.json"
+fi
+if [[ " $BENCHMARKS " == *" zero "* ]]; then
+  # ZeRO stages 1 and 2 against loom DDP with Adam on ddp_bench's MLP, interleaved in the same
+  # processes: step time (paired ratios), training state per rank counted from live storages,
+  # bytes communicated. At 1, 2 and 4 ranks (the memory plot's x axis); 2 ranks in 3 rounds.
+  for np in 1 4; do
+    echo "== ZeRO against DDP, $np rank(s)"
+    mpirun -np $np $LOOM_MPIRUN_FLAGS build/benchmarks/zero_bench --json "$RESULTS/zero_np$np.json"
+  done
+  for round in 1 2 3; do
+    echo "== ZeRO against DDP, 2 ranks (round $round)"
+    mpirun -np 2 $LOOM_MPIRUN_FLAGS build/benchmarks/zero_bench --json "$RESULTS/zero_np2_r$round.json"
+  done
 fi
 if [[ " $BENCHMARKS " == *" python "* ]]; then
   # The torchloom Python module: its DDP against PyTorch's (Gloo) in the same processes, and the

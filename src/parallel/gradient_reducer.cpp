@@ -159,7 +159,9 @@ struct GradientReducer::Impl : std::enable_shared_from_this<GradientReducer::Imp
     buckets = std::move(fresh);
     slots = std::move(fresh_slots);
     stats.buckets = buckets.size();
-    if (options.release_buckets) return;  // allocated when their first gradient arrives
+    // Allocated when their first gradient arrives: released buckets, and all of them while there is
+    // nothing to reduce (alone in the group: gradients stay where autograd put them).
+    if (options.release_buckets || passthrough()) return;
     for (size_t b = 0; b < buckets.size(); ++b) {
       allocate(b);
       // Gradients present are carried over; absent ones stay absent (an optimizer skips a
@@ -174,11 +176,20 @@ struct GradientReducer::Impl : std::enable_shared_from_this<GradientReducer::Imp
     }
   }
 
-  // The bucket's zeroed buffer and its members' slot views into it.
+  // The bucket's buffer and its members' slot views into it. Zeroed, except a released bucket's
+  // (allocated every iteration): every slot of it is written before it is reduced (a gradient
+  // copied in, or zeros for a parameter without one), so only the padding is zeroed here.
   void allocate(size_t b) {
     Bucket& bucket = buckets[b];
     if (bucket.buffer.defined()) return;
-    bucket.buffer = at::zeros({bucket.numel}, bucket.tensor_options);
+    if (options.release_buckets) {
+      bucket.buffer = at::empty({bucket.numel}, bucket.tensor_options);
+      const size_t last = bucket.members.back();
+      const int64_t used = slots[last].offset + params[last].numel();
+      bucket.buffer.narrow(0, used, bucket.numel - used).zero_();
+    } else {
+      bucket.buffer = at::zeros({bucket.numel}, bucket.tensor_options);
+    }
     for (size_t i : bucket.members) slots[i].view = alias_into(bucket.buffer, slots[i].offset, params[i]);
   }
 
@@ -211,8 +222,8 @@ struct GradientReducer::Impl : std::enable_shared_from_this<GradientReducer::Imp
   void place_gradient(size_t i) {
     at::Tensor& grad = params[i].mutable_grad();
     Slot& slot = slots[i];
+    allocate(slot.bucket);
     if (options.release_buckets) {  // the bucket holds it from now on; the parameter keeps none
-      allocate(slot.bucket);
       slot.view.copy_(grad);
       grad.reset();
     } else if (options.gradient_as_bucket_view) {

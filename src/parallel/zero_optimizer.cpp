@@ -81,6 +81,13 @@ struct ZeroOptimizer::Impl {
     if (options.stage == 1) shard_grads[b] = output;
     reduced_since_step = true;
     const double divisor = bucket.divisor;
+    if (size == 1) {  // alone: the bucket is the shard (stage 1 in place; stage 2 copies it out)
+      at::Tensor buffer = bucket.buffer;
+      return {nullptr, [output, buffer, divisor]() mutable {
+                if (output.data_ptr() != buffer.data_ptr()) output.copy_(buffer);
+                if (divisor != 1) output.div_(divisor);
+              }};
+    }
     if (options.reduce_dtype && *options.reduce_dtype != bucket.buffer.scalar_type()) {
       at::Tensor wire = bucket.buffer.div(divisor).to(*options.reduce_dtype);
       at::Tensor wire_shard = at::empty({S}, wire.options());
@@ -153,6 +160,7 @@ struct ZeroOptimizer::Impl {
   }
 
   void all_gather_parameters() {
+    if (size == 1) return;  // the shards are the parameters
     std::vector<WorkPtr> works;
     works.reserve(flat_params.size());
     for (size_t b = 0; b < flat_params.size(); ++b) {

@@ -1,0 +1,233 @@
+// What does ZeRO cost in time, and what does it save in memory? One training step (zero_grad,
+// forward, cross-entropy, backward, Adam step) of ddp_bench's MLP (1024 inputs, 4 hidden layers
+// of 1024, 10 classes, float32, 1 intra-op thread per rank), timed three ways, interleaved
+// iteration by iteration in the same processes (a new order each iteration) so that machine noise
+// hits all alike:
+//   ddp    loom::DistributedDataParallel and torch::optim::Adam over every parameter
+//   zero1  loom::ZeroOptimizer stage 1 (Adam state sharded over the ranks)
+//   zero2  loom::ZeroOptimizer stage 2 (gradients sharded too)
+// Each timed step starts after a barrier; a step's time is the slowest rank's. Reported: medians,
+// and the paired ratios zero / ddp (median over iterations of the two times in the same iteration;
+// target <= 1.05). Also, per variant, the training state per rank counted from the live tensors'
+// storages (parameters, gradients, optimizer state: loom::count_training_memory) against the
+// formulas (fp32 with Adam: DDP 4+4+8, stage 1 4+4+8/N, stage 2 4+4/N+8/N bytes per parameter),
+// and the bytes each step hands to the communicator.
+//
+// Every rank trains on the same batch, so all three must stay equal: checked at the end.
+//
+//   mpirun -np 2 build/benchmarks/zero_bench --json zero_np2.json
+#include <torch/torch.h>
+
+#include <CLI/CLI.hpp>
+#include <algorithm>
+#include <array>
+#include <chrono>
+#include <cstdio>
+#include <nlohmann/json.hpp>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "bench_common.h"
+#include "bench_mlp.h"
+#include "loom/loom.h"
+#include "loom/parallel/data_parallel.h"
+#include "loom/parallel/zero.h"
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+using loom::bench::median;
+
+struct Config {
+  loom::bench::MlpShape shape;
+  int64_t batch_per_rank = 64;
+  int warmup = 5;
+  int iters = 40;
+  double lr = 1e-3;
+  double bucket_cap_mb = 25;
+  uint64_t seed = 7;
+  std::string json_path;
+};
+
+enum Variant { kDdp = 0, kZero1 = 1, kZero2 = 2, kVariants = 3 };
+const char* kNames[kVariants] = {"ddp", "zero1", "zero2"};
+
+nlohmann::json memory_json(const loom::ZeroMemory& m, int64_t numel) {
+  return {{"parameters_bytes", m.parameters},
+          {"gradients_bytes", m.gradients},
+          {"optimizer_state_bytes", m.optimizer_state},
+          {"bytes_per_parameter", double(m.parameters + m.gradients + m.optimizer_state) / double(numel)}};
+}
+
+int benchmark(const Config& c, const std::shared_ptr<loom::Communicator>& comm) {
+  const int rank = comm->rank();
+  const int world = comm->size();
+  const double n = world;
+  const auto adam = torch::optim::AdamOptions(c.lr);
+  const size_t cap = static_cast<size_t>(c.bucket_cap_mb * (1 << 20));
+
+  // Each variant over a communicator of its own, built the same way.
+  loom::DataParallelOptions ddp_options;
+  ddp_options.reducer.bucket_cap_bytes = cap;
+  loom::DistributedDataParallel<torch::nn::Sequential> ddp(loom::bench::make_mlp(c.shape, c.seed),
+                                                           loom::mpi::world_communicator(), ddp_options);
+  torch::optim::Adam ddp_opt(ddp->parameters(), adam);
+  std::array<torch::nn::Sequential, 2> zero_nets = {loom::bench::make_mlp(c.shape, c.seed),
+                                                    loom::bench::make_mlp(c.shape, c.seed)};
+  std::array<std::unique_ptr<loom::ZeroOptimizer>, 2> zeros;
+  for (int stage : {1, 2}) {
+    loom::ZeroOptions options;
+    options.stage = stage;
+    options.bucket_cap_bytes = cap;
+    zeros[stage - 1] = std::make_unique<loom::ZeroOptimizer>(
+        zero_nets[stage - 1]->parameters(), loom::mpi::world_communicator(),
+        [&](std::vector<at::Tensor> shard) { return std::make_unique<torch::optim::Adam>(shard, adam); }, options);
+  }
+  int64_t numel = 0;
+  for (const auto& p : ddp->parameters()) numel += p.numel();
+
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(c.seed + 1);
+  const at::Tensor x = torch::randn({c.batch_per_rank, c.shape.input}, gen);
+  const at::Tensor y = torch::randint(c.shape.classes, {c.batch_per_rank}, gen);
+
+  auto run = [&](int variant) {
+    if (variant == kDdp) {
+      ddp.zero_grad();
+      torch::nn::functional::cross_entropy(ddp.forward(x), y).backward();
+      ddp_opt.step();
+      return;
+    }
+    auto& zero = *zeros[variant - 1];
+    zero.zero_grad();
+    torch::nn::functional::cross_entropy(zero_nets[variant - 1]->forward(x), y).backward();
+    zero.step();
+  };
+
+  std::array<std::vector<double>, kVariants> local;
+  for (int it = -c.warmup; it < c.iters; ++it) {
+    std::array<int, kVariants> order = {kDdp, kZero1, kZero2};
+    std::shuffle(order.begin(), order.end(), std::mt19937(static_cast<uint32_t>(c.seed * 1000003 + it + c.warmup)));
+    for (const int variant : order) {
+      comm->barrier()->wait();
+      const auto t0 = Clock::now();
+      run(variant);
+      const double seconds = std::chrono::duration<double>(Clock::now() - t0).count();
+      if (it >= 0) local[variant].push_back(seconds);
+    }
+  }
+  at::Tensor times = torch::empty({kVariants, c.iters}, torch::kFloat64);
+  auto cell = times.accessor<double, 2>();
+  for (int v = 0; v < kVariants; ++v)
+    for (int i = 0; i < c.iters; ++i) cell[v][i] = local[v][i];
+  comm->all_reduce(times, {loom::ReduceOp::Max})->wait();
+  std::array<std::vector<double>, kVariants> samples;
+  std::array<double, kVariants> med{};
+  for (int v = 0; v < kVariants; ++v) {
+    auto row = times[v].contiguous();
+    samples[v].assign(row.data_ptr<double>(), row.data_ptr<double>() + c.iters);
+    med[v] = median(samples[v]);
+  }
+  auto paired = [&](int a, int b) {
+    std::vector<double> ratios(c.iters);
+    for (int i = 0; i < c.iters; ++i) ratios[i] = samples[a][i] / samples[b][i];
+    return median(ratios);
+  };
+
+  double max_diff = 0;
+  const auto reference = ddp->parameters();
+  for (const auto& net : zero_nets) {
+    const auto params = net->parameters();
+    for (size_t i = 0; i < params.size(); ++i)
+      max_diff = std::max(max_diff, (params[i] - reference[i]).abs().max().item<double>());
+  }
+  const bool correct = max_diff <= 1e-5;
+
+  const std::array<loom::ZeroMemory, kVariants> memory = {
+      loom::count_training_memory(ddp->parameters(), ddp.reducer().bucket_buffers(), ddp_opt), zeros[0]->memory(),
+      zeros[1]->memory()};
+  const std::array<double, kVariants> formula = {16, 8 + 8 / n, 4 + 4 / n + 8 / n};
+  const loom::ReducerStats ddp_stats = ddp.reducer().stats();
+  const double ddp_bytes_per_step = double(ddp_stats.bytes_reduced) / double(ddp_stats.synchronized_iterations);
+  std::array<double, kVariants> bytes_per_step = {ddp_bytes_per_step, 0, 0};
+  for (int stage : {1, 2}) {
+    const auto s = zeros[stage - 1]->stats();
+    bytes_per_step[stage] = double(s.bytes_reduce_scattered + s.bytes_all_gathered) / double(s.steps);
+  }
+
+  if (rank == 0) {
+    std::printf("zero_bench: %d rank%s, MLP %lld-%lldx%lld-%lld (%.2f M parameters), batch %lld per rank, float32, "
+                "1 thread per rank, Adam; median of %d interleaved iterations (slowest rank), after %d warm-up\n",
+                world, world > 1 ? "s" : "", (long long)c.shape.input, (long long)c.shape.hidden,
+                (long long)c.shape.layers, (long long)c.shape.classes, numel / 1e6, (long long)c.batch_per_rank, c.iters,
+                c.warmup);
+    std::printf("  %-8s %9s %12s   %-36s %10s %9s\n", "", "step ms", "vs DDP", "bytes per parameter (measured)",
+                "formula", "comm/step");
+    for (int v = 0; v < kVariants; ++v) {
+      const auto& m = memory[v];
+      const double per = double(m.parameters + m.gradients + m.optimizer_state) / double(numel);
+      char parts[64];
+      std::snprintf(parts, sizeof(parts), "%.2f = %.2f + %.2f + %.2f", per, double(m.parameters) / numel,
+                    double(m.gradients) / numel, double(m.optimizer_state) / numel);
+      std::printf("  %-8s %9.2f %12s   %-36s %10.2f %7.1f MB\n", kNames[v], med[v] * 1e3,
+                  v == kDdp ? "" : (std::to_string(paired(v, kDdp)).substr(0, 5) + (paired(v, kDdp) <= 1.05 ? " met" : " MISSED")).c_str(),
+                  parts, formula[v], bytes_per_step[v] / 1e6);
+    }
+    std::printf("  (comm/step: DDP's all-reduced bytes; ZeRO's reduce-scattered + all-gathered bytes, each half of "
+                "an all-reduce's traffic: equal volume means ZeRO's is 2x DDP's figure)\n");
+    std::printf("  ZeRO parameters equal DDP's: %s (max difference %.3g)\n", correct ? "yes" : "NO", max_diff);
+    std::fflush(stdout);
+  }
+  if (rank == 0 && !c.json_path.empty()) {
+    nlohmann::json doc = {{"benchmark", "zero"},
+                          {"ranks", world},
+                          {"parameters", numel},
+                          {"config",
+                           {{"input", c.shape.input},
+                            {"hidden", c.shape.hidden},
+                            {"layers", c.shape.layers},
+                            {"classes", c.shape.classes},
+                            {"batch_per_rank", c.batch_per_rank},
+                            {"optimizer", "adam"},
+                            {"bucket_cap_mb", c.bucket_cap_mb},
+                            {"threads_per_rank", torch::get_num_threads()},
+                            {"warmup", c.warmup},
+                            {"iters", c.iters}}},
+                          {"correct", correct},
+                          {"max_parameter_difference", max_diff}};
+    for (int v = 0; v < kVariants; ++v) {
+      doc["median_s"][kNames[v]] = med[v];
+      doc["samples_s"][kNames[v]] = samples[v];
+      doc["memory"][kNames[v]] = memory_json(memory[v], numel);
+      doc["memory"][kNames[v]]["formula_bytes_per_parameter"] = formula[v];
+      doc["communicated_bytes_per_step"][kNames[v]] = bytes_per_step[v];
+      if (v != kDdp) doc["step_time_over_ddp"][kNames[v]] = paired(v, kDdp);
+    }
+    if (!loom::bench::write_json(c.json_path, doc, "zero_bench")) return 1;
+  }
+  return correct ? 0 : 1;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"ZeRO stages 1 and 2 against DDP: step time, training state per rank, bytes communicated"};
+  Config c;
+  app.add_option("--hidden", c.shape.hidden, "width of every hidden layer")->check(CLI::PositiveNumber);
+  app.add_option("--layers", c.shape.layers, "hidden layers (Linear+ReLU)")->check(CLI::PositiveNumber);
+  app.add_option("--batch-per-rank", c.batch_per_rank, "samples per rank per step")->check(CLI::PositiveNumber);
+  app.add_option("--warmup", c.warmup, "untimed iterations");
+  app.add_option("--iters", c.iters, "timed iterations, each timing every variant once")->check(CLI::PositiveNumber);
+  app.add_option("--bucket-cap-mb", c.bucket_cap_mb, "bucket size of all three (PyTorch's default is 25)");
+  app.add_option("--json", c.json_path, "write the results here");
+  CLI11_PARSE(app, argc, argv);
+
+  torch::set_num_threads(1);
+  int status = 1;
+  {
+    auto rt = loom::init();
+    status = benchmark(c, rt->world_comm());
+  }
+  loom::finalize();
+  return status;
+}
