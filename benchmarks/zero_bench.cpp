@@ -144,7 +144,7 @@ int benchmark(const Config& c, const std::shared_ptr<loom::Communicator>& comm) 
   const bool correct = max_diff <= 1e-5;
 
   const std::array<loom::ZeroMemory, kVariants> memory = {
-      loom::count_training_memory(ddp->parameters(), ddp.reducer().bucket_buffers(), ddp_opt), zeros[0]->memory(),
+      loom::count_training_memory(ddp->parameters(), ddp.reducer().bucket_buffers(), &ddp_opt), zeros[0]->memory(),
       zeros[1]->memory()};
   const std::array<double, kVariants> formula = {16, 8 + 8 / n, 4 + 4 / n + 8 / n};
   const loom::ReducerStats ddp_stats = ddp.reducer().stats();

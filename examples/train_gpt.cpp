@@ -599,7 +599,7 @@ int train(Options o) {
   // Training state held per rank, counted from the live tensors' storages.
   {
     const loom::ZeroMemory m =
-        zero ? zero->memory() : loom::count_training_memory(model->parameters(), reducer.bucket_buffers(), opt);
+        zero ? zero->memory() : loom::count_training_memory(model->parameters(), reducer.bucket_buffers(), &opt);
     int64_t numel = 0;
     for (const auto& p : model->parameters()) numel += p.numel();
     if (log)

@@ -11,6 +11,7 @@
 #include "loom/log.h"
 #include "loom/parallel/data_parallel.h"
 #include "loom/parallel/tensor_parallel.h"
+#include "loom/parallel/zero.h"
 #include "loom/train/accumulation.h"
 #include "loom/train/checkpoint.h"
 #include "loom/runtime.h"

@@ -39,6 +39,7 @@ py::object python_exception(std::exception_ptr error);
 void bind_errors(py::module_& m);
 void bind_comm(py::module_& m);
 void bind_data_parallel(py::module_& m);
+void bind_zero(py::module_& m);
 void bind_amp(py::module_& m);
 void bind_tensor_parallel(py::module_& m);
 void bind_checkpoint(py::module_& m);

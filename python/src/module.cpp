@@ -134,6 +134,7 @@ PYBIND11_MODULE(_C, m) {
   bind_errors(m);
   bind_comm(m);
   bind_data_parallel(m);
+  bind_zero(m);
   bind_amp(m);
   bind_tensor_parallel(m);
   bind_checkpoint(m);

@@ -107,6 +107,7 @@ _previous_excepthook = _sys.excepthook
 _sys.excepthook = _excepthook_telling_the_other_ranks
 
 from .parallel import DistributedDataParallel  # noqa: E402
+from .zero import ZeroRedundancyOptimizer  # noqa: E402
 from .amp import GradScaler  # noqa: E402
 from . import comm_hooks, tensor_parallel, checkpoint  # noqa: E402
 from .tensor_parallel import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,  # noqa: E402

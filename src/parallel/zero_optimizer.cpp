@@ -174,6 +174,13 @@ struct ZeroOptimizer::Impl {
 
 ZeroOptimizer::ZeroOptimizer(std::vector<at::Tensor> parameters, std::shared_ptr<Communicator> group,
                              const OptimizerFactory& make_optimizer, ZeroOptions options)
+    : ZeroOptimizer(std::move(parameters), std::move(group), std::move(options)) {
+  if (!make_optimizer) throw InvalidArgumentError(impl_->where() + ": expected an optimizer factory, found none");
+  impl_->adopt_optimizer(make_optimizer(impl_->shard_params));
+}
+
+ZeroOptimizer::ZeroOptimizer(std::vector<at::Tensor> parameters, std::shared_ptr<Communicator> group,
+                             ZeroOptions options)
     : impl_(std::make_unique<Impl>()) {
   if (!group) throw InvalidArgumentError(ErrorContext("ZeroOptimizer")("expected a communicator, found none"));
   Impl& z = *impl_;
@@ -184,7 +191,6 @@ ZeroOptimizer::ZeroOptimizer(std::vector<at::Tensor> parameters, std::shared_ptr
   if (z.options.stage != 1 && z.options.stage != 2)
     throw InvalidArgumentError(z.where() + ": stage must be 1 (optimizer state sharded) or 2 (gradients too), found " +
                                std::to_string(z.options.stage));
-  if (!make_optimizer) throw InvalidArgumentError(z.where() + ": expected an optimizer factory, found none");
 
   ReducerOptions reducer_options;
   reducer_options.bucket_cap_bytes = z.options.bucket_cap_bytes;
@@ -205,7 +211,6 @@ ZeroOptimizer::ZeroOptimizer(std::vector<at::Tensor> parameters, std::shared_ptr
 
   z.reseat_parameters(z.reducer->bucket_shapes());
   z.make_gradient_shards();
-  z.adopt_optimizer(make_optimizer(z.shard_params));
   int64_t total = 0, padded = 0;
   for (const auto& p : z.params) total += p.numel();
   for (const auto& f : z.flat_params) padded += f.numel();
@@ -239,25 +244,45 @@ double ZeroOptimizer::clip_grad_norm(double max_norm) {
 
 void ZeroOptimizer::step() {
   Impl& z = *impl_;
+  if (!z.optimizer)
+    throw InvalidArgumentError(z.where("ZeroOptimizer::step") +
+                               ": built without an optimizer: step shard_parameters() between begin_step() and "
+                               "gather_parameters()");
+  begin_step();
+  {
+    at::NoGradGuard no_grad;
+    z.optimizer->step();
+  }
+  gather_parameters();
+}
+
+void ZeroOptimizer::begin_step() {
+  Impl& z = *impl_;
   z.reducer->require_synchronized("ZeroOptimizer::step");
   if (!z.reduced_since_step)
     throw InvalidArgumentError(z.where("ZeroOptimizer::step") +
                                ": no synchronised backward since the last step (only backward passes under no_sync, "
                                "or none): expected reduced gradients to step with");
-  {
-    at::NoGradGuard no_grad;
-    for (size_t b = 0; b < z.shard_params.size(); ++b) z.shard_params[b].mutable_grad() = z.shard_grads[b];
-    z.optimizer->step();
-    for (auto& shard : z.shard_params) shard.mutable_grad().reset();
-    z.all_gather_parameters();
-  }
+  for (size_t b = 0; b < z.shard_params.size(); ++b) z.shard_params[b].mutable_grad() = z.shard_grads[b];
+}
+
+void ZeroOptimizer::gather_parameters() {
+  Impl& z = *impl_;
+  at::NoGradGuard no_grad;
+  for (auto& shard : z.shard_params) shard.mutable_grad().reset();
+  z.all_gather_parameters();
   z.reduced_since_step = false;
   ++z.stats.steps;
 }
 
 std::vector<at::Tensor> ZeroOptimizer::shard_gradients() const { return impl_->shard_grads; }
 std::vector<at::Tensor> ZeroOptimizer::shard_parameters() const { return impl_->shard_params; }
-torch::optim::Optimizer& ZeroOptimizer::optimizer() { return *impl_->optimizer; }
+torch::optim::Optimizer& ZeroOptimizer::optimizer() {
+  if (!impl_->optimizer)
+    throw InvalidArgumentError(impl_->where("ZeroOptimizer::optimizer") + ": built without an optimizer of its own");
+  return *impl_->optimizer;
+}
+bool ZeroOptimizer::has_optimizer() const { return impl_->optimizer != nullptr; }
 GradientReducer& ZeroOptimizer::reducer() { return *impl_->reducer; }
 Communicator& ZeroOptimizer::group() const { return *impl_->group; }
 const std::vector<at::Tensor>& ZeroOptimizer::parameters() const { return impl_->params; }
@@ -266,7 +291,7 @@ int64_t ZeroOptimizer::shard_numel(size_t bucket) const { return impl_->shard_nu
 int ZeroOptimizer::stage() const { return impl_->options.stage; }
 
 ZeroMemory count_training_memory(const std::vector<at::Tensor>& parameters,
-                                 const std::vector<at::Tensor>& gradient_buffers, torch::optim::Optimizer& optimizer) {
+                                 const std::vector<at::Tensor>& gradient_buffers, torch::optim::Optimizer* optimizer) {
   std::set<const void*> seen;
   ZeroMemory m;
   m.parameters = storage_bytes(parameters, seen);
@@ -274,10 +299,11 @@ ZeroMemory count_training_memory(const std::vector<at::Tensor>& parameters,
   for (const auto& p : parameters) grads.push_back(p.grad());  // e.g. accumulated locally under no_sync
   m.gradients = storage_bytes(grads, seen);
   std::vector<at::Tensor> state;
-  if (const auto kind = optimizer_kind(optimizer))
-    for (const auto& group : optimizer.param_groups())
+  const auto kind = optimizer ? optimizer_kind(*optimizer) : std::nullopt;
+  if (kind)
+    for (const auto& group : optimizer->param_groups())
       for (const auto& p : group.params())
-        if (const auto* s = find_optimizer_state(optimizer, p))
+        if (const auto* s = find_optimizer_state(*optimizer, p))
           for (auto& [key, tensor] : optimizer_state_tensors(*kind, *s)) state.push_back(tensor);
   m.optimizer_state = storage_bytes(state, seen);
   return m;
@@ -287,7 +313,7 @@ ZeroMemory ZeroOptimizer::memory() const {
   const Impl& z = *impl_;
   std::vector<at::Tensor> grads = z.reducer->bucket_buffers();
   if (z.options.stage == 2) grads.insert(grads.end(), z.shard_grads.begin(), z.shard_grads.end());
-  return count_training_memory(z.params, grads, *z.optimizer);
+  return count_training_memory(z.params, grads, z.optimizer.get());  // none: its state lives elsewhere
 }
 
 ZeroStats ZeroOptimizer::stats() const {

@@ -56,6 +56,17 @@ def tcp_store(loom):
     return make
 
 
+@pytest.fixture(scope="module")
+def gloo(loom, tcp_store):
+    """torch.distributed (Gloo) over the same processes, for the module's tests."""
+    import torch.distributed as dist
+    comm = loom.world_comm()
+    dist.init_process_group("gloo", store=tcp_store(), rank=comm.rank, world_size=comm.size,
+                            timeout=RENDEZVOUS_TIMEOUT)
+    yield
+    dist.destroy_process_group()
+
+
 def _world_size():
     for name in ("OMPI_COMM_WORLD_SIZE", "WORLD_SIZE", "PMI_SIZE"):
         if os.environ.get(name):

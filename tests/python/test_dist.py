@@ -15,16 +15,6 @@ MICRO = 2
 BATCH = 4  # per micro-batch and rank
 
 
-@pytest.fixture(scope="module")
-def gloo(loom, tcp_store):
-    """torch.distributed (Gloo) over the same processes."""
-    comm = loom.world_comm()
-    dist.init_process_group("gloo", store=tcp_store(), rank=comm.rank, world_size=comm.size,
-                            timeout=RENDEZVOUS_TIMEOUT)
-    yield
-    dist.destroy_process_group()
-
-
 class Net(nn.Module):
     def __init__(self):
         super().__init__()

@@ -81,16 +81,16 @@ struct ZeroOptions {
 struct ZeroMemory {
   int64_t parameters = 0;       // the flat parameter buffers (every parameter, every rank)
   int64_t gradients = 0;        // gradient buckets still held (stage 1) and this rank's gradient shards
-  int64_t optimizer_state = 0;  // the shard optimizer's state tensors
+  int64_t optimizer_state = 0;  // the shard optimizer's state tensors (0 without an optimizer of its own)
 };
 
 // The count behind ZeroOptimizer::memory(), for any training state: `parameters` (and their .grad),
 // `gradient_buffers` (a reducer's bucket_buffers(), which gradients may view) and the optimizer's
 // state for every tensor of its parameter groups. Plain data parallelism, measured as ZeRO is:
-//   count_training_memory(model->parameters(), reducer.bucket_buffers(), optimizer)
-// An optimizer that is not one of optimizer_state.h's kinds counts as holding no state.
+//   count_training_memory(model->parameters(), reducer.bucket_buffers(), &optimizer)
+// No optimizer, or one that is not of optimizer_state.h's kinds, counts as holding no state.
 ZeroMemory count_training_memory(const std::vector<at::Tensor>& parameters,
-                                 const std::vector<at::Tensor>& gradient_buffers, torch::optim::Optimizer& optimizer);
+                                 const std::vector<at::Tensor>& gradient_buffers, torch::optim::Optimizer* optimizer);
 
 struct ZeroStats {
   uint64_t steps = 0;            // step() calls that stepped the optimizer
@@ -105,6 +105,10 @@ class ZeroOptimizer {
 
   ZeroOptimizer(std::vector<at::Tensor> parameters, std::shared_ptr<Communicator> group,
                 const OptimizerFactory& make_optimizer, ZeroOptions options = {});
+  // Without an optimizer of its own: the caller steps shard_parameters() with one it holds (a
+  // Python torch.optim optimizer), between begin_step() and gather_parameters():
+  //   zero.begin_step(); my_optimizer.step(); zero.gather_parameters();
+  ZeroOptimizer(std::vector<at::Tensor> parameters, std::shared_ptr<Communicator> group, ZeroOptions options = {});
   ~ZeroOptimizer();
   ZeroOptimizer(const ZeroOptimizer&) = delete;
   ZeroOptimizer& operator=(const ZeroOptimizer&) = delete;
@@ -118,6 +122,11 @@ class ZeroOptimizer {
   // Steps this rank's shard with the optimizer, then all-gathers the updated parameters.
   // loom::InvalidArgumentError when no synchronised backward ran since the last step.
   void step();
+  // step() in parts, for an optimizer held elsewhere: begin_step() checks that a synchronised
+  // backward ran and sets each shard tensor's .grad to its gradient shard; gather_parameters()
+  // all-gathers the shards (after the optimizer updated them) into every rank's parameters.
+  void begin_step();
+  void gather_parameters();
 
   [[nodiscard]] GradientReducer::NoSyncGuard no_sync() { return reducer().no_sync(); }
 
@@ -125,7 +134,9 @@ class ZeroOptimizer {
   // backward), the tensors the optimizer steps, and where each lies: for checkpoints and scalers.
   std::vector<at::Tensor> shard_gradients() const;
   std::vector<at::Tensor> shard_parameters() const;
+  // loom::InvalidArgumentError when built without an optimizer.
   torch::optim::Optimizer& optimizer();
+  bool has_optimizer() const;
   GradientReducer& reducer();
   Communicator& group() const;
   const std::vector<at::Tensor>& parameters() const;
