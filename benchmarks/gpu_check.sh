@@ -59,7 +59,7 @@ step device_fault.np1 60 "a device-side assert while a collective is in flight e
   "$NP1 -x LOOM_TEST_DEVICE_FAULT=1 $B/tests/gpu/test_nccl --gtest_filter=NcclDeviceFault.*; grep -q 'PASSED  ] 1 test' \"\$LOG\" && grep -q 'device fault: failed' \"\$LOG\""
 step nccl.np2 180 "real two-rank NCCL: every collective x dtype x op against the CPU, p2p, raise-mode abort releasing the stream, a peer that never connects, batched exchange" \
   "$NP2 $HOSTS $B/tests/gpu/test_nccl $SKIP_ALONE"
-step training.np2 150 "DDP over NCCL equal to one process on the whole batch, the fp16 hook, scaler found-inf agreed over two ranks, TP layers over NCCL" \
+step training.np2 150 "DDP over NCCL equal to one process on the whole batch, the fp16 hook, scaler found-inf agreed over two ranks, TP layers over NCCL, ZeRO stages 1 and 2 over NCCL equal to DDP" \
   "$NP2 $HOSTS $B/tests/gpu/test_cuda_training"
 step exit_nofinalize.np2 60 "two ranks leave without finalize: no hang, no crash" \
   "$NP2 $HOSTS $B/tests/gpu/test_cuda_training --exit-without-finalize"

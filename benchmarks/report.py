@@ -5,7 +5,7 @@
     python3 benchmarks/report.py --write-machine results-dir/machine.json [--setting KEY=VALUE ...]
 
 The report is regenerated, never hand-edited: every number comes from the JSON the benchmark
-programs wrote (allreduce_np*.json, allreduce_gloo_np*.json, allreduce_torchrun_np*.json, allreduce_gloo_cpp_np*.json, ddp_*.json, zero_np*.json, tp_np*.json, amp*.json,
+programs wrote (allreduce_np*.json, allreduce_gloo_np*.json, allreduce_torchrun_np*.json, allreduce_gloo_cpp_np*.json, ddp_*.json, zero_np*.json, shard_collectives_np*.json, tp_np*.json, amp*.json,
 placement.json, checkpoint.json, soak.txt) and machine.json, which run_all.sh writes at the start
 of a run (the second form above) with the CPU, cores, host, date, commit and the run's settings.
 Benchmarks whose results are missing or unreadable get a one-line note instead of a section.
@@ -465,6 +465,28 @@ class Report:
                        "replicas agree"], rows)
         return text
 
+    def shard_collectives(self):
+        """reduce_scatter and all_gather in place against raw MPI (shard_collectives_bench)."""
+        files = sorted(glob.glob(self.path("shard_collectives_np*.json")))
+        if not files:
+            self.skipped.append("reduce_scatter / all_gather: no shard_collectives_np*.json (BENCHMARKS without "
+                                "`allreduce`)")
+            return None
+        rows = []
+        for f in files:
+            r = load(f)
+            for row in r["rows"]:
+                rows.append([str(r["ranks"]), row["collective"], human_bytes(row["bytes"]), fmt(row["mpi_s"] * 1e6, 1),
+                             fmt(row["loom_s"] * 1e6, 1), fmt(row["ratio_mpi_over_loom"]),
+                             "yes" if row["correct"] else "**no**"])
+        text = ("`shard_collectives_bench`: ZeRO's two collectives in their in-place forms through "
+                "`loom::Communicator` (checked entry, one operation lifecycle) against raw "
+                "`MPI_Reduce_scatter_block` / `MPI_Allgather` with `MPI_IN_PLACE` in the same processes, "
+                "interleaved, alternating which goes first; median of the slowest rank's time. Ratio = MPI's time "
+                "over loom's (1.0: as fast as raw MPI; higher is better). Size = the whole buffer.\n\n")
+        text += table(["ranks", "collective", "size", "MPI (us)", "loom (us)", "ratio", "correct"], rows)
+        return text
+
     def zero(self):
         """ZeRO stages 1 and 2 against DDP (zero_bench): memory per rank against the DP size, step time."""
         files = sorted(glob.glob(self.path("zero_np*.json")))
@@ -808,6 +830,7 @@ class Report:
         self.section("DDP step time: torchloom against PyTorch DDP", self.ddp)
         self.section("PyTorch's DDP over torch.distributed backend \"loom\" against \"gloo\"", self.ddp_backend)
         self.section("ZeRO: memory per rank and step time against DDP", self.zero)
+        self.section("ZeRO's collectives: reduce_scatter and all_gather against raw MPI", self.shard_collectives)
         self.section("Tensor parallelism: speed-up and bytes communicated", self.tp)
         self.section("GradScaler: torchloom against PyTorch", self.amp)
         self.section("Checkpoints: throughput against the disk", self.checkpoint)

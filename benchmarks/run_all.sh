@@ -45,6 +45,14 @@ if [[ " $BENCHMARKS " == *" allreduce "* ]]; then
     "$PYTHON" -m torch.distributed.run --standalone --nproc_per_node $np benchmarks/allreduce_gloo.py --min-bytes 4 \
       --json "$RESULTS/allreduce_gloo_np$np.json"
   done
+  # ZeRO's collectives in their in-place forms, against raw MPI in the same processes.
+  for np in 2 4; do
+    binding="--bind-to none"
+    ((np <= cores)) && binding="--bind-to core"
+    echo "== reduce_scatter and all_gather, $np ranks ($binding)"
+    mpirun -np $np --oversubscribe $binding build/benchmarks/shard_collectives_bench \
+      --json "$RESULTS/shard_collectives_np$np.json"
+  done
   # Under torchrun, without MPI: torchloom's world communicator is loom's core over LibTorch's
   # ProcessGroupGloo. Against torch.distributed over Gloo (Python, same processes) and against a
   # ProcessGroupGloo called directly from C++ (same processes); in rounds, as this machine drifts.
