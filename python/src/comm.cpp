@@ -103,6 +103,9 @@ void bind_comm(py::module_& m) {
       .def_property_readonly("members", &loom::Communicator::members)
       .def_property_readonly("backend", &loom::Communicator::backend)
       .def_property_readonly("device", [](const loom::Communicator& c) { return c.device(); })
+      .def_property_readonly("default_timeout", [](const loom::Communicator& c) {
+        return std::chrono::duration<double>(c.default_timeout()).count();
+      }, "Seconds an operation may take unless its call says otherwise (LOOM_TIMEOUT, or the one it was built with).")
       .def("is_broken", &loom::Communicator::is_broken)
       .def("broken_reason", &loom::Communicator::broken_reason)
       .def("all_reduce", [](loom::Communicator& c, at::Tensor tensor, loom::ReduceOp op, const py::object& timeout,
@@ -182,12 +185,16 @@ void bind_comm(py::module_& m) {
              py::gil_scoped_release release;
              return finish(c.barrier(o), async_op);
            }, py::arg("timeout") = py::none(), py::arg("async_op") = false)
-      .def("split", [](loom::Communicator& c, int color, int key, const std::string& name, const py::object& timeout) {
+      .def("split", [](loom::Communicator& c, int color, int key, const std::string& name, const py::object& timeout,
+                       const py::object& group_timeout) {
              loom::SplitOptions o{to_timeout(timeout)};
+             if (!group_timeout.is_none()) o.group_timeout = to_timeout(group_timeout);
              py::gil_scoped_release release;
              return c.split(color, key, name, o);
            }, py::arg("color"), py::arg("key"), py::arg("name"), py::arg("timeout") = py::none(),
-           "Collective: ranks passing the same color form a new communicator ordered by key; color < 0 gives None.")
+           py::arg("group_timeout") = py::none(),
+           "Collective: ranks passing the same color form a new communicator ordered by key; color < 0 gives None. "
+           "timeout: of the split itself; group_timeout: the new communicator's default (as torch's new_group(timeout=)).")
       .def("__repr__", [](const loom::Communicator& c) {
         return "<torchloom.Communicator " + c.name() + " rank " + std::to_string(c.rank()) + " of " +
                std::to_string(c.size()) + " (" + c.backend() + ")>";

@@ -19,6 +19,7 @@ broadcast again (as PyTorch's DDP).
 from __future__ import annotations
 
 import contextlib
+import threading
 from typing import Any, Callable, Dict, Iterator, List, Optional
 
 import torch
@@ -136,9 +137,17 @@ class GradBucket:
         return self._bucket.divisor
 
 
-def _finish_future(future: torch._C.Future, buffer: torch.Tensor) -> Callable[[], None]:
-    """After a torch-style hook: wait for its future and leave its value in the bucket's buffer."""
+def _finish_future(future: torch._C.Future, buffer: torch.Tensor, index: int, timeout: float) -> Callable[[], None]:
+    """After a torch-style hook: wait for its future (at most the group's timeout: a future nobody
+    completes must not hang the job) and leave its value in the bucket's buffer."""
     def finish() -> None:
+        done = threading.Event()
+        future.add_done_callback(lambda _: done.set())
+        if not done.wait(timeout):
+            raise _C.TimeoutError(
+                f"{_where('DistributedDataParallel comm hook')}: bucket {index}: the hook's future was not completed "
+                f"within {timeout:g} s (the group's timeout); expected it to complete, e.g. as a collective's "
+                f"get_future() does")
         value = future.wait()
         if isinstance(value, (list, tuple)):
             value = value[0]
@@ -277,7 +286,7 @@ class DistributedDataParallel(torch.nn.Module):
         def adapted(state: object, bucket: "_C._GradBucket") -> Any:
             result = hook(state, GradBucket(bucket, parameters))
             if isinstance(result, torch._C.Future):  # torch.futures.Future and the one c10d returns
-                return (None, _finish_future(result, bucket.buffer))
+                return (None, _finish_future(result, bucket.buffer, bucket.index, bucket.group.default_timeout))
             return result
 
         self.reducer.register_python_comm_hook(state, adapted)

@@ -232,7 +232,11 @@ std::shared_ptr<Communicator> Communicator::split(int color, int key, const std:
   request->color = color;
   request->key = key;
   request->name = name;
-  request->options = {timeout_, on_error_, check_collectives_, size_check_bytes_, fingerprint_interval_};
+  if (options.group_timeout && options.group_timeout->count() <= 0)
+    throw InvalidArgumentError(context("split")("group_timeout must be positive, found " +
+                                                std::to_string(options.group_timeout->count()) + " ms"));
+  request->options = {options.group_timeout.value_or(timeout_), on_error_, check_collectives_, size_check_bytes_,
+                      fingerprint_interval_};
   op.split = request;
   enqueue_checked(op)->synchronize();
   return request->result;

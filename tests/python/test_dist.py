@@ -162,6 +162,20 @@ def test_ddp_comm_hooks(loom):
         torchloom.DistributedDataParallel(nn.Linear(1, 1)).register_comm_hook(None, 3)
 
 
+def test_ddp_hook_future_never_completed_is_a_timeout_naming_the_bucket(loom):
+    """A torch-style hook whose future nobody completes: backward raises torchloom.TimeoutError after
+    the group's timeout (2 s here) on every rank, naming the bucket, instead of waiting forever."""
+    comm = loom.world_comm()
+    group = comm.split(0, comm.rank, "short", group_timeout=2)
+    assert group.default_timeout == pytest.approx(2.0)
+    model = nn.Linear(4, 4)
+    ddp = torchloom.DistributedDataParallel(model, process_group=group)
+    ddp.register_comm_hook(None, lambda state, bucket: torch.futures.Future())
+    with pytest.raises(torchloom.TimeoutError, match=r"bucket 0: the hook's future was not completed within 2 s"):
+        ddp(torch.ones(2, 4)).sum().backward()
+    comm.barrier()
+
+
 def test_ddp_takes_torchs_arguments(loom):
     """torch.nn.parallel.DistributedDataParallel's arguments, in its order and with its defaults;
     what torchloom does not do is refused by name."""

@@ -50,7 +50,9 @@ struct BarrierOptions {
   Timeout timeout = kDefaultTimeout;
 };
 struct SplitOptions {
-  Timeout timeout = kDefaultTimeout;
+  Timeout timeout = kDefaultTimeout;  // of the split itself
+  // The new communicator's default operation timeout (torch's new_group(timeout=)); empty: this one's.
+  std::optional<Timeout> group_timeout;
 };
 
 // Options of a communicator as a whole; unset fields come from the configuration
