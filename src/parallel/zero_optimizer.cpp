@@ -197,7 +197,22 @@ ZeroOptimizer::ZeroOptimizer(std::vector<at::Tensor> parameters, std::shared_ptr
   reducer_options.first_bucket_cap_bytes = z.options.first_bucket_cap_bytes;
   reducer_options.find_unused_parameters = z.options.find_unused_parameters;
   reducer_options.broadcast_parameters = z.options.broadcast_parameters;
-  reducer_options.parameter_names = z.options.parameter_names;
+  // Frozen parameters stay out of the shards (as DDP leaves them out of its buckets); every rank
+  // takes rank 0's values, as DDP's broadcast gives them.
+  std::vector<at::Tensor> trainable, frozen;
+  std::vector<std::string> trainable_names;
+  const bool named = z.options.parameter_names.size() == parameters.size();
+  for (size_t i = 0; i < parameters.size(); ++i) {
+    if (parameters[i].defined() && !parameters[i].requires_grad()) {
+      frozen.push_back(parameters[i].detach());
+      continue;
+    }
+    trainable.push_back(parameters[i]);
+    if (named) trainable_names.push_back(z.options.parameter_names[i]);
+  }
+  if (!frozen.empty() && z.options.broadcast_parameters && z.size > 1)
+    detail::broadcast_tensors(*z.group, frozen, "frozen parameter broadcast");
+  reducer_options.parameter_names = named ? trainable_names : z.options.parameter_names;
   reducer_options.rebuild_buckets = false;
   reducer_options.bucket_alignment = static_cast<size_t>(z.size);
   // Stage 1: gradients are views into persistent buckets (no copy, reduce-scatter in place).
@@ -206,7 +221,7 @@ ZeroOptimizer::ZeroOptimizer(std::vector<at::Tensor> parameters, std::shared_ptr
   reducer_options.release_buckets = z.options.stage == 2;
   Impl* self = impl_.get();
   reducer_options.comm_hook = [self](GradBucket& bucket) { return self->reduce_scatter(bucket); };
-  z.reducer = std::make_unique<GradientReducer>(std::move(parameters), z.group, std::move(reducer_options));
+  z.reducer = std::make_unique<GradientReducer>(std::move(trainable), z.group, std::move(reducer_options));
   z.params = z.reducer->parameters();
 
   z.reseat_parameters(z.reducer->bucket_shapes());

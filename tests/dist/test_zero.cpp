@@ -475,3 +475,112 @@ TEST(ZeroCheckpoint, ConvertsToAndFromAPlainDataParallelCheckpoint) {
   test::cleanup(from_zero);
   test::cleanup(from_ddp);
 }
+
+namespace {
+// A model with a branch some ranks skip on some steps, and a frozen parameter.
+struct BranchyImpl : torch::nn::Module {
+  BranchyImpl() {
+    trunk = register_module("trunk", torch::nn::Linear(12, 16));
+    extra = register_module("extra", torch::nn::Linear(16, 16));
+    head = register_module("head", torch::nn::Linear(16, 4));
+    trunk->bias.requires_grad_(false);
+  }
+  at::Tensor forward(const at::Tensor& x, bool use_extra) {
+    auto h = torch::tanh(trunk(x));
+    if (use_extra) h = h + extra(h);
+    return head(h);
+  }
+  torch::nn::Linear trunk{nullptr}, extra{nullptr}, head{nullptr};
+};
+TORCH_MODULE(Branchy);
+
+// The extra branch is used on step s by rank r when (s + r) is even: never by every rank at once
+// (at 2+ ranks), so every parameter has a gradient somewhere each step.
+bool uses_extra(int step, int rank, int size) { return size == 1 || (step + rank) % 2 == 0; }
+}  // namespace
+
+TEST(Zero, UnusedOnSomeRanksAndFrozenParametersEqualDdp) {
+  auto comm = test::world();
+  const int rank = comm->rank(), size = comm->size();
+  auto build = [&] {
+    at::manual_seed(rank == 0 ? 11 : 60 + rank);  // rank 0's values, frozen bias included, must win
+    return Branchy();
+  };
+  auto train = [&](Branchy& net, auto&& zero_grad, auto&& step) {
+    for (int s = 0; s < 12; ++s) {
+      zero_grad();
+      auto [x, y] = batch(s, 0, rank);
+      torch::mse_loss(net->forward(x, uses_extra(s, rank, size)), y).backward();
+      step();
+    }
+  };
+  Branchy ddp_net = build();
+  DataParallelOptions ddp_options;
+  ddp_options.reducer.find_unused_parameters = true;
+  DistributedDataParallel<Branchy> ddp(ddp_net, comm, ddp_options);
+  auto adam = make(Opt::AdamW, ddp->parameters());
+  std::vector<at::Tensor> trainable;
+  for (auto& p : ddp_net->parameters())
+    if (p.requires_grad()) trainable.push_back(p);
+  train(ddp_net, [&] { ddp.zero_grad(); }, [&] { adam->step(); });
+  for (int stage : {1, 2}) {
+    Branchy net = build();
+    ZeroOptions options;
+    options.stage = stage;
+    options.find_unused_parameters = true;
+    options.bucket_cap_bytes = 512;
+    options.first_bucket_cap_bytes = 256;
+    ZeroOptimizer zero(net->parameters(), comm, [](std::vector<at::Tensor> shard) { return make(Opt::AdamW, shard); },
+                       options);
+    EXPECT_EQ(zero.parameters().size(), trainable.size()) << "the frozen bias stays out of the shards";
+    train(net, [&] { zero.zero_grad(); }, [&] { zero.step(); });
+    EXPECT_GT(zero.reducer().stats().last_buckets_issued_during_backward, 0u) << "reduce-scatter during backward";
+    auto a = net->parameters(), b = ddp_net->parameters();
+    for (size_t i = 0; i < a.size(); ++i) {
+      const double diff = (a[i] - b[i]).abs().max().item<double>();
+      EXPECT_LE(diff, 1e-6) << "stage " << stage << ": parameter " << i << " differs from DDP's by " << diff;
+    }
+  }
+}
+
+TEST(Zero, Bf16ReduceScatterEqualsDdpsBf16Hook) {
+  // The reduce-scatter in bfloat16 (divided first, as DDP's bf16 hook does): the same rounding as
+  // DDP with comm_hooks::bf16_compress() at 2 ranks (one addition per element: order-free).
+  auto comm = test::world();
+  if (comm->size() != 2) GTEST_SKIP() << "bit-comparable with DDP's bf16 all-reduce at 2 ranks";
+  const int rank = comm->rank();
+  auto train = [&](Net& net, auto&& zero_grad, auto&& step) {
+    for (int s = 0; s < 6; ++s) {
+      zero_grad();
+      auto [x, y] = batch(s, 0, rank);
+      torch::mse_loss(net(x), y).backward();
+      step();
+    }
+  };
+  at::manual_seed(3);
+  Net ddp_net;
+  DataParallelOptions ddp_options;
+  ddp_options.reducer.comm_hook = comm_hooks::bf16_compress();
+  DistributedDataParallel<Net> ddp(ddp_net, comm, ddp_options);
+  auto sgd = make(Opt::SgdMomentum, ddp->parameters());
+  train(ddp_net, [&] { ddp.zero_grad(); }, [&] { sgd->step(); });
+  at::manual_seed(3);
+  Net net;
+  ZeroOptions options;
+  options.reduce_dtype = at::kBFloat16;
+  ZeroOptimizer zero(net->parameters(), comm, [](std::vector<at::Tensor> shard) { return make(Opt::SgdMomentum, shard); },
+                     options);
+  train(net, [&] { zero.zero_grad(); }, [&] { zero.step(); });
+  auto a = net->parameters(), b = ddp_net->parameters();
+  for (size_t i = 0; i < a.size(); ++i) {
+    const double diff = (a[i] - b[i]).abs().max().item<double>();
+    EXPECT_LE(diff, 1e-6) << "parameter " << i << " differs from DDP's (bf16 hook) by " << diff;
+  }
+  // And the bf16 wire is really used: fp32 training differs by more than rounding.
+  at::manual_seed(3);
+  Net exact;
+  ZeroOptimizer fp32(exact->parameters(), comm, [](std::vector<at::Tensor> shard) { return make(Opt::SgdMomentum, shard); });
+  train(exact, [&] { fp32.zero_grad(); }, [&] { fp32.step(); });
+  EXPECT_GT((exact->l1->weight - net->l1->weight).abs().max().item<double>(), 1e-5);
+  EXPECT_EQ(zero.stats().bytes_reduce_scattered * 2, fp32.stats().bytes_reduce_scattered) << "half the bytes";
+}

@@ -31,7 +31,8 @@
 //
 // Element-wise optimizers only (the update of one element depends on that element alone): SGD
 // (momentum, Nesterov, weight decay), Adam, AdamW, RMSprop and Adagrad; others (LBFGS) are refused
-// by name. One parameter group (every shard tensor gets the same hyper-parameters). Parameters
+// by name. One parameter group (every shard tensor gets the same hyper-parameters). Frozen
+// parameters (requires_grad false) stay out of the shards and take rank 0's values. Parameters
 // unused on some ranks need find_unused_parameters, as in DDP; one unused on every rank gets a
 // zero gradient (as in DeepSpeed and Megatron), so momentum still moves it, where DDP would skip it.
 // Gradient accumulation: inside `auto guard = zero.no_sync();` gradients accumulate locally in
