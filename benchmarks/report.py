@@ -495,7 +495,7 @@ class Report:
             return None
         runs = [load(f) for f in files]
         by_ranks = {}
-        for r in runs:
+        for r in sorted(runs, key=lambda r: r.get("malloc", "glibc defaults") != "glibc defaults"):
             by_ranks.setdefault(r["ranks"], []).append(r)
         names = [("ddp", "DDP", "C7"), ("zero1", "ZeRO stage 1", "C0"), ("zero2", "ZeRO stage 2", "C2")]
         ranks = sorted(by_ranks)
@@ -531,12 +531,17 @@ class Report:
                     m = r["memory"][key]
                     ratio = r.get("step_time_over_ddp", {}).get(key)
                     target = "" if ratio is None or n != 2 else ("met" if ratio <= 1.05 else "**missed**")
-                    rows.append([str(n), label, fmt(r["median_s"][key] * 1e3, 2), "" if ratio is None else fmt(ratio),
+                    rows.append([str(n), "default" if r.get("malloc", "glibc defaults") == "glibc defaults" else "kept",
+                                 label, fmt(r["median_s"][key] * 1e3, 2), "" if ratio is None else fmt(ratio),
                                  target, f"{m['bytes_per_parameter']:.2f}", f"{m['formula_bytes_per_parameter']:.2f}",
                                  f"{r['communicated_bytes_per_step'][key] / 1e6:.1f}",
                                  "yes" if r["correct"] else "**no**"])
-        text += "\n" + table(["ranks", "variant", "step (ms)", "over DDP", "target", "bytes/param", "formula",
+        text += "\n" + table(["ranks", "malloc", "variant", "step (ms)", "over DDP", "target", "bytes/param", "formula",
                                "MB handed to the communicator per step", "equal to DDP"], rows)
+        text += ("\nmalloc: `default` is glibc's defaults; `kept` raises its trim and mmap thresholds (GLIBC_TUNABLES) "
+                 "so freed memory stays in the process's heap, as the CUDA caching allocator keeps it on a GPU: stage 2 "
+                 "frees its gradient buckets after every backward, and on glibc's defaults that memory goes back to "
+                 "the kernel and is faulted in again in the next backward.\n")
         text += ("\nDDP's communicated figure is its all-reduced bytes; ZeRO's the reduce-scattered plus the "
                  "all-gathered bytes, each half an all-reduce's traffic: the same volume on the wire reads as twice "
                  "DDP's figure (padding aside).\n")

@@ -15,12 +15,19 @@
 //
 // Every rank trains on the same batch, so all three must stay equal: checked at the end.
 //
+// Stage 2 frees its gradient buckets after each backward (that is its saving); glibc's malloc then
+// returns that memory to the kernel and takes it back (page faults) in the next backward, which
+// costs stage 2 5-10% of a step on the CPU here. A run with GLIBC_TUNABLES raising malloc's trim and
+// mmap thresholds keeps freed memory in the process's heap, as the CUDA caching allocator does on a
+// GPU: run_all.sh runs both, and the JSON records the setting.
+//
 //   mpirun -np 2 build/benchmarks/zero_bench --json zero_np2.json
 #include <torch/torch.h>
 
 #include <CLI/CLI.hpp>
 #include <algorithm>
 #include <array>
+#include <cstdlib>
 #include <chrono>
 #include <cstdio>
 #include <nlohmann/json.hpp>
@@ -49,6 +56,12 @@ struct Config {
   uint64_t seed = 7;
   std::string json_path;
 };
+
+// glibc's defaults, or the GLIBC_TUNABLES the run was given.
+std::string malloc_setting() {
+  const char* tunables = std::getenv("GLIBC_TUNABLES");
+  return tunables ? std::string("GLIBC_TUNABLES=") + tunables : "glibc defaults";
+}
 
 enum Variant { kDdp = 0, kZero1 = 1, kZero2 = 2, kVariants = 3 };
 const char* kNames[kVariants] = {"ddp", "zero1", "zero2"};
@@ -175,7 +188,8 @@ int benchmark(const Config& c, const std::shared_ptr<loom::Communicator>& comm) 
     }
     std::printf("  (comm/step: DDP's all-reduced bytes; ZeRO's reduce-scattered + all-gathered bytes, each half of "
                 "an all-reduce's traffic: equal volume means ZeRO's is 2x DDP's figure)\n");
-    std::printf("  ZeRO parameters equal DDP's: %s (max difference %.3g)\n", correct ? "yes" : "NO", max_diff);
+    std::printf("  ZeRO parameters equal DDP's: %s (max difference %.3g); malloc: %s\n", correct ? "yes" : "NO", max_diff,
+                malloc_setting().c_str());
     std::fflush(stdout);
   }
   if (rank == 0 && !c.json_path.empty()) {
@@ -194,6 +208,7 @@ int benchmark(const Config& c, const std::shared_ptr<loom::Communicator>& comm) 
                             {"warmup", c.warmup},
                             {"iters", c.iters}}},
                           {"correct", correct},
+                          {"malloc", malloc_setting()},
                           {"max_parameter_difference", max_diff}};
     for (int v = 0; v < kVariants; ++v) {
       doc["median_s"][kNames[v]] = med[v];
