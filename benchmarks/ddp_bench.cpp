@@ -44,6 +44,7 @@
 #include "loom/parallel/data_parallel.h"
 #include "bench_common.h"
 #include "bench_mlp.h"
+#include "interleaved_timing.h"
 
 namespace {
 
@@ -145,33 +146,11 @@ int benchmark(const Config& c, const std::shared_ptr<loom::Communicator>& comm) 
     }
   };
 
-  std::array<std::vector<double>, kVariants> local;
-  for (int it = -c.warmup; it < c.iters; ++it) {
-    // A new order every iteration, the same on every rank (seeded by the iteration): a fixed or
-    // rotated order would have each variant always follow the same one, whose leftovers (freed
-    // gradients, a busy progress thread) would then read as that variant's cost.
-    std::array<int, kVariants> order{};
-    for (int k = 0; k < kVariants; ++k) order[k] = k;
-    std::shuffle(order.begin(), order.end(), std::mt19937(static_cast<uint32_t>(c.seed * 1000003 + it + c.warmup)));
-    for (const int variant : order) {
-      comm->barrier()->wait();
-      const auto t0 = Clock::now();
-      run(variant);
-      const double seconds = std::chrono::duration<double>(Clock::now() - t0).count();
-      if (it >= 0) local[variant].push_back(seconds);
-    }
-  }
-  // Slowest rank per sample, gathered once at the end so the timed loop has no extra collective.
-  at::Tensor times = torch::empty({kVariants, c.iters}, torch::kFloat64);
-  auto cell = times.accessor<double, 2>();
-  for (int v = 0; v < kVariants; ++v)
-    for (int i = 0; i < c.iters; ++i) cell[v][i] = local[v][i];
-  comm->all_reduce(times, {loom::ReduceOp::Max})->wait();
+  const auto timed = loom::bench::time_interleaved(*comm, kVariants, c.warmup, c.iters, c.seed, run);
   std::array<std::vector<double>, kVariants> samples;
   std::array<double, kVariants> med{};
   for (int v = 0; v < kVariants; ++v) {
-    auto row = times[v].contiguous();
-    samples[v].assign(row.data_ptr<double>(), row.data_ptr<double>() + c.iters);
+    samples[v] = timed[v];
     med[v] = median(samples[v]);
   }
 
@@ -187,12 +166,7 @@ int benchmark(const Config& c, const std::shared_ptr<loom::Communicator>& comm) 
   const bool correct = max_diff <= 1e-5;
   const loom::ReducerStats stats = ddp.reducer().stats();
 
-  // The median over iterations of a / b in the same iteration.
-  auto paired = [&](int a, int b) {
-    std::vector<double> ratios(c.iters);
-    for (int i = 0; i < c.iters; ++i) ratios[i] = samples[a][i] / samples[b][i];
-    return median(ratios);
-  };
+  auto paired = [&](int a, int b) { return loom::bench::paired_ratio(samples[a], samples[b]); };
   const double check_cost = paired(kDdp, kDdpUnchecked) - 1;
   const double control = paired(kDdpControl, kDdpUnchecked) - 1;
   const double overhead = med[kDdp] / med[kPlain] - 1;

@@ -37,6 +37,7 @@
 
 #include "bench_common.h"
 #include "bench_mlp.h"
+#include "interleaved_timing.h"
 #include "loom/loom.h"
 #include "loom/parallel/data_parallel.h"
 #include "loom/parallel/zero.h"
@@ -117,35 +118,14 @@ int benchmark(const Config& c, const std::shared_ptr<loom::Communicator>& comm) 
     zero.step();
   };
 
-  std::array<std::vector<double>, kVariants> local;
-  for (int it = -c.warmup; it < c.iters; ++it) {
-    std::array<int, kVariants> order = {kDdp, kZero1, kZero2};
-    std::shuffle(order.begin(), order.end(), std::mt19937(static_cast<uint32_t>(c.seed * 1000003 + it + c.warmup)));
-    for (const int variant : order) {
-      comm->barrier()->wait();
-      const auto t0 = Clock::now();
-      run(variant);
-      const double seconds = std::chrono::duration<double>(Clock::now() - t0).count();
-      if (it >= 0) local[variant].push_back(seconds);
-    }
-  }
-  at::Tensor times = torch::empty({kVariants, c.iters}, torch::kFloat64);
-  auto cell = times.accessor<double, 2>();
-  for (int v = 0; v < kVariants; ++v)
-    for (int i = 0; i < c.iters; ++i) cell[v][i] = local[v][i];
-  comm->all_reduce(times, {loom::ReduceOp::Max})->wait();
+  const auto timed = loom::bench::time_interleaved(*comm, kVariants, c.warmup, c.iters, c.seed, run);
   std::array<std::vector<double>, kVariants> samples;
   std::array<double, kVariants> med{};
   for (int v = 0; v < kVariants; ++v) {
-    auto row = times[v].contiguous();
-    samples[v].assign(row.data_ptr<double>(), row.data_ptr<double>() + c.iters);
+    samples[v] = timed[v];
     med[v] = median(samples[v]);
   }
-  auto paired = [&](int a, int b) {
-    std::vector<double> ratios(c.iters);
-    for (int i = 0; i < c.iters; ++i) ratios[i] = samples[a][i] / samples[b][i];
-    return median(ratios);
-  };
+  auto paired = [&](int a, int b) { return loom::bench::paired_ratio(samples[a], samples[b]); };
 
   double max_diff = 0;
   const auto reference = ddp->parameters();
