@@ -24,7 +24,7 @@ if ((busy > 20)); then
   echo "WARNING: the CPUs are ${busy}% busy before the benchmarks start (another process): results will be noisy"
 fi
 BENCHMARKS=${BENCHMARKS:-allreduce ddp zero python tp amp placement soak checkpoint}
-PYTHON=${PYTHON:-python3}
+source scripts/python_env.sh
 # What machine and run the results come from (CPU, cores, host, date, commit, these settings): the
 # report prints it under every plot.
 "$PYTHON" benchmarks/report.py --write-machine "$RESULTS/machine.json" --setting "BENCHMARKS=$BENCHMARKS" \

@@ -14,6 +14,7 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 bash scripts/build.sh
 source scripts/mpi_env.sh
+source scripts/python_env.sh
 # Live progress on a terminal; a line every 20 steps when the output goes to a file or a pipe.
 progress=lines
 [[ -t 1 ]] && progress=live
@@ -22,5 +23,5 @@ build/loomrun -np "${NP:-4}" --tp "${TP:-2}" -- \
   build/examples/train_gpt --steps 1000 --eval-every 250 --checkpoint-dir build/demo-checkpoints --save-every 250 \
   --must-beat-trigram --loss-csv build/demo-loss.csv --progress "$progress" "$@" | tee build/demo-output.txt || status=$?
 trigram=$(sed -n 's/.*trigram count model.s \([0-9.]*\).*/\1/p' build/demo-output.txt | tail -1)
-python3 examples/plot_loss.py build/demo-loss.csv build/demo-loss.png ${trigram:+--trigram "$trigram"} || true
+"$PYTHON" examples/plot_loss.py build/demo-loss.csv build/demo-loss.png ${trigram:+--trigram "$trigram"} || true
 exit "$status"

@@ -25,7 +25,7 @@ case "$SANITIZE" in
   thread) DIR=${BUILD_DIR:-build-tsan} ;;
   *) echo "sanitize.sh: expected address,undefined (default), address, undefined or thread; found '$SANITIZE'" >&2; exit 2 ;;
 esac
-PYTHON=${PYTHON:-python3}
+source scripts/python_env.sh
 TORCH_PREFIX=$("$PYTHON" -c 'import torch; print(torch.utils.cmake_prefix_path)')
 if [[ ! -f "$DIR/build.ninja" ]]; then
   cmake -S . -B "$DIR" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DLOOM_SANITIZE="$SANITIZE" \
