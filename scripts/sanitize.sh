@@ -77,8 +77,14 @@ run metrics_server "$DIR/tests/loom_metrics_server_tests"
 if [[ "$SANITIZE" == thread ]]; then
   run unit "$DIR/tests/loom_unit_tests"
   run dist_np2 "${MPIRUN[@]}" -np 2 "$DIR/tests/loom_dist_tests"
-  # The same suite over the Gloo backend (torchrun: env:// rendezvous, store side channel).
-  run dist_torchrun_np2 "$PYTHON" -m torch.distributed.run --standalone --nproc_per_node 2 --no-python \
+  # The same suite over the Gloo backend (torchrun: env:// rendezvous, store side channel). Without
+  # TSan's deadlock detector (data races are still reported): every wait on a c10d ProcessGroupGloo
+  # work without a future (reduce_scatter, all_to_all) on the Gloo waiter thread leaves one lock
+  # held in the detector's view, and its 64-entry table per thread overflows into a CHECK failure
+  # after about 64 of them: 80 repetitions of the all_to_all tests alone end so, and ZeRO's tests
+  # make hundreds of reduce_scatters. The mpirun run above keeps the detector.
+  TSAN_OPTIONS=$TSAN_OPTIONS:detect_deadlocks=0 \
+    run dist_torchrun_np2 "$PYTHON" -m torch.distributed.run --standalone --nproc_per_node 2 --no-python \
       "$DIR/tests/loom_dist_tests"
 else
   run unit "$DIR/tests/loom_unit_tests"

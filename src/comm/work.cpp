@@ -28,12 +28,27 @@ bool Work::finished_quietly() {
   return terminal();
 }
 
+void Work::set_assistant(std::weak_ptr<Communicator> assistant) {
+  std::lock_guard<std::mutex> lock(assistant_mutex_);
+  assistant_ = std::move(assistant);
+}
+
 void Work::assist(bool run_here) {
-  if (auto communicator = assistant_.lock()) communicator->assist(this, run_here);
+  std::shared_ptr<Communicator> communicator;
+  {
+    std::lock_guard<std::mutex> lock(assistant_mutex_);
+    communicator = assistant_.lock();
+  }
+  if (communicator) communicator->assist(this, run_here);
 }
 
 void Work::nudge() {
-  if (!assistant_.expired() && !nudged_.exchange(true, std::memory_order_relaxed)) assist(false);
+  bool assisted = false;
+  {
+    std::lock_guard<std::mutex> lock(assistant_mutex_);
+    assisted = !assistant_.expired();
+  }
+  if (assisted && !nudged_.exchange(true, std::memory_order_relaxed)) assist(false);
 }
 
 // A look at the state hands a queued operation to its backend's thread (nudge).

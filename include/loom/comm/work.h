@@ -96,8 +96,9 @@ class Work {
   // one itself: the communicator's assist() is called with run_here = true by wait() without a
   // timeout (the waiter may run it), and once with run_here = false when someone polls or waits
   // with a timeout on a queued operation (nobody will run it inline: the backend's thread should
-  // start it now). Held weakly: a work may outlive its communicator.
-  void set_assistant(std::weak_ptr<Communicator> assistant) { assistant_ = std::move(assistant); }
+  // start it now). Held weakly: a work may outlive its communicator. Set under a lock of its own:
+  // the watchdog may already poll the work while its backend sets it.
+  void set_assistant(std::weak_ptr<Communicator> assistant);
 
  private:
   // Read without the mutex (the state only moves forward; it is written under the mutex so that
@@ -123,7 +124,8 @@ class Work {
   std::exception_ptr error_;  // set before the state becomes Failed
   Clock::time_point started_at_{};
   Clock::time_point finished_at_{};
-  std::weak_ptr<Communicator> assistant_;
+  std::mutex assistant_mutex_;
+  std::weak_ptr<Communicator> assistant_;  // under assistant_mutex_
   std::atomic<bool> nudged_{false};
 };
 
