@@ -192,6 +192,9 @@ ZeroOptimizer::ZeroOptimizer(std::vector<at::Tensor> parameters, std::shared_ptr
     throw InvalidArgumentError(z.where() + ": stage must be 1 (optimizer state sharded) or 2 (gradients too), found " +
                                std::to_string(z.options.stage));
 
+  if (z.options.reduce_dtype && !at::isFloatingType(*z.options.reduce_dtype))
+    throw InvalidArgumentError(z.where() + ": reduce_dtype must be a floating-point dtype (float16, bfloat16, float32), "
+                               "found " + std::string(c10::toString(*z.options.reduce_dtype)));
   ReducerOptions reducer_options;
   reducer_options.bucket_cap_bytes = z.options.bucket_cap_bytes;
   reducer_options.first_bucket_cap_bytes = z.options.first_bucket_cap_bytes;

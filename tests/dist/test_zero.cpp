@@ -335,8 +335,13 @@ TEST(Zero, RefusalsNameWhatWasExpected) {
   };
   test::expect_contains(test::rejection([&] { ZeroOptimizer z(net->parameters(), comm, own_params); }),
                         "expected the optimizer over exactly the");
+  ZeroOptions integer_wire;
+  integer_wire.reduce_dtype = at::kInt;
+  test::expect_contains(test::rejection([&] { ZeroOptimizer z(net->parameters(), comm, adam, integer_wire); }),
+                        "reduce_dtype must be a floating-point dtype (float16, bfloat16, float32), found Int");
   ZeroOptimizer zero(net->parameters(), comm, adam);
   test::expect_contains(test::rejection([&] { zero.step(); }), "no synchronised backward since the last step");
+  test::expect_contains(test::rejection([&] { zero.clip_grad_norm(1.0); }), "expected gradients to clip");
 }
 
 namespace {
