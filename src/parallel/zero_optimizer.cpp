@@ -6,17 +6,23 @@
 //   bucket b  = the reducer's flat gradient buffer, padded to a multiple of N elements (S_b = size / N)
 //   flat_params[b] = the same layout for the parameters, which are re-seated as views into it
 //   rank r owns elements [r * S_b, (r + 1) * S_b) of both: shard_params[b] and shard_grads[b]
+// With master weights (bf16/fp16 buckets): master_shards[b] is an fp32 copy of shard_params[b],
+// and master_grads[b] the fp32 conversion of shard_grads[b], made once per reduction when first
+// needed (unscale, clip, step) and dropped after the step.
 #include "loom/parallel/zero.h"
 
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
 #include <torch/csrc/autograd/variable.h>
+#include <torch/nn/module.h>
 #include <torch/optim/optimizer.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <set>
 #include <sstream>
+#include <unordered_map>
 
 #include "loom/error.h"
 #include "loom/log.h"
@@ -59,6 +65,13 @@ struct ZeroOptimizer::Impl {
   std::vector<at::Tensor> flat_params;       // per bucket, padded
   std::vector<at::Tensor> shard_params;      // per bucket: this rank's slice of flat_params
   std::vector<at::Tensor> shard_grads;       // per bucket: this rank's reduced gradients
+  std::vector<at::Tensor> master_shards;     // per bucket: fp32 copy of shard_params (undefined: none)
+  std::vector<at::Tensor> master_grads;      // per bucket: fp32 shard_grads, while current
+  std::vector<at::Tensor> optimizer_shards;  // per bucket: what the optimizer steps
+  bool master_grads_current = false;
+  std::vector<WorkPtr> unwaited_gathers;     // per bucket: an all-gather nobody waited for yet
+  std::unordered_map<const void*, size_t> param_index;  // TensorImpl -> parameter
+  std::vector<int64_t> seen_versions;        // per parameter: its version counter when masters matched it
   std::atomic<bool> reduced_since_step{false};
   std::atomic<uint64_t> bytes_reduce_scattered{0};
   ZeroStats stats;
@@ -73,6 +86,7 @@ struct ZeroOptimizer::Impl {
   PendingReduction reduce_scatter(GradBucket& bucket) {
     const size_t b = bucket.index;
     const int64_t S = shard_numel.at(b);
+    if (unwaited_gathers.at(b)) refuse_unwaited_backward(b);
     if (bucket.buffer.numel() != S * size)
       throw InvalidArgumentError(where() + ": bucket " + std::to_string(b) + " holds " +
                                  std::to_string(bucket.buffer.numel()) + " elements, expected " +
@@ -80,6 +94,7 @@ struct ZeroOptimizer::Impl {
     at::Tensor output = options.stage == 1 ? bucket.buffer.narrow(0, rank * S, S) : shard_grads[b];
     if (options.stage == 1) shard_grads[b] = output;
     reduced_since_step = true;
+    master_grads_current = false;
     const double divisor = bucket.divisor;
     if (size == 1) {  // alone: the bucket is the shard (stage 1 in place; stage 2 copies it out)
       at::Tensor buffer = bucket.buffer;
@@ -124,7 +139,88 @@ struct ZeroOptimizer::Impl {
       flat_params.push_back(flat);
       shard_numel.push_back(S);
       shard_params.push_back(alias_of(flat, rank * S, {S}));
+      const bool low_precision = flat.scalar_type() == at::kBFloat16 || flat.scalar_type() == at::kHalf;
+      master_shards.push_back(options.master_weights && low_precision ? shard_params.back().to(at::kFloat, false, true)
+                                                                      : at::Tensor());
+      optimizer_shards.push_back(master_shards.back().defined() ? master_shards.back() : shard_params.back());
     }
+    master_grads.resize(flat_params.size());
+    unwaited_gathers.resize(flat_params.size());
+    for (size_t i = 0; i < params.size(); ++i) param_index[params[i].unsafeGetTensorImpl()] = i;
+  }
+
+  // The gradients the optimizer, the scaler and clipping see: fp32 for buckets with master weights.
+  const std::vector<at::Tensor>& step_gradients() {
+    if (master_shards.empty() || std::none_of(master_shards.begin(), master_shards.end(),
+                                              [](const at::Tensor& m) { return m.defined(); }))
+      return shard_grads;
+    if (!master_grads_current) {
+      for (size_t b = 0; b < shard_grads.size(); ++b)
+        master_grads[b] = master_shards[b].defined() ? shard_grads[b].to(at::kFloat) : shard_grads[b];
+      master_grads_current = true;
+    }
+    return master_grads;
+  }
+
+  bool has_masters() const {
+    return std::any_of(master_shards.begin(), master_shards.end(), [](const at::Tensor& m) { return m.defined(); });
+  }
+
+  // The master elements of parameter i (those in this rank's shard) take the parameter's values.
+  void master_from_parameter(size_t i) {
+    const Placement& p = placements[i];
+    const at::Tensor& master = master_shards[p.bucket];
+    if (!master.defined()) return;
+    const int64_t S = shard_numel[p.bucket];
+    const int64_t begin = std::max(p.offset, rank * S), end = std::min(p.offset + p.numel, (rank + 1) * S);
+    if (end > begin)
+      master.narrow(0, begin - rank * S, end - begin).copy_(params[i].detach().reshape({-1}).narrow(0, begin - p.offset, end - begin));
+  }
+
+  // Parameters changed in place since the masters last matched them (a checkpoint load, an
+  // assignment under NoGradGuard) pass their values to the masters, which would otherwise put the
+  // old values back at the next step. The version counter moves with every in-place write.
+  void adopt_changed_parameters() {
+    if (!has_masters()) return;
+    at::NoGradGuard no_grad;
+    for (size_t i = 0; i < params.size(); ++i)
+      if (params[i]._version() != seen_versions[i]) {
+        master_from_parameter(i);
+        seen_versions[i] = params[i]._version();
+      }
+  }
+  void record_versions() {
+    seen_versions.resize(params.size());
+    for (size_t i = 0; i < params.size(); ++i) seen_versions[i] = params[i]._version();
+  }
+
+  void drop_master_grads() {
+    for (auto& g : master_grads) g.reset();
+    master_grads_current = false;
+  }
+
+  [[noreturn]] void refuse_unwaited_backward(size_t b) const {
+    std::string names;
+    for (size_t i = 0; i < placements.size() && names.size() < 200; ++i)
+      if (placements[i].bucket == b)
+        names += (names.empty() ? "" : ", ") + (i < options.parameter_names.size() && options.parameter_names.size() == params.size()
+                                                     ? options.parameter_names[i]
+                                                     : "parameter " + std::to_string(i));
+    throw InvalidArgumentError(where("ZeroOptimizer backward") + ": gradients arrived for bucket " + std::to_string(b) +
+                               " (" + names + ") whose all-gather after the last step nobody waited for: expected "
+                               "wait_parameters() for them before forward read them (overlap_param_gather; a "
+                               "forward that read them early used partly updated values)");
+  }
+
+  void wait_bucket(size_t b) {
+    if (WorkPtr work = std::move(unwaited_gathers[b])) {
+      unwaited_gathers[b] = nullptr;
+      work->wait();
+    }
+  }
+  void wait_all() {
+    // In the order they were started (the last bucket first).
+    for (size_t b = unwaited_gathers.size(); b-- > 0;) wait_bucket(b);
   }
 
   void make_gradient_shards() {
@@ -147,28 +243,28 @@ struct ZeroOptimizer::Impl {
     const auto& groups = made->param_groups();
     size_t given = 0;
     for (const auto& g : groups) given += g.params().size();
-    if (groups.size() != 1 || given != shard_params.size())
+    if (groups.size() != 1 || given != optimizer_shards.size())
       throw InvalidArgumentError(where() + ": expected the optimizer over exactly the " +
-                                 std::to_string(shard_params.size()) + " shard tensors it is given, in one parameter "
+                                 std::to_string(optimizer_shards.size()) + " shard tensors it is given, in one parameter "
                                  "group; found " + std::to_string(groups.size()) + " groups with " +
                                  std::to_string(given) + " tensors");
-    for (size_t b = 0; b < shard_params.size(); ++b)
-      if (!groups[0].params()[b].is_same(shard_params[b]))
+    for (size_t b = 0; b < optimizer_shards.size(); ++b)
+      if (!groups[0].params()[b].is_same(optimizer_shards[b]))
         throw InvalidArgumentError(where() + ": the optimizer's tensor " + std::to_string(b) +
                                    " is not shard tensor " + std::to_string(b) + " (pass the factory's argument through)");
     optimizer = std::move(made);
   }
 
+  // Started from the last bucket, which holds the first parameters registered: those the next
+  // forward reads first.
   void all_gather_parameters() {
     if (size == 1) return;  // the shards are the parameters
-    std::vector<WorkPtr> works;
-    works.reserve(flat_params.size());
-    for (size_t b = 0; b < flat_params.size(); ++b) {
-      works.push_back(group->all_gather(flat_params[b], shard_params[b]));
-      works.back()->run_in_background();
+    for (size_t b = flat_params.size(); b-- > 0;) {
+      unwaited_gathers[b] = group->all_gather(flat_params[b], shard_params[b]);
+      unwaited_gathers[b]->run_in_background();
       stats.bytes_all_gathered += flat_params[b].nbytes();
     }
-    for (auto& work : works) work->wait();
+    if (!options.overlap_param_gather) wait_all();
   }
 };
 
@@ -176,7 +272,7 @@ ZeroOptimizer::ZeroOptimizer(std::vector<at::Tensor> parameters, std::shared_ptr
                              const OptimizerFactory& make_optimizer, ZeroOptions options)
     : ZeroOptimizer(std::move(parameters), std::move(group), std::move(options)) {
   if (!make_optimizer) throw InvalidArgumentError(impl_->where() + ": expected an optimizer factory, found none");
-  impl_->adopt_optimizer(make_optimizer(impl_->shard_params));
+  impl_->adopt_optimizer(make_optimizer(impl_->optimizer_shards));
 }
 
 ZeroOptimizer::ZeroOptimizer(std::vector<at::Tensor> parameters, std::shared_ptr<Communicator> group,
@@ -229,6 +325,7 @@ ZeroOptimizer::ZeroOptimizer(std::vector<at::Tensor> parameters, std::shared_ptr
 
   z.reseat_parameters(z.reducer->bucket_shapes());
   z.make_gradient_shards();
+  z.record_versions();
   int64_t total = 0, padded = 0;
   for (const auto& p : z.params) total += p.numel();
   for (const auto& f : z.flat_params) padded += f.numel();
@@ -237,9 +334,19 @@ ZeroOptimizer::ZeroOptimizer(std::vector<at::Tensor> parameters, std::shared_ptr
                            << padded / z.size << " per shard");
 }
 
-ZeroOptimizer::~ZeroOptimizer() = default;
+ZeroOptimizer::~ZeroOptimizer() {
+  // No all-gather may outlive the buffers it writes.
+  try {
+    impl_->wait_all();
+  } catch (const std::exception& e) {
+    LOOM_LOG(error, impl_->where() << ": an all-gather failed while the optimizer was destroyed: " << e.what());
+  }
+}
 
-void ZeroOptimizer::zero_grad() { impl_->reducer->zero_grad(); }
+void ZeroOptimizer::zero_grad() {
+  impl_->reducer->zero_grad();
+  impl_->drop_master_grads();
+}
 
 double ZeroOptimizer::clip_grad_norm(double max_norm) {
   Impl& z = *impl_;
@@ -250,13 +357,14 @@ double ZeroOptimizer::clip_grad_norm(double max_norm) {
   if (!(max_norm > 0))
     throw InvalidArgumentError(z.where("ZeroOptimizer::clip_grad_norm") + ": max_norm must be positive, found " +
                                std::to_string(max_norm));
-  at::Tensor squares = at::zeros({1}, z.shard_grads.front().options().dtype(at::kDouble));
-  for (const auto& g : z.shard_grads) squares += g.to(at::kDouble).pow(2).sum();
+  const auto& grads = z.step_gradients();
+  at::Tensor squares = at::zeros({1}, grads.front().options().dtype(at::kDouble));
+  for (const auto& g : grads) squares += g.to(at::kDouble).pow(2).sum();
   z.group->all_reduce(squares, {ReduceOp::Sum})->wait();
   const double norm = std::sqrt(squares.item<double>());
   const double coefficient = max_norm / (norm + 1e-6);
   if (coefficient < 1)
-    for (auto& g : z.shard_grads) g.mul_(coefficient);
+    for (const auto& g : grads) g.mul_(coefficient);
   return norm;
 }
 
@@ -281,20 +389,54 @@ void ZeroOptimizer::begin_step() {
     throw InvalidArgumentError(z.where("ZeroOptimizer::step") +
                                ": no synchronised backward since the last step (only backward passes under no_sync, "
                                "or none): expected reduced gradients to step with");
-  for (size_t b = 0; b < z.shard_params.size(); ++b) z.shard_params[b].mutable_grad() = z.shard_grads[b];
+  z.wait_all();
+  z.adopt_changed_parameters();
+  const auto& grads = z.step_gradients();
+  for (size_t b = 0; b < z.optimizer_shards.size(); ++b) z.optimizer_shards[b].mutable_grad() = grads[b];
 }
 
 void ZeroOptimizer::gather_parameters() {
   Impl& z = *impl_;
   at::NoGradGuard no_grad;
-  for (auto& shard : z.shard_params) shard.mutable_grad().reset();
+  for (auto& shard : z.optimizer_shards) shard.mutable_grad().reset();
+  z.drop_master_grads();
+  for (size_t b = 0; b < z.shard_params.size(); ++b)
+    if (z.master_shards[b].defined()) z.shard_params[b].copy_(z.master_shards[b]);
   z.all_gather_parameters();
+  z.record_versions();
   z.reduced_since_step = false;
   ++z.stats.steps;
 }
 
-std::vector<at::Tensor> ZeroOptimizer::shard_gradients() const { return impl_->shard_grads; }
-std::vector<at::Tensor> ZeroOptimizer::shard_parameters() const { return impl_->shard_params; }
+void ZeroOptimizer::refresh_master_weights() {
+  Impl& z = *impl_;
+  z.wait_all();
+  at::NoGradGuard no_grad;
+  for (size_t i = 0; i < z.params.size(); ++i) z.master_from_parameter(i);
+  z.record_versions();
+}
+
+bool ZeroOptimizer::has_master_weights(size_t bucket) const { return impl_->master_shards.at(bucket).defined(); }
+
+void ZeroOptimizer::wait_parameters() { impl_->wait_all(); }
+
+void ZeroOptimizer::wait_parameters(const std::vector<at::Tensor>& parameters) {
+  Impl& z = *impl_;
+  for (const auto& p : parameters) {
+    auto it = z.param_index.find(p.unsafeGetTensorImpl());
+    if (it != z.param_index.end()) z.wait_bucket(z.placements[it->second].bucket);  // others: frozen, or not ours
+  }
+}
+
+void ZeroOptimizer::wait_parameters(const torch::nn::Module& module) { wait_parameters(module.parameters()); }
+
+size_t ZeroOptimizer::unwaited_buckets() const {
+  return static_cast<size_t>(std::count_if(impl_->unwaited_gathers.begin(), impl_->unwaited_gathers.end(),
+                                           [](const WorkPtr& w) { return w != nullptr; }));
+}
+
+std::vector<at::Tensor> ZeroOptimizer::shard_gradients() const { return impl_->step_gradients(); }
+std::vector<at::Tensor> ZeroOptimizer::shard_parameters() const { return impl_->optimizer_shards; }
 torch::optim::Optimizer& ZeroOptimizer::optimizer() {
   if (!impl_->optimizer)
     throw InvalidArgumentError(impl_->where("ZeroOptimizer::optimizer") + ": built without an optimizer of its own");
@@ -331,7 +473,11 @@ ZeroMemory ZeroOptimizer::memory() const {
   const Impl& z = *impl_;
   std::vector<at::Tensor> grads = z.reducer->bucket_buffers();
   if (z.options.stage == 2) grads.insert(grads.end(), z.shard_grads.begin(), z.shard_grads.end());
-  return count_training_memory(z.params, grads, z.optimizer.get());  // none: its state lives elsewhere
+  grads.insert(grads.end(), z.master_grads.begin(), z.master_grads.end());
+  ZeroMemory m = count_training_memory(z.params, grads, z.optimizer.get());  // none: its state lives elsewhere
+  std::set<const void*> seen;
+  m.master_weights = storage_bytes(z.master_shards, seen);
+  return m;
 }
 
 ZeroStats ZeroOptimizer::stats() const {

@@ -302,7 +302,8 @@ void OptimizerState::plan(const LoadContext& context, std::vector<Need>& needs, 
       problems.push_back("optimizer state " + name + " belongs to no live parameter");
       continue;
     }
-    if (r.shape == p->global_shape && r.dtype == p->tensor.scalar_type())
+    // Shape alone: state may be kept in another dtype than its parameter (fp32 beside bf16).
+    if (r.shape == p->global_shape)
       needs.push_back({name, &r, p->box(), p->tensor.sizes().vec()});
     else if (r.split_dim < 0)
       needs.push_back({name, &r, slice_box(r.shape, -1, 0, 0), r.shape});

@@ -11,6 +11,7 @@
 // Saved names by provider:
 //   model/<name>              parameters and buffers (slices of tensor-parallel ones)
 //   optim/<param>/<key>       optimizer state tensors, sliced like their parameter
+//   master/<param>            a ZeRO optimizer's fp32 master weights, sliced like their parameter
 //   rng/rank<r>/<key>         rank r's generators and RNG-tracker streams
 //   extra/<name>              tensors registered with Checkpointer::tensor (sliced when declared so)
 #pragma once

@@ -9,6 +9,9 @@
 //         1/N of the state, and holds about that much more while saving);
 //   load: only the saved tensors of parameters that overlap this rank's shards are read; their
 //         overlapping elements are copied into the shard state.
+// fp32 master weights (bf16/fp16 parameters) are saved the same way, as master/<param> sliced like
+// the parameter, so that a resumed run steps the values the uninterrupted one would. A checkpoint
+// without them (from DDP, or from fp32 parameters) gives the masters the loaded parameters' values.
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
 #include <torch/optim/optimizer.h>
@@ -67,8 +70,10 @@ void ZeroOptimizerState::collect(int rank, SaveState& out) {
   if (const auto* s = find_optimizer_state(shards_optimizer, shards.front()))
     for (auto& [key, tensor] : optimizer_state_tensors(kind, *s, &step)) keys.push_back(key);
 
+  zero.wait_parameters();  // the parameters are saved next to this state: every all-gather done
   const auto members = members_by_bucket(zero);
   std::map<size_t, std::map<std::string, at::Tensor>> written;  // parameter -> key -> its whole state
+  std::map<size_t, at::Tensor> masters;                         // parameter -> its whole master copy
   for (size_t b = 0; b < shards.size(); ++b) {
     const auto* s = find_optimizer_state(shards_optimizer, shards[b]);
     std::map<std::string, at::Tensor> mine;
@@ -88,6 +93,13 @@ void ZeroOptimizerState::collect(int rank, SaveState& out) {
         written[i][key] = full.narrow(0, p.offset, p.numel).view(params[i].sizes()).clone();
       }
     }
+    if (!zero.has_master_weights(b)) continue;
+    at::Tensor full = at::empty({S * n}, shards[b].options());
+    group.all_gather(full, shards[b])->wait();
+    for (size_t i : members[b]) {
+      const auto& p = zero.placements()[i];
+      if (p.offset / S == me) masters[i] = full.narrow(0, p.offset, p.numel).view(params[i].sizes()).clone();
+    }
   }
   for (auto& [i, tensors] : written) {
     auto get = [&](const char* key) -> at::Tensor {
@@ -100,11 +112,19 @@ void ZeroOptimizerState::collect(int rank, SaveState& out) {
   full_.collect(rank, out);
   full_.set(nullptr);
   view_.reset();
+  const auto names = model_.parameter_names();
+  for (auto& [i, master] : masters) {
+    const std::string& name = names.at(params[i].unsafeGetTensorImpl());
+    const LocalTensor* param = out.find("model/" + name);  // its layout: tensor-parallel slices stay slices
+    if (param != nullptr && param->split_dim >= 0)
+      out.tensors.push_back(describe_slice("master/" + name, master, param->split_dim, param->global_shape, param->offset));
+    else
+      out.tensors.push_back(describe_slice("master/" + name, master, -1, {}, 0));
+  }
   // Rank 0's section goes into the manifest: it names the step of every parameter, not only of
   // those rank 0 writes.
   if (step) {
     json& steps = out.sections["optimizer"]["steps"];
-    const auto names = model_.parameter_names();
     for (const auto& p : params) {
       auto it = names.find(p.unsafeGetTensorImpl());
       if (it != names.end()) steps[it->second] = *step;
@@ -132,6 +152,22 @@ void ZeroOptimizerState::plan(const LoadContext& context, std::vector<Need>& nee
   for (auto& need : all) {
     const std::string param = need.name.substr(6, need.name.find_last_of('/') - 6);  // optim/<param>/<key>
     if (overlapping.count(param)) needs.push_back(std::move(need));
+  }
+  bool masters = false;
+  for (size_t b = 0; b < zero.shard_parameters().size(); ++b) masters = masters || zero.has_master_weights(b);
+  if (!masters) return;  // saved master weights (from a bf16 run) are not needed by fp32 parameters
+  for (const auto& [name, record] : context.manifest.tensors) {
+    if (name.rfind("master/", 0) != 0 || !overlapping.count(name.substr(7))) continue;
+    const LocalTensor* p = context.live.find("model/" + name.substr(7));
+    if (p == nullptr) continue;  // not in overlapping then
+    if (record.shape != p->global_shape)
+      problems.push_back("master weights " + name + " " + shape_to_string(record.shape) + " do not match the parameter " +
+                         shape_to_string(p->global_shape));
+    else if (record.dtype != at::kFloat)
+      problems.push_back("master weights " + name + " are " + std::string(c10::toString(record.dtype)) +
+                         ", expected float32");
+    else
+      needs.push_back({name, &record, p->box(), p->tensor.sizes().vec()});
   }
 }
 
@@ -175,6 +211,20 @@ void ZeroOptimizerState::apply(const LoadContext& context, const LoadedTensors& 
   }
   full_.set(nullptr);
   view_.reset();
+  // The masters take the loaded parameters' values, then the saved masters' where there are some
+  // (the model provider applied first).
+  zero.refresh_master_weights();
+  const auto names = model_.parameter_names();
+  for (size_t i = 0; i < params.size(); ++i) {
+    const size_t b = zero.placements()[i].bucket;
+    auto it = zero.has_master_weights(b) ? data.find("master/" + names.at(params[i].unsafeGetTensorImpl())) : data.end();
+    if (it == data.end()) continue;
+    const Overlap o = overlap_with_shard(zero, i, me);
+    if (o.empty()) continue;
+    const int64_t S = zero.shard_numel(b), offset = zero.placements()[i].offset;
+    shards[b].narrow(0, o.begin - me * S, o.end - o.begin)
+        .copy_(it->second.reshape({-1}).narrow(0, o.begin - offset, o.end - o.begin));
+  }
 }
 
 }  // namespace loom::detail::ckpt

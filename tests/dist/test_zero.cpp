@@ -359,14 +359,17 @@ void global_steps(Net& net, GradientReducer& reducer, int from, int to, ZeroGrad
     for (int k = 0; k < mine; ++k) {
       auto guard = k + 1 < mine ? std::optional(reducer.no_sync()) : std::nullopt;
       auto [x, y] = batch(s, 0, r * mine + k);
-      (torch::mse_loss(net(x), y) / mine).backward();
+      const auto dtype = net->l1->weight.scalar_type();  // bf16 nets take bf16 batches
+      (torch::mse_loss(net(x.to(dtype)), y.to(dtype)) / mine).backward();
     }
     step();
   }
 }
 
-std::unique_ptr<ZeroOptimizer> zero_over(Net& net, std::shared_ptr<Communicator> group, int stage) {
+std::unique_ptr<ZeroOptimizer> zero_over(Net& net, std::shared_ptr<Communicator> group, int stage,
+                                         bool master_weights = true) {
   ZeroOptions options;
+  options.master_weights = master_weights;
   options.stage = stage;
   options.bucket_cap_bytes = 2048;
   options.first_bucket_cap_bytes = 512;
@@ -374,14 +377,16 @@ std::unique_ptr<ZeroOptimizer> zero_over(Net& net, std::shared_ptr<Communicator>
                                          [](std::vector<at::Tensor> shard) { return make(Opt::Adam, shard); }, options);
 }
 
-Net fresh_net(int seed) {
+Net fresh_net(int seed, at::ScalarType dtype = at::kFloat) {
   at::manual_seed(seed);
-  return Net();
+  Net net;
+  net->to(dtype);
+  return net;
 }
 
 // 20 global steps of ZeRO (stage 2) over the world, uninterrupted.
-std::vector<at::Tensor> uninterrupted() {
-  Net net = fresh_net(3);
+std::vector<at::Tensor> uninterrupted(at::ScalarType dtype = at::kFloat) {
+  Net net = fresh_net(3, dtype);
   auto zero = zero_over(net, test::world(), 2);
   global_steps(net, zero->reducer(), 0, 20, [&] { zero->zero_grad(); }, [&] { zero->step(); });
   std::vector<at::Tensor> out;
@@ -588,4 +593,309 @@ TEST(Zero, Bf16ReduceScatterEqualsDdpsBf16Hook) {
   train(exact, [&] { fp32.zero_grad(); }, [&] { fp32.step(); });
   EXPECT_GT((exact->l1->weight - net->l1->weight).abs().max().item<double>(), 1e-5);
   EXPECT_EQ(zero.stats().bytes_reduce_scattered * 2, fp32.stats().bytes_reduce_scattered) << "half the bytes";
+}
+
+// ---- Mixed precision: fp32 master weights for bf16 parameters ------------------------------------
+
+namespace {
+
+// bf16 parameters stepped by Adam at a learning rate below half a bf16 ulp of most weights: only
+// fp32 master weights remember the updates (stepped in bf16, most parameters never move).
+constexpr double kSmallLr = 2e-4;
+
+std::unique_ptr<torch::optim::Optimizer> small_adam(std::vector<at::Tensor> params) {
+  return std::make_unique<torch::optim::Adam>(params, torch::optim::AdamOptions(kSmallLr));
+}
+
+struct MixedRun {
+  std::vector<at::Tensor> params;   // bf16, as trained
+  std::vector<at::Tensor> masters;  // fp32, per parameter (the reference's), or empty
+};
+
+template <typename Forward, typename ZeroGrad, typename Step>
+void bf16_steps(int steps, int rank, Forward&& forward, ZeroGrad&& zero_grad, Step&& step) {
+  for (int s = 0; s < steps; ++s) {
+    zero_grad();
+    auto [x, y] = batch(s, 0, rank);
+    torch::mse_loss(forward(x.to(at::kBFloat16)), y.to(at::kBFloat16)).backward();
+    step();
+  }
+}
+
+// The reference: DDP over the bf16 model (bf16 gradients averaged over the world), an fp32 copy of
+// every parameter stepped by Adam with the bf16 gradients in fp32, cast back into the parameters.
+MixedRun train_masters_by_hand(int steps) {
+  auto comm = test::world();
+  Net net = fresh_net(3, at::kBFloat16);
+  ReducerOptions options;
+  options.bucket_cap_bytes = 2048;
+  options.first_bucket_cap_bytes = 512;
+  DistributedDataParallel<Net> ddp(net, comm, {options});
+  MixedRun out;
+  for (auto& p : net->parameters()) out.masters.push_back(p.detach().to(at::kFloat));
+  auto adam = small_adam(out.masters);
+  bf16_steps(steps, comm->rank(), [&](const at::Tensor& x) { return ddp(x); }, [&] { ddp.zero_grad(); }, [&] {
+    auto params = net->parameters();
+    for (size_t i = 0; i < params.size(); ++i) out.masters[i].mutable_grad() = params[i].grad().to(at::kFloat);
+    adam->step();
+    at::NoGradGuard no_grad;
+    for (size_t i = 0; i < params.size(); ++i) params[i].copy_(out.masters[i]);
+  });
+  for (auto& p : net->parameters()) out.params.push_back(p.detach().clone());
+  return out;
+}
+
+ZeroOptions small_buckets(int stage) {
+  ZeroOptions options;
+  options.stage = stage;
+  options.bucket_cap_bytes = 1024;
+  options.first_bucket_cap_bytes = 256;
+  return options;
+}
+
+// This rank's master shard of bucket b as the reference holds it (its masters laid out as ZeRO lays
+// out the parameters).
+at::Tensor reference_shard(const ZeroOptimizer& zero, const std::vector<at::Tensor>& masters, size_t b) {
+  const int64_t S = zero.shard_numel(b);
+  const int n = zero.group().size(), r = zero.group().rank();
+  at::Tensor flat = at::zeros({S * n});
+  for (size_t i = 0; i < masters.size(); ++i) {
+    const auto& p = zero.placements()[i];
+    if (p.bucket == b) flat.narrow(0, p.offset, p.numel).copy_(masters[i].reshape({-1}));
+  }
+  return flat.narrow(0, r * S, S);
+}
+
+double max_diff(const std::vector<at::Tensor>& a, const std::vector<at::Tensor>& b) {
+  double worst = 0;
+  for (size_t i = 0; i < a.size(); ++i)
+    worst = std::max(worst, (a[i].to(at::kFloat) - b[i].to(at::kFloat)).abs().max().item<double>());
+  return worst;
+}
+
+}  // namespace
+
+TEST(Zero, Bf16ParametersSteppedOnFp32MasterWeightsEqualMasterWeightsKeptByHand) {
+  // 20 steps: ZeRO stages 1 and 2 keep fp32 masters of their shards and equal the reference that
+  // keeps fp32 masters of everything beside DDP (at 1 and 2 ranks the masters to 1e-6 and the bf16
+  // parameters exactly); without masters (stepped in bf16) the small updates are lost.
+  auto comm = test::world();
+  const MixedRun want = train_masters_by_hand(20);
+  const double moved = max_diff(want.params, fresh_net(3, at::kBFloat16)->parameters());
+  ASSERT_GT(moved, 1e-3) << "the reference must move the parameters";
+  // At 4 ranks MPI adds the four bf16 gradients in another order in the reduce-scatter than in the
+  // all-reduce: a gradient may differ by a bf16 ulp, and Adam's update by up to its learning rate.
+  const double master_tolerance = comm->size() <= 2 ? 1e-6 : 5 * kSmallLr;
+  for (int stage : {1, 2}) {
+    Net net = fresh_net(comm->rank() == 0 ? 3 : 40 + comm->rank(), at::kBFloat16);
+    ZeroOptimizer zero(net->parameters(), comm, small_adam, small_buckets(stage));
+    ASSERT_GT(zero.shard_parameters().size(), 2u) << "expected several buckets";
+    for (size_t b = 0; b < zero.shard_parameters().size(); ++b) {
+      EXPECT_TRUE(zero.has_master_weights(b));
+      EXPECT_EQ(zero.shard_parameters()[b].scalar_type(), at::kFloat) << "the optimizer steps fp32 masters";
+    }
+    bf16_steps(20, comm->rank(), [&](const at::Tensor& x) { return net(x); }, [&] { zero.zero_grad(); },
+               [&] { zero.step(); });
+    for (size_t b = 0; b < zero.shard_parameters().size(); ++b) {
+      const double diff = (zero.shard_parameters()[b] - reference_shard(zero, want.masters, b)).abs().max().item<double>();
+      EXPECT_LE(diff, master_tolerance) << "stage " << stage << ": master shard " << b << " differs from the reference's by " << diff;
+    }
+    const double params_diff = max_diff(net->parameters(), want.params);
+    EXPECT_LE(params_diff, comm->size() <= 2 ? 0.0 : 1e-2) << "stage " << stage << ": bf16 parameters";
+  }
+  Net bf16_only = fresh_net(3, at::kBFloat16);
+  ZeroOptions no_masters = small_buckets(2);
+  no_masters.master_weights = false;
+  ZeroOptimizer plain(bf16_only->parameters(), comm, small_adam, no_masters);
+  EXPECT_EQ(plain.shard_parameters()[0].scalar_type(), at::kBFloat16);
+  bf16_steps(20, comm->rank(), [&](const at::Tensor& x) { return bf16_only(x); }, [&] { plain.zero_grad(); },
+             [&] { plain.step(); });
+  EXPECT_GT(max_diff(bf16_only->parameters(), want.params), 0.25 * moved) << "stepped in bf16, updates are lost";
+}
+
+TEST(Zero, ScalerUnscalesTheFp32MasterGradientsOfBf16Parameters) {
+  // loom::GradScaler with bf16 parameters and masters: it unscales the fp32 master gradients,
+  // skips the step that overflows on one rank on every shard, and otherwise steps what an unscaled
+  // run steps (a power-of-two scale: exact), so both runs end equal.
+  auto comm = test::world();
+  const bool overflows = comm->size() > 1;  // step 7 overflows on rank 1
+  auto run = [&](bool scaled) {
+    Net net = fresh_net(3, at::kBFloat16);
+    ZeroOptimizer zero(net->parameters(), comm, small_adam, small_buckets(2));
+    GradScaler scaler({.init_scale = 256, .growth_interval = 1000});
+    int skipped = 0;
+    for (int s = 0; s < 10; ++s) {
+      zero.zero_grad();
+      auto [x, y] = batch(s, 0, comm->rank());
+      at::Tensor loss = torch::mse_loss(net(x.to(at::kBFloat16)), y.to(at::kBFloat16));
+      if (!scaled) {
+        loss.backward();
+        if (!(overflows && s == 7)) zero.step();
+        continue;
+      }
+      scaler.scale(maybe_overflow(net, s, comm->rank(), loss)).backward();
+      scaler.unscale_(zero);
+      for (const auto& g : zero.shard_gradients()) EXPECT_EQ(g.scalar_type(), at::kFloat) << "fp32 master gradients";
+      if (!scaler.step(zero)) ++skipped;
+      scaler.update();
+    }
+    return std::make_pair(net->parameters(), skipped);
+  };
+  auto [scaled, skipped] = run(true);
+  auto [plain, none] = run(false);
+  EXPECT_EQ(skipped, overflows ? 1 : 0) << "the step overflowing on rank 1 only is skipped by every shard";
+  EXPECT_LE(max_diff(scaled, plain), 0.0) << "scaled and unscaled runs";
+}
+
+TEST(Zero, MemoryOfBf16ParametersWithMastersMatchesTheMixedPrecisionFormulas) {
+  // bf16 parameters, fp32 masters and Adam state, counted from live storages after a step:
+  //   stage 1: 2 + 2 + 12/N bytes per parameter;  stage 2: 2 + 14/N  (ZeRO's K = 12).
+  auto comm = test::world();
+  const double n = comm->size();
+  torch::nn::Sequential net(torch::nn::Linear(256, 512), torch::nn::ReLU(), torch::nn::Linear(512, 256));
+  net->to(at::kBFloat16);
+  int64_t P = 0;
+  for (auto& p : net->parameters()) P += p.numel();
+  for (int stage : {1, 2}) {
+    std::vector<at::Tensor> params;
+    for (auto& p : net->parameters()) params.push_back(p.detach().clone().requires_grad_(true));
+    ZeroOptions options;
+    options.stage = stage;
+    options.bucket_cap_bytes = 128 << 10;
+    ZeroOptimizer zero(params, comm, [](std::vector<at::Tensor> shard) {
+      return std::make_unique<torch::optim::Adam>(shard, torch::optim::AdamOptions(1e-3));
+    }, options);
+    at::Tensor x = at::randn({4, 256}).to(at::kBFloat16);
+    for (int step = 0; step < 2; ++step) {
+      zero.zero_grad();
+      at::Tensor h = at::relu(at::linear(x, params[0], params[1]));
+      at::linear(h, params[2], params[3]).square().mean().backward();
+      zero.step();
+    }
+    const ZeroMemory m = zero.memory();
+    const double total = static_cast<double>(m.parameters + m.gradients + m.master_weights + m.optimizer_state);
+    const double formula = stage == 1 ? (4 + 12 / n) * P : (2 + 14 / n) * P;
+    EXPECT_NEAR(m.master_weights, 4.0 * P / n, 0.05 * 4.0 * P / n) << "stage " << stage;
+    EXPECT_NEAR(m.optimizer_state, 8.0 * P / n, 0.05 * 8.0 * P / n) << "stage " << stage;
+    EXPECT_NEAR(total, formula, 0.05 * formula) << "stage " << stage << ": " << total / P << " bytes per parameter";
+  }
+}
+
+TEST(ZeroCheckpoint, Bf16MasterWeightsResumeAsTheUninterruptedRun) {
+  // bf16 parameters with fp32 masters: the masters are saved (master/<param>), so a run resumed by
+  // stage 1 from stage 2's checkpoint steps from the same fp32 values and equals the uninterrupted
+  // run exactly. (At the same DP size: at another one, bf16 gradient accumulation rounds
+  // differently, as it would without a checkpoint.) Without the saved masters the resumed run
+  // would step from the bf16 values and drift.
+  if (test::gloo_bootstrap()) GTEST_SKIP() << "checkpoints are tested under mpirun";
+  auto world = test::world();
+  const auto want = uninterrupted(at::kBFloat16);
+  const std::string dir = test::shared_dir("zero_resume_bf16");
+  {
+    Net net = fresh_net(3, at::kBFloat16);
+    auto zero = zero_over(net, world, 2);
+    global_steps(net, zero->reducer(), 0, 10, [&] { zero->zero_grad(); }, [&] { zero->step(); });
+    Checkpointer ckpt(world, {.directory = dir, .async = false});
+    ckpt.model(net).optimizer(*zero);
+    ckpt.save({.step = 10});
+  }
+  Net net = fresh_net(99, at::kBFloat16);
+  auto zero = zero_over(net, world, 1);
+  Checkpointer ckpt(world, {.directory = dir});
+  ckpt.model(net).optimizer(*zero);
+  ASSERT_TRUE(ckpt.load_latest().has_value());
+  global_steps(net, zero->reducer(), 10, 20, [&] { zero->zero_grad(); }, [&] { zero->step(); });
+  expect_params(net, want, "bf16 ZeRO with masters, resumed");
+  test::cleanup(dir);
+}
+
+TEST(Zero, ParametersWrittenInPlaceBetweenStepsPassTheirValuesToTheMasters) {
+  // A write into a bf16 parameter between steps (as a model-only checkpoint load does) reaches its
+  // master: a step that changes nothing (learning rate 0) keeps the written values, where masters
+  // that missed the write would put the old ones back.
+  auto comm = test::world();
+  Net net = fresh_net(3, at::kBFloat16);
+  auto frozen_adam = [](std::vector<at::Tensor> shard) -> std::unique_ptr<torch::optim::Optimizer> {
+    return std::make_unique<torch::optim::Adam>(shard, torch::optim::AdamOptions(0.0));
+  };
+  ZeroOptimizer zero(net->parameters(), comm, frozen_adam, small_buckets(2));
+  auto one_step = [&] {
+    zero.zero_grad();
+    auto [x, y] = batch(0, 0, comm->rank());
+    torch::mse_loss(net(x.to(at::kBFloat16)), y.to(at::kBFloat16)).backward();
+    zero.step();
+  };
+  one_step();
+  {
+    at::NoGradGuard no_grad;
+    net->l2->weight.fill_(0.375);
+  }
+  one_step();
+  EXPECT_TRUE(net->l2->weight.eq(0.375).all().item<bool>()) << "the written values survive a step";
+  // Written where the version counter cannot see it: refresh_master_weights() passes it on.
+  net->l1->bias.data().fill_(-0.25);
+  zero.refresh_master_weights();
+  one_step();
+  EXPECT_TRUE(net->l1->bias.eq(-0.25).all().item<bool>()) << "after refresh_master_weights()";
+}
+
+// ---- The parameter all-gather overlapping the next forward --------------------------------------
+
+TEST(Zero, OverlappedParameterGatherWaitedPerLayerEqualsDdp) {
+  // overlap_param_gather: step() returns with every bucket's all-gather unwaited; the forward waits
+  // for each layer's parameters just before the layer; 20 steps equal DDP.
+  auto comm = test::world();
+  const Trained ddp = train_ddp(Opt::Adam, {});
+  for (int stage : {1, 2}) {
+    at::manual_seed(3);
+    Net net;
+    ZeroOptions options;
+    options.stage = stage;
+    options.bucket_cap_bytes = 2048;
+    options.first_bucket_cap_bytes = 512;
+    options.overlap_param_gather = true;
+    ZeroOptimizer zero(net->parameters(), comm, [](std::vector<at::Tensor> shard) { return make(Opt::Adam, shard); },
+                       options);
+    const size_t buckets = zero.shard_parameters().size();
+    for (int step = 0; step < 20; ++step) {
+      zero.zero_grad();
+      auto [x, y] = batch(step, 0, comm->rank());
+      if (step > 0 && comm->size() > 1) EXPECT_EQ(zero.unwaited_buckets(), buckets) << "step() waited for nothing";
+      zero.wait_parameters(*net->l1);
+      at::Tensor h = torch::tanh(net->l1(x));
+      if (step > 0 && comm->size() > 1) EXPECT_LT(zero.unwaited_buckets(), buckets);
+      if (step > 0 && comm->size() > 1) EXPECT_GT(zero.unwaited_buckets(), 0u) << "l3's bucket still in flight";
+      zero.wait_parameters(*net->l2);
+      h = torch::tanh(net->l2(h));
+      zero.wait_parameters(*net->l3);
+      torch::mse_loss(net->l3(h), y).backward();
+      zero.step();
+    }
+    zero.wait_parameters();
+    EXPECT_EQ(zero.unwaited_buckets(), 0u);
+    Trained got;
+    for (auto& p : net->parameters()) got.params.push_back(p.detach().clone());
+    expect_equal(got, ddp, "overlapped gather, stage " + std::to_string(stage));
+  }
+}
+
+TEST(Zero, BackwardThroughParametersNobodyWaitedForIsRefusedByName) {
+  // Overlap on, a forward that reads the parameters without waiting: its backward is refused (the
+  // forward may have read values the all-gather had not yet written), naming the parameters.
+  auto comm = test::world();
+  if (comm->size() == 1) GTEST_SKIP() << "alone, the shards are the parameters: nothing to gather";
+  Net net;
+  ZeroOptions options;
+  options.overlap_param_gather = true;
+  auto named = net->named_parameters();
+  for (const auto& item : named) options.parameter_names.push_back(item.key());
+  ZeroOptimizer zero(net->parameters(), comm, [](std::vector<at::Tensor> shard) { return make(Opt::Adam, shard); },
+                     options);
+  auto [x, y] = batch(0, 0, comm->rank());
+  torch::mse_loss(net(x), y).backward();
+  zero.step();
+  zero.zero_grad();
+  const std::string message = test::rejection([&] { torch::mse_loss(net(x), y).backward(); });
+  test::expect_contains(message, "nobody waited for");
+  test::expect_contains(message, "l3.bias");
 }

@@ -40,9 +40,23 @@
 // After backward, a parameter's .grad (stage 1) holds the reduced average only where it lies in
 // this rank's shard (the reduce-scatter is in place; stage 2 keeps no .grad): read gradients
 // through shard_gradients(), and call zero_grad() before each step's first backward (gradients
-// are not carried over from one step to the next). Parameters may be of any floating dtype; the
-// optimizer steps them in that dtype (no separate fp32 master copy: keep parameters in fp32 and
-// use autocast for mixed precision, as loom::GradScaler expects).
+// are not carried over from one step to the next).
+//
+// Mixed precision: bf16/fp16 parameters get fp32 master weights (ZeroOptions::master_weights, on by
+// default, as Megatron's distributed optimizer and DeepSpeed keep them): the optimizer steps an fp32
+// copy of this rank's shard, whose values are cast back into the parameters before the all-gather.
+// Gradients are reduced in the parameters' dtype and converted to fp32 for the step (and for
+// loom::GradScaler's unscale_ and clip_grad_norm, which see shard_gradients() in fp32). Bytes per
+// parameter with Adam (2-byte parameters, fp32 master and state):
+//   DDP 2 + 2 + 12 (master weights kept by the caller);  stage 1: 2 + 2 + 12/N;  stage 2: 2 + 14/N
+//
+// Overlapping the parameter all-gather with the next forward (ZeroOptions::overlap_param_gather):
+// step() starts each bucket's all-gather, the first layers' first, and returns. A parameter may be
+// read only after wait_parameters() for it, which is what a forward pre-hook does in Python (give
+// torchloom.ZeroRedundancyOptimizer the module). C++ modules have no pre-hooks, so the model calls it:
+//   at::Tensor Block::forward(at::Tensor x) { zero->wait_parameters(*this); ... }
+// Everything of the optimizer's that needs the parameters waits for all of them first. A backward
+// through a parameter nobody waited for is refused by name (its forward may have read old values).
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -60,6 +74,9 @@
 namespace torch::optim {
 class Optimizer;
 }
+namespace torch::nn {
+class Module;
+}
 
 namespace loom {
 
@@ -76,6 +93,11 @@ struct ZeroOptions {
   bool broadcast_parameters = true;
   // The parameters' names (as named_parameters() gives them), for error messages.
   std::vector<std::string> parameter_names;
+  // bf16/fp16 parameters: the optimizer steps fp32 copies of this rank's shards (see above). Off:
+  // it steps the parameters in their own dtype.
+  bool master_weights = true;
+  // step() returns with the all-gathers running; wait_parameters() before reading parameters.
+  bool overlap_param_gather = false;
 };
 
 // Bytes held, counted from the live tensors' storages (each storage once).
@@ -83,6 +105,7 @@ struct ZeroMemory {
   int64_t parameters = 0;       // the flat parameter buffers (every parameter, every rank)
   int64_t gradients = 0;        // gradient buckets still held (stage 1) and this rank's gradient shards
   int64_t optimizer_state = 0;  // the shard optimizer's state tensors (0 without an optimizer of its own)
+  int64_t master_weights = 0;   // fp32 copies of this rank's shards of bf16/fp16 parameters
 };
 
 // The count behind ZeroOptimizer::memory(), for any training state: `parameters` (and their .grad),
@@ -129,10 +152,29 @@ class ZeroOptimizer {
   void begin_step();
   void gather_parameters();
 
+  // With overlap_param_gather: waits for the all-gathers that bring these parameters (those of
+  // `module` and its children; every parameter without an argument). Returns at once for
+  // parameters already waited for, and without overlap.
+  void wait_parameters();
+  void wait_parameters(const std::vector<at::Tensor>& parameters);
+  void wait_parameters(const torch::nn::Module& module);
+  // Buckets whose all-gather nobody has waited for yet.
+  size_t unwaited_buckets() const;
+
+  // The fp32 master shards take the parameters' current values (the masters' extra precision is
+  // lost). begin_step() does this by itself for every parameter written in place since the last
+  // step (its version counter moved: a checkpoint load, an assignment under NoGradGuard); call it
+  // after writing parameters in a way that does not count (through .data(), or the flat buffers).
+  void refresh_master_weights();
+  // Whether the optimizer steps an fp32 master copy of this bucket's shard.
+  bool has_master_weights(size_t bucket) const;
+
   [[nodiscard]] GradientReducer::NoSyncGuard no_sync() { return reducer().no_sync(); }
 
   // This rank's gradient shard of each bucket (reduced and averaged after a synchronised
-  // backward), the tensors the optimizer steps, and where each lies: for checkpoints and scalers.
+  // backward; fp32 where master weights are kept), the tensors the optimizer steps (the fp32 master
+  // shards where kept, else views of the parameters), and where each lies: for checkpoints and
+  // scalers.
   std::vector<at::Tensor> shard_gradients() const;
   std::vector<at::Tensor> shard_parameters() const;
   // loom::InvalidArgumentError when built without an optimizer.
