@@ -4,6 +4,7 @@
 
 #include "loom/amp/autocast.h"
 #include "loom/amp/grad_scaler.h"
+#include "loom/parallel/zero.h"
 
 namespace torchloom_py {
 
@@ -40,6 +41,16 @@ void bind_amp(py::module_& m) {
            }, py::arg("optimizer_id"), py::arg("grads"), py::arg("optimizer_step"),
            "Unscales (unless done), agrees on found-inf, calls optimizer_step() unless a gradient is inf/NaN on any "
            "rank of the sync groups; returns whether it stepped.")
+      .def("unscale_zero", py::overload_cast<loom::ZeroOptimizer&>(&loom::GradScaler::unscale_), py::arg("zero"),
+           release_gil())
+      .def("step_zero", [](loom::GradScaler& s, loom::ZeroOptimizer& zero, const py::function& step_shards) {
+             py::gil_scoped_release release;
+             return s.step(zero, [&step_shards] {
+               py::gil_scoped_acquire gil;
+               step_shards();
+             });
+           }, py::arg("zero"), py::arg("step_shards"),
+           "As step, for torchloom.ZeroRedundancyOptimizer: found-inf agreed over its group too.")
       .def("update", py::overload_cast<>(&loom::GradScaler::update), release_gil())
       .def("update", py::overload_cast<double>(&loom::GradScaler::update), py::arg("new_scale"))
       .def("get_scale", &loom::GradScaler::get_scale)

@@ -9,6 +9,10 @@ scale updated by ATen's _amp_update_scale_. The scale lives on the device of the
     scaler.unscale_(opt); torch.nn.utils.clip_grad_norm_(params, 1.0)   # optional
     scaler.step(opt)
     scaler.update()
+
+With a torchloom.ZeroRedundancyOptimizer it unscales the gradient shards (fp32 where master weights
+are kept), agrees on found-inf over the ZeRO group as well, and a skipped step skips every shard;
+clip with zero.clip_grad_norm_ (the global norm over every shard).
 """
 from __future__ import annotations
 
@@ -21,6 +25,12 @@ from . import _C
 
 def _grads(optimizer: torch.optim.Optimizer) -> List[torch.Tensor]:
     return [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+
+
+def _zero_of(optimizer: Any) -> Optional[_C._Zero]:
+    """The engine of a torchloom.ZeroRedundancyOptimizer, whose gradients are shards."""
+    from .zero import ZeroRedundancyOptimizer
+    return optimizer._zero if isinstance(optimizer, ZeroRedundancyOptimizer) else None
 
 
 class GradScaler:
@@ -47,6 +57,10 @@ class GradScaler:
 
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
         """Divides the optimizer's gradients by the scale in place (once between update()s)."""
+        zero = _zero_of(optimizer)
+        if zero is not None:
+            self._impl.unscale_zero(zero)
+            return
         self._impl.unscale_(id(optimizer), _grads(optimizer))
 
     def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Optional[Any]:
@@ -57,6 +71,10 @@ class GradScaler:
         def run() -> None:
             result.append(optimizer.step(*args, **kwargs))
 
+        zero = _zero_of(optimizer)
+        if zero is not None:  # found-inf agreed over the ZeRO group: each rank holds one shard
+            self._impl.step_zero(zero, run)
+            return result[0] if result else None
         self._impl.step(id(optimizer), _grads(optimizer), run)
         return result[0] if result else None
 

@@ -100,9 +100,11 @@ void GradScaler::unscale_(ZeroOptimizer& zero) {
   unscale_agreed(&zero, zero.shard_gradients(), &zero.group());
 }
 
-bool GradScaler::step(ZeroOptimizer& zero) {
+bool GradScaler::step(ZeroOptimizer& zero) { return step(zero, [&] { zero.step(); }); }
+
+bool GradScaler::step(ZeroOptimizer& zero, const std::function<void()>& step_shards) {
   if (options_.enabled && state_of(&zero).stage == Stage::Ready) unscale_(zero);
-  return step(&zero, {}, [&] { zero.step(); });
+  return step(&zero, {}, step_shards);
 }
 
 void GradScaler::unscale_agreed(const void* optimizer, const std::vector<at::Tensor>& gradients,

@@ -73,6 +73,9 @@ class GradScaler {
   //   scaler.unscale_(zero); zero.clip_grad_norm(1.0); scaler.step(zero); scaler.update();
   void unscale_(ZeroOptimizer& zero);
   bool step(ZeroOptimizer& zero);
+  // For a ZeroOptimizer without an optimizer of its own: `step_shards` steps it (begin_step(), the
+  // held optimizer's step, gather_parameters()).
+  bool step(ZeroOptimizer& zero, const std::function<void()>& step_shards);
   // Adjusts the scale from this step's found-inf flags (back off, or grow after growth_interval
   // clean steps) and starts the next step.
   void update();
