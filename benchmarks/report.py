@@ -527,7 +527,8 @@ class Report:
         rows = []
         for n in ranks:
             for r in by_ranks[n]:
-                for key, label, _ in names:
+                for key, label, _ in names + ([("zero2_overlap", "ZeRO stage 2, gather overlapping forward", "")]
+                                              if "zero2_overlap" in r["median_s"] else []):
                     m = r["memory"][key]
                     ratio = r.get("step_time_over_ddp", {}).get(key)
                     target = "" if ratio is None or n != 2 else ("met" if ratio <= 1.05 else "**missed**")
@@ -538,6 +539,29 @@ class Report:
                                  "yes" if r["correct"] else "**no**"])
         text += "\n" + table(["ranks", "malloc", "variant", "step (ms)", "over DDP", "target", "bytes/param", "formula",
                                "MB handed to the communicator per step", "equal to DDP"], rows)
+        bf16_rows = []
+        for n in ranks:
+            r = by_ranks[n][0]
+            for stage in (1, 2):
+                m = r["memory"].get(f"bf16_masters_zero{stage}")
+                if m is None:
+                    continue
+                p = r["parameters"]
+                bf16_rows.append([str(n), f"stage {stage}", f"{m['parameters_bytes'] / p:.2f}",
+                                  f"{m['gradients_bytes'] / p:.2f}", f"{m['master_weights_bytes'] / p:.2f}",
+                                  f"{m['optimizer_state_bytes'] / p:.2f}", f"{m['bytes_per_parameter']:.2f}",
+                                  f"{m['formula_bytes_per_parameter']:.2f}"])
+        if bf16_rows:
+            text += ("\nMixed precision: the same MLP in bfloat16 with fp32 master weights of each rank's shard (Adam), "
+                     "bytes per parameter counted the same way, against ZeRO's formulas (stage 1 2+2+12/N, stage 2 "
+                     "2+14/N):\n\n")
+            text += table(["ranks", "ZeRO", "parameters", "gradients", "fp32 masters", "Adam state", "total", "formula"],
+                          bf16_rows)
+        overlap = [(n, r["overlap_over_zero2"]) for n in ranks for r in by_ranks[n] if "overlap_over_zero2" in r]
+        if overlap:
+            text += ("\nThe parameter all-gather overlapping the next forward (`overlap_param_gather`, each layer waiting "
+                     "for its own parameters), over stage 2 without it, paired medians: " +
+                     ", ".join(f"{fmt(v)} ({n} ranks)" for n, v in overlap) + ".\n")
         text += ("\nmalloc: `default` is glibc's defaults; `kept` raises its trim and mmap thresholds (GLIBC_TUNABLES) "
                  "so freed memory stays in the process's heap, as the CUDA caching allocator keeps it on a GPU: stage 2 "
                  "frees its gradient buckets after every backward, and on glibc's defaults that memory goes back to "

@@ -1,19 +1,23 @@
 // What does ZeRO cost in time, and what does it save in memory? One training step (zero_grad,
 // forward, cross-entropy, backward, Adam step) of ddp_bench's MLP (1024 inputs, 4 hidden layers
-// of 1024, 10 classes, float32, 1 intra-op thread per rank), timed three ways, interleaved
+// of 1024, 10 classes, float32, 1 intra-op thread per rank), timed four ways, interleaved
 // iteration by iteration in the same processes (a new order each iteration) so that machine noise
 // hits all alike:
 //   ddp    loom::DistributedDataParallel and torch::optim::Adam over every parameter
 //   zero1  loom::ZeroOptimizer stage 1 (Adam state sharded over the ranks)
 //   zero2  loom::ZeroOptimizer stage 2 (gradients sharded too)
+//   zero2_overlap  stage 2 with overlap_param_gather: step() returns with the parameter
+//          all-gathers running, and the forward waits for each layer's parameters before the layer
 // Each timed step starts after a barrier; a step's time is the slowest rank's. Reported: medians,
 // and the paired ratios zero / ddp (median over iterations of the two times in the same iteration;
 // target <= 1.05). Also, per variant, the training state per rank counted from the live tensors'
 // storages (parameters, gradients, optimizer state: loom::count_training_memory) against the
 // formulas (fp32 with Adam: DDP 4+4+8, stage 1 4+4+8/N, stage 2 4+4/N+8/N bytes per parameter),
-// and the bytes each step hands to the communicator.
+// and the bytes each step hands to the communicator. And, untimed, the same MLP in bfloat16 with
+// fp32 master weights: bytes per parameter against ZeRO's mixed-precision formulas (stage 1
+// 2+2+12/N, stage 2 2+14/N).
 //
-// Every rank trains on the same batch, so all three must stay equal: checked at the end.
+// Every rank trains on the same batch, so all four must stay equal: checked at the end.
 //
 // Stage 2 frees its gradient buckets after each backward (that is its saving); glibc's malloc then
 // returns that memory to the kernel and takes it back (page faults) in the next backward, which
@@ -64,14 +68,36 @@ std::string malloc_setting() {
   return tunables ? std::string("GLIBC_TUNABLES=") + tunables : "glibc defaults";
 }
 
-enum Variant { kDdp = 0, kZero1 = 1, kZero2 = 2, kVariants = 3 };
-const char* kNames[kVariants] = {"ddp", "zero1", "zero2"};
+enum Variant { kDdp = 0, kZero1 = 1, kZero2 = 2, kZero2Overlap = 3, kVariants = 4 };
+const char* kNames[kVariants] = {"ddp", "zero1", "zero2", "zero2_overlap"};
 
 nlohmann::json memory_json(const loom::ZeroMemory& m, int64_t numel) {
   return {{"parameters_bytes", m.parameters},
           {"gradients_bytes", m.gradients},
           {"optimizer_state_bytes", m.optimizer_state},
-          {"bytes_per_parameter", double(m.parameters + m.gradients + m.optimizer_state) / double(numel)}};
+          {"master_weights_bytes", m.master_weights},
+          {"bytes_per_parameter", double(m.parameters + m.gradients + m.master_weights + m.optimizer_state) / double(numel)}};
+}
+
+// The MLP in bfloat16 with fp32 master weights, after two steps: the training state per rank.
+loom::ZeroMemory bf16_memory(const Config& c, int stage) {
+  torch::nn::Sequential net = loom::bench::make_mlp(c.shape, c.seed);
+  net->to(at::kBFloat16);
+  loom::ZeroOptions options;
+  options.stage = stage;
+  options.bucket_cap_bytes = static_cast<size_t>(c.bucket_cap_mb * (1 << 20));
+  loom::ZeroOptimizer zero(net->parameters(), loom::mpi::world_communicator(), [&](std::vector<at::Tensor> shard) {
+    return std::make_unique<torch::optim::Adam>(shard, torch::optim::AdamOptions(c.lr));
+  }, options);
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(c.seed + 2);
+  const at::Tensor x = torch::randn({c.batch_per_rank, c.shape.input}, gen).to(at::kBFloat16);
+  const at::Tensor y = torch::randint(c.shape.classes, {c.batch_per_rank}, gen);
+  for (int step = 0; step < 2; ++step) {
+    zero.zero_grad();
+    torch::nn::functional::cross_entropy(net->forward(x), y).backward();
+    zero.step();
+  }
+  return zero.memory();
 }
 
 int benchmark(const Config& c, const std::shared_ptr<loom::Communicator>& comm) {
@@ -87,15 +113,17 @@ int benchmark(const Config& c, const std::shared_ptr<loom::Communicator>& comm) 
   loom::DistributedDataParallel<torch::nn::Sequential> ddp(loom::bench::make_mlp(c.shape, c.seed),
                                                            loom::mpi::world_communicator(), ddp_options);
   torch::optim::Adam ddp_opt(ddp->parameters(), adam);
-  std::array<torch::nn::Sequential, 2> zero_nets = {loom::bench::make_mlp(c.shape, c.seed),
+  std::array<torch::nn::Sequential, 3> zero_nets = {loom::bench::make_mlp(c.shape, c.seed),
+                                                    loom::bench::make_mlp(c.shape, c.seed),
                                                     loom::bench::make_mlp(c.shape, c.seed)};
-  std::array<std::unique_ptr<loom::ZeroOptimizer>, 2> zeros;
-  for (int stage : {1, 2}) {
+  std::array<std::unique_ptr<loom::ZeroOptimizer>, 3> zeros;
+  for (int v : {kZero1, kZero2, kZero2Overlap}) {
     loom::ZeroOptions options;
-    options.stage = stage;
+    options.stage = v == kZero1 ? 1 : 2;
     options.bucket_cap_bytes = cap;
-    zeros[stage - 1] = std::make_unique<loom::ZeroOptimizer>(
-        zero_nets[stage - 1]->parameters(), loom::mpi::world_communicator(),
+    options.overlap_param_gather = v == kZero2Overlap;
+    zeros[v - 1] = std::make_unique<loom::ZeroOptimizer>(
+        zero_nets[v - 1]->parameters(), loom::mpi::world_communicator(),
         [&](std::vector<at::Tensor> shard) { return std::make_unique<torch::optim::Adam>(shard, adam); }, options);
   }
   int64_t numel = 0;
@@ -114,7 +142,16 @@ int benchmark(const Config& c, const std::shared_ptr<loom::Communicator>& comm) 
     }
     auto& zero = *zeros[variant - 1];
     zero.zero_grad();
-    torch::nn::functional::cross_entropy(zero_nets[variant - 1]->forward(x), y).backward();
+    if (variant == kZero2Overlap) {  // each layer waits for its own parameters' all-gather
+      at::Tensor h = x;
+      for (auto& layer : *zero_nets[variant - 1]) {
+        zero.wait_parameters(*layer.ptr());
+        h = layer.forward<at::Tensor>(h);
+      }
+      torch::nn::functional::cross_entropy(h, y).backward();
+    } else {
+      torch::nn::functional::cross_entropy(zero_nets[variant - 1]->forward(x), y).backward();
+    }
     zero.step();
   };
 
@@ -129,6 +166,7 @@ int benchmark(const Config& c, const std::shared_ptr<loom::Communicator>& comm) 
 
   double max_diff = 0;
   const auto reference = ddp->parameters();
+  for (auto& zero : zeros) zero->wait_parameters();  // the overlapped variant's last gathers
   for (const auto& net : zero_nets) {
     const auto params = net->parameters();
     for (size_t i = 0; i < params.size(); ++i)
@@ -138,14 +176,16 @@ int benchmark(const Config& c, const std::shared_ptr<loom::Communicator>& comm) 
 
   const std::array<loom::ZeroMemory, kVariants> memory = {
       loom::count_training_memory(ddp->parameters(), ddp.reducer().bucket_buffers(), &ddp_opt), zeros[0]->memory(),
-      zeros[1]->memory()};
-  const std::array<double, kVariants> formula = {16, 8 + 8 / n, 4 + 4 / n + 8 / n};
+      zeros[1]->memory(), zeros[2]->memory()};
+  const std::array<double, kVariants> formula = {16, 8 + 8 / n, 4 + 4 / n + 8 / n, 4 + 4 / n + 8 / n};
+  const std::array<loom::ZeroMemory, 2> bf16 = {bf16_memory(c, 1), bf16_memory(c, 2)};
+  const std::array<double, 2> bf16_formula = {4 + 12 / n, 2 + 14 / n};
   const loom::ReducerStats ddp_stats = ddp.reducer().stats();
   const double ddp_bytes_per_step = double(ddp_stats.bytes_reduced) / double(ddp_stats.synchronized_iterations);
   std::array<double, kVariants> bytes_per_step = {ddp_bytes_per_step, 0, 0};
-  for (int stage : {1, 2}) {
-    const auto s = zeros[stage - 1]->stats();
-    bytes_per_step[stage] = double(s.bytes_reduce_scattered + s.bytes_all_gathered) / double(s.steps);
+  for (int v : {kZero1, kZero2, kZero2Overlap}) {
+    const auto s = zeros[v - 1]->stats();
+    bytes_per_step[v] = double(s.bytes_reduce_scattered + s.bytes_all_gathered) / double(s.steps);
   }
 
   if (rank == 0) {
@@ -154,7 +194,7 @@ int benchmark(const Config& c, const std::shared_ptr<loom::Communicator>& comm) 
                 world, world > 1 ? "s" : "", (long long)c.shape.input, (long long)c.shape.hidden,
                 (long long)c.shape.layers, (long long)c.shape.classes, numel / 1e6, (long long)c.batch_per_rank, c.iters,
                 c.warmup);
-    std::printf("  %-8s %9s %12s   %-36s %10s %9s\n", "", "step ms", "vs DDP", "bytes per parameter (measured)",
+    std::printf("  %-13s %9s %12s   %-36s %10s %9s\n", "", "step ms", "vs DDP", "bytes per parameter (measured)",
                 "formula", "comm/step");
     for (int v = 0; v < kVariants; ++v) {
       const auto& m = memory[v];
@@ -162,7 +202,7 @@ int benchmark(const Config& c, const std::shared_ptr<loom::Communicator>& comm) 
       char parts[64];
       std::snprintf(parts, sizeof(parts), "%.2f = %.2f + %.2f + %.2f", per, double(m.parameters) / numel,
                     double(m.gradients) / numel, double(m.optimizer_state) / numel);
-      std::printf("  %-8s %9.2f %12s   %-36s %10.2f %7.1f MB\n", kNames[v], med[v] * 1e3,
+      std::printf("  %-13s %9.2f %12s   %-36s %10.2f %7.1f MB\n", kNames[v], med[v] * 1e3,
                   v == kDdp ? "" : (std::to_string(paired(v, kDdp)).substr(0, 5) + (paired(v, kDdp) <= 1.05 ? " met" : " MISSED")).c_str(),
                   parts, formula[v], bytes_per_step[v] / 1e6);
     }
@@ -170,6 +210,15 @@ int benchmark(const Config& c, const std::shared_ptr<loom::Communicator>& comm) 
                 "an all-reduce's traffic: equal volume means ZeRO's is 2x DDP's figure)\n");
     std::printf("  ZeRO parameters equal DDP's: %s (max difference %.3g); malloc: %s\n", correct ? "yes" : "NO", max_diff,
                 malloc_setting().c_str());
+    std::printf("  zero2_overlap / zero2 (paired): %.3f\n", paired(kZero2Overlap, kZero2));
+    for (int stage : {1, 2}) {
+      const auto& m = bf16[stage - 1];
+      std::printf("  bf16 + fp32 masters, stage %d: %.2f = %.2f + %.2f + %.2f + %.2f bytes per parameter (parameters, "
+                  "gradients, masters, Adam state); formula %.2f\n",
+                  stage, double(m.parameters + m.gradients + m.master_weights + m.optimizer_state) / numel,
+                  double(m.parameters) / numel, double(m.gradients) / numel, double(m.master_weights) / numel,
+                  double(m.optimizer_state) / numel, bf16_formula[stage - 1]);
+    }
     std::fflush(stdout);
   }
   if (rank == 0 && !c.json_path.empty()) {
@@ -197,6 +246,12 @@ int benchmark(const Config& c, const std::shared_ptr<loom::Communicator>& comm) 
       doc["memory"][kNames[v]]["formula_bytes_per_parameter"] = formula[v];
       doc["communicated_bytes_per_step"][kNames[v]] = bytes_per_step[v];
       if (v != kDdp) doc["step_time_over_ddp"][kNames[v]] = paired(v, kDdp);
+    }
+    doc["overlap_over_zero2"] = paired(kZero2Overlap, kZero2);
+    for (int stage : {1, 2}) {
+      const std::string name = "bf16_masters_zero" + std::to_string(stage);
+      doc["memory"][name] = memory_json(bf16[stage - 1], numel);
+      doc["memory"][name]["formula_bytes_per_parameter"] = bf16_formula[stage - 1];
     }
     if (!loom::bench::write_json(c.json_path, doc, "zero_bench")) return 1;
   }
