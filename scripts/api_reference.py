@@ -197,6 +197,8 @@ def python_section():
         rel = os.path.relpath(path, os.path.join(ROOT, "python"))
         if os.path.basename(path) == "__main__.py":
             continue
+        if os.path.basename(path).startswith("_") and not path.endswith(("__init__.py", "_C.pyi")):
+            continue  # private modules: implementation, not API
         title = rel.replace(os.sep, ".").removesuffix(".py").removesuffix(".pyi").replace(".__init__", "")
         out += python_module(path, title if not path.endswith(".pyi") else rel)
     return out

@@ -53,6 +53,13 @@ void bind_zero(py::module_& m) {
       .def("wait_all_parameters", py::overload_cast<>(&loom::ZeroOptimizer::wait_parameters), release_gil())
       .def("unwaited_buckets", &loom::ZeroOptimizer::unwaited_buckets)
       .def("refresh_master_weights", &loom::ZeroOptimizer::refresh_master_weights, release_gil())
+      .def("placements", [](const loom::ZeroOptimizer& z) {
+        std::vector<std::tuple<size_t, int64_t, int64_t>> out;
+        for (const auto& p : z.placements()) out.emplace_back(p.bucket, p.offset, p.numel);
+        return out;
+      }, "Per parameter: (bucket, offset in the bucket's flat layout, numel).")
+      .def("shard_numel", &loom::ZeroOptimizer::shard_numel, py::arg("bucket"))
+      .def("has_master_weights", &loom::ZeroOptimizer::has_master_weights, py::arg("bucket"))
       .def("shard_parameters", &loom::ZeroOptimizer::shard_parameters)
       .def("shard_gradients", &loom::ZeroOptimizer::shard_gradients)
       .def("memory", [](const loom::ZeroOptimizer& z) {

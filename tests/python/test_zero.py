@@ -2,6 +2,9 @@
 PyTorch's own: DistributedDataParallel over Gloo with torch.distributed.optim.ZeroRedundancyOptimizer,
 started inside the same processes, on the same model, data and optimizer, with gradient
 accumulation and clipping; memory against the ZeRO formulas; refusals."""
+import json
+import os
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -178,3 +181,133 @@ def test_refusals_name_what_was_expected(loom):
         zero.step()
     with pytest.raises(torchloom.InvalidArgumentError, match="overlap_param_gather needs module="):
         torchloom.ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD, lr=0.1, overlap_param_gather=True)
+
+
+# ---- Checkpoints: the plain optimizer's format, any DP size, to and from a plain optimizer -------
+
+MICRO_PER_STEP = 4  # one global step: 4 micro-batches split over the DP ranks
+
+
+def shared_dir(comm):
+    """A fresh directory every rank of comm names alike (rank 0's, broadcast)."""
+    import tempfile
+    name = torch.zeros(256, dtype=torch.uint8)
+    if comm.rank == 0:
+        encoded = tempfile.mkdtemp(prefix="zero_ckpt_").encode()
+        name[:len(encoded)] = torch.tensor(list(encoded), dtype=torch.uint8)
+    comm.broadcast(name, src=0)
+    return bytes(name[name.nonzero().flatten()].tolist()).decode()
+
+
+def global_steps(model, group, zero_grad, step, no_sync, first, last, dtype=torch.float32):
+    """Global steps first..last-1, each of MICRO_PER_STEP micro-batches split over group's ranks."""
+    mine = MICRO_PER_STEP // group.size
+    for s in range(first, last):
+        zero_grad()
+        for k in range(mine):
+            x, y = batch(s, 0, group.rank * mine + k)
+            with no_sync() if k + 1 < mine else torch.enable_grad():
+                (((model(x.to(dtype)) - y.to(dtype)) ** 2).mean() / mine).backward()
+        step()
+
+
+def zero_over(model, group, stage, **kwargs):
+    return torchloom.ZeroRedundancyOptimizer(model.parameters(), torch.optim.AdamW, process_group=group, stage=stage,
+                                             bucket_cap_mb=0.0005, lr=0.01, weight_decay=0.01, **kwargs)
+
+
+def zero_steps(model, zero, group, first, last, dtype=torch.float32):
+    global_steps(model, group, zero.zero_grad, zero.step, zero.no_sync, first, last, dtype)
+
+
+def half_group(comm):
+    if comm.size == 1:
+        return comm
+    return comm.split(0 if comm.rank < comm.size // 2 else -1, comm.rank, "half")
+
+
+def fresh(seed, dtype=torch.float32):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(12, 33), nn.Tanh(), nn.Linear(33, 29), nn.Tanh(), nn.Linear(29, 4)).to(dtype)
+
+
+def test_checkpoint_resumes_at_another_dp_size_and_converts_to_and_from_a_plain_optimizer(loom):
+    """Saved by stage 2 over N ranks at step 5, loaded by stage 1 over N/2 ranks; loaded by a plain
+    AdamW beside torchloom's DDP; and a plain AdamW's checkpoint loaded by ZeRO: each trained to step
+    10 equals the 10 uninterrupted steps (1e-6)."""
+    comm = loom.world_comm()
+    want = fresh(3)
+    zero = zero_over(want, comm, 2)
+    zero_steps(want, zero, comm, 0, 10)
+
+    from_zero, from_plain = shared_dir(comm), shared_dir(comm)
+    model = fresh(3)
+    zero = zero_over(model, comm, 2)
+    zero_steps(model, zero, comm, 0, 5)
+    torchloom.Checkpointer(comm, from_zero, async_=False).model(model).optimizer(zero).save(
+        torchloom.TrainingProgress(step=5))
+
+    plain_model = fresh(3)
+    ddp = torchloom.DistributedDataParallel(plain_model, process_group=comm)
+    plain = torch.optim.AdamW(plain_model.parameters(), lr=0.01, weight_decay=0.01)
+    global_steps(ddp, comm, plain.zero_grad, plain.step, ddp.no_sync, 0, 5)
+    torchloom.Checkpointer(comm, from_plain, async_=False).model(plain_model).optimizer(plain).save(
+        torchloom.TrainingProgress(step=5))
+
+    def check(model, what):
+        for (name, a), b in zip(want.named_parameters(), model.parameters()):
+            torch.testing.assert_close(b, a, rtol=0, atol=1e-6, msg=f"{what}: parameter {name}")
+
+    group = half_group(comm)
+    if group is not None:
+        model = fresh(99)  # other weights: everything comes from the checkpoint
+        zero = zero_over(model, group, 1)
+        assert torchloom.Checkpointer(group, from_zero).model(model).optimizer(zero).load_latest() is not None
+        zero_steps(model, zero, group, 5, 10)
+        check(model, f"ZeRO stage 1 at DP {group.size} from stage 2 at DP {comm.size}")
+
+    model = fresh(99)
+    ddp = torchloom.DistributedDataParallel(model, process_group=comm)
+    plain = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.01)
+    assert torchloom.Checkpointer(comm, from_zero).model(model).optimizer(plain).load_latest() is not None
+    global_steps(ddp, comm, plain.zero_grad, plain.step, ddp.no_sync, 5, 10)
+    check(model, "plain AdamW from a ZeRO checkpoint")
+
+    model = fresh(99)
+    zero = zero_over(model, comm, 2)
+    assert torchloom.Checkpointer(comm, from_plain).model(model).optimizer(zero).load_latest() is not None
+    zero_steps(model, zero, comm, 5, 10)
+    check(model, "ZeRO from a plain AdamW checkpoint")
+
+
+def test_checkpoint_keeps_the_fp32_master_weights_of_bf16_parameters(loom):
+    """bf16 parameters: the masters are saved, so stage 1 resumed from stage 2's checkpoint equals the
+    uninterrupted run exactly; a failed load (wrong optimizer class) changes nothing."""
+    comm = loom.world_comm()
+    want = fresh(3, torch.bfloat16)
+    zero = zero_over(want, comm, 2)
+    zero_steps(want, zero, comm, 0, 10, torch.bfloat16)
+
+    directory = shared_dir(comm)
+    model = fresh(3, torch.bfloat16)
+    zero = zero_over(model, comm, 2)
+    zero_steps(model, zero, comm, 0, 5, torch.bfloat16)
+    torchloom.Checkpointer(comm, directory, async_=False).model(model).optimizer(zero).save(
+        torchloom.TrainingProgress(step=5))
+    manifest = json.load(open(os.path.join(directory, "step_000005", "manifest.json")))
+    assert any(name.startswith("extra/master/") for name in manifest["tensors"]), "master weights saved"
+
+    model = fresh(99, torch.bfloat16)
+    wrong = torchloom.ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD, stage=1, bucket_cap_mb=0.0005, lr=0.1)
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(torchloom.CheckpointError, match="the live one is SGD"):
+        torchloom.Checkpointer(comm, directory).model(model).optimizer(wrong).load_latest()
+    for a, b in zip(before, model.parameters()):
+        assert torch.equal(a, b), "a failed load changed the model"
+
+    model = fresh(99, torch.bfloat16)
+    zero = zero_over(model, comm, 1)
+    assert torchloom.Checkpointer(comm, directory).model(model).optimizer(zero).load_latest() is not None
+    zero_steps(model, zero, comm, 5, 10, torch.bfloat16)
+    for (name, a), b in zip(want.named_parameters(), model.parameters()):
+        torch.testing.assert_close(b, a, rtol=0, atol=0, msg=f"bf16 with masters resumed: parameter {name}")

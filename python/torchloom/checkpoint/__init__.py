@@ -9,7 +9,8 @@ anything live changes, resharded to another TP x DP layout at load. From Python 
   TP 1 (or 4);
 - any ``torch.optim`` optimizer (``optimizer()``): its state tensors sliced like their parameter,
   its ``param_groups`` hyper-parameters, keyed by parameter name (loads into an optimizer whose
-  lazy state does not exist yet);
+  lazy state does not exist yet); ``torchloom.ZeroRedundancyOptimizer``'s sharded state in the same
+  format (each rank writes about 1/N), so it loads at another DP size, with or without ZeRO;
 - any object with ``state_dict``/``load_state_dict`` (``object()``, e.g. an LR scheduler);
 - ``torchloom.GradScaler``, RNG trackers, progress and user key-values.
 
@@ -35,6 +36,7 @@ import torch
 
 from .. import _C
 from .._C import CheckpointInfo, TrainingProgress
+from . import _zero_state as zero_state
 
 _DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
            "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
@@ -162,9 +164,11 @@ class Checkpointer:
             self._params[id(t)] = _Param(prefix + name, t, s)
         return self
 
-    def optimizer(self, optimizer: torch.optim.Optimizer) -> "Checkpointer":
+    def optimizer(self, optimizer: Any) -> "Checkpointer":
         """Any torch.optim optimizer over parameters of registered models: state tensors (sliced like
-        their parameter) and param_groups, by parameter name. Register the model(s) first."""
+        their parameter) and param_groups, by parameter name; or a torchloom.ZeroRedundancyOptimizer
+        (its shards' state in the same format, and its fp32 master weights). Register the model(s)
+        first."""
         self._optimizer = optimizer
         self._impl.object(_OPTIMIZER, lambda: self._saved_text(_OPTIMIZER),
                           lambda text: self._check_object(_OPTIMIZER, text),
@@ -236,7 +240,10 @@ class Checkpointer:
         manifest = self._read_manifest(path)
         objects = (manifest or {}).get("objects") or {}
         if self._optimizer is not None:
-            self._prepare(manifest, objects.get(_OPTIMIZER))
+            zero = self._zero()
+            # ZeRO reads only the state of the parameters overlapping this rank's shards.
+            self._prepare(manifest, objects.get(_OPTIMIZER),
+                          zero_state.needed(zero, self._zero_names(zero)[0]) if zero is not None else None)
         for name in self._objects:
             self._prepare(manifest, objects.get(name))
         return self._impl.load(path)
@@ -272,8 +279,55 @@ class Checkpointer:
                              "registered model (call model() first)")
         return found
 
+    def _zero(self) -> Optional[Any]:
+        """The registered optimizer when it is a torchloom.ZeroRedundancyOptimizer."""
+        from ..zero import ZeroRedundancyOptimizer
+        return self._optimizer if isinstance(self._optimizer, ZeroRedundancyOptimizer) else None
+
+    def _zero_names(self, zero: Any) -> Tuple[List[str], List[Any]]:
+        params = [self._param_name(p) for p in zero._zero.parameters]
+        return [p.name for p in params], [p.slice for p in params]
+
+    def _encode_zero(self, zero: Any) -> str:
+        """Collective over the ZeRO group: each bucket's state is all-gathered (_zero_state.py)."""
+        names, slices = self._zero_names(zero)
+        encoded = zero_state.encode(zero, names, slices, self._register, lambda value, path: _encode(value, path, {}))
+        in_groups: Dict[str, torch.Tensor] = {}
+        hyper = {k: _encode(v, f"optimizer/param_groups/{k}", in_groups)
+                 for k, v in zero.optim.param_groups[0].items() if k != "params"}
+        if in_groups:
+            raise TypeError(f"checkpoint: tensor-valued optimizer options {sorted(in_groups)} are not supported")
+        encoded["param_groups"] = [{"params": names, "options": hyper}]
+        return json.dumps(encoded)
+
+    def _zero_state_dict(self, zero: Any, encoded: Dict[str, Any], tensors: Dict[str, torch.Tensor],
+                         check: bool) -> Dict[str, Any]:
+        """The shard optimizer's state_dict from a saved optimizer (ZeRO at any DP size, or plain)."""
+        names, _ = self._zero_names(zero)
+        if encoded.get("type") != type(zero.optim).__name__:
+            raise ValueError(f"the checkpoint's optimizer is {encoded.get('type')}; the live one is "
+                             f"{type(zero.optim).__name__}")
+        groups = encoded.get("param_groups") or []
+        if len(groups) != 1:
+            raise ValueError(f"the checkpoint's optimizer has {len(groups)} parameter groups; ZeRO has one")
+        if groups[0]["params"] != names:
+            only_saved = sorted(set(groups[0]["params"]) - set(names))
+            only_live = sorted(set(names) - set(groups[0]["params"]))
+            raise ValueError(f"optimizer parameter group 0: parameters differ (only in the checkpoint: {only_saved}, "
+                             f"only live: {only_live})")
+        options = _decode(groups[0]["options"], tensors)
+        missing = set(k for k in zero.optim.param_groups[0] if k != "params") - set(options)
+        if missing:
+            raise ValueError(f"optimizer parameter group 0: options {sorted(missing)} missing in the checkpoint")
+        return zero_state.shard_state_dict(
+            zero, encoded, names, options,
+            lambda value, owner: _decode(value, _Missing(tensors, owner) if check else tensors))
+
     def _encode_optimizer(self) -> str:
         opt = self._optimizer
+        zero = self._zero()
+        if zero is not None:
+            return self._encode_zero(zero)
         groups = []
         state: Dict[str, Any] = {}
         for group in opt.param_groups:
@@ -316,21 +370,30 @@ class Checkpointer:
         except (OSError, ValueError):
             return None
 
-    def _prepare(self, manifest: Optional[Dict[str, Any]], encoded: Any) -> None:
+    def _prepare(self, manifest: Optional[Dict[str, Any]], encoded: Any,
+                 wanted: Optional[set] = None) -> None:
         """Registers a scratch tensor (this rank's piece of it) for each tensor the saved state refers
-        to; the C++ load fills them, and only then are they handed to the live objects."""
+        to (of the parameters in `wanted`, when given); the C++ load fills them, and only then are
+        they handed to the live objects."""
         if manifest is None or encoded is None:
             return
         records = manifest.get("tensors", {})
-        for key in _placeholders(encoded):
+        keys = _placeholders(encoded)
+        if isinstance(encoded, dict) and isinstance(encoded.get("master"), dict):
+            keys += [k for k in encoded["master"].values() if isinstance(k, str)]
+        for key in keys:
+            owner = key[len("optim/"):key.rfind("/")] if key.startswith("optim/") else (
+                key[len("master/"):] if key.startswith("master/") else None)
+            if wanted is not None and owner not in wanted:
+                continue
             record = records.get("extra/" + key)
             if record is None or record.get("dtype") not in _DTYPES:
                 continue  # the C++ load reports the missing tensor
             shape, slice_ = list(record["shape"]), None
-            if key.startswith("optim/"):
-                # Optimizer state shaped like its parameter follows the parameter's slice here,
-                # whatever the layout it was saved at.
-                param = self._params_by_name().get(key[len("optim/"):key.rfind("/")])
+            if owner is not None:
+                # Optimizer state (and master weights) shaped like its parameter follows the
+                # parameter's slice here, whatever the layout it was saved at.
+                param = self._params_by_name().get(owner)
                 if param is not None and param.slice is not None and shape == param.slice[0]:
                     slice_, shape = param.slice, list(param.tensor.shape)
             t = torch.empty(shape, dtype=_DTYPES[record["dtype"]])
@@ -344,7 +407,11 @@ class Checkpointer:
         encoded = json.loads(text)
         zeros = {k: torch.zeros_like(t) for k, t in self._scratch.items()}
         if name == _OPTIMIZER:
-            self._optimizer_state_dict(encoded, zeros, check=True)
+            zero = self._zero()
+            if zero is not None:
+                self._zero_state_dict(zero, encoded, zeros, check=True)
+            else:
+                self._optimizer_state_dict(encoded, zeros, check=True)
             return
         state = _decode(encoded, _Missing(zeros, name))
         obj = self._objects[name]
@@ -360,7 +427,12 @@ class Checkpointer:
     def _load_object(self, name: str, text: str) -> None:
         encoded = json.loads(text)
         if name == _OPTIMIZER:
-            self._optimizer.load_state_dict(self._optimizer_state_dict(encoded, self._scratch, check=False))
+            zero = self._zero()
+            if zero is not None:
+                zero.optim.load_state_dict(self._zero_state_dict(zero, encoded, self._scratch, check=False))
+                zero_state.load_masters(zero, encoded, self._zero_names(zero)[0], self._scratch)
+            else:
+                self._optimizer.load_state_dict(self._optimizer_state_dict(encoded, self._scratch, check=False))
             return
         self._objects[name].load_state_dict(_decode(encoded, self._scratch))
 

@@ -1,0 +1,153 @@
+"""torchloom.ZeroRedundancyOptimizer's sharded state in a checkpoint, in the format of any other
+torch.optim optimizer (optim/<param>/<key>, sliced like the parameter; param_groups by name), so a
+ZeRO checkpoint loads at another data-parallel size, with or without ZeRO, and a plain one loads
+into ZeRO. The Python counterpart of src/train/checkpoint_zero_state.cpp.
+
+Save (collective over the ZeRO group): each bucket's state is all-gathered one key at a time and
+each rank registers the parameters whose first element lies in its shard (about 1/N of the state);
+every rank describes every parameter's state in the same JSON. fp32 master weights of bf16/fp16
+parameters are saved as master/<param>, so a resumed run steps from the same values.
+Load: only the parameters overlapping this rank's shards are read; their overlapping elements are
+copied into the shard state; the masters take the loaded parameters' values, then the saved masters'.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, List, Optional, Set, Tuple
+
+import torch
+
+Slice = Optional[Tuple[List[int], int, int]]
+
+
+class ZeroLayout:
+    """Where each of a ZeRO optimizer's parameters lies in the buckets, and this rank's shard of each."""
+
+    def __init__(self, zero: Any) -> None:
+        z = zero._zero
+        self.zero = zero
+        self.params: List[torch.Tensor] = list(z.parameters)
+        self.placements: List[Tuple[int, int, int]] = [tuple(p) for p in z.placements()]
+        self.shards: List[torch.Tensor] = list(zero.optim.param_groups[0]["params"])
+        self.shard_numel = [z.shard_numel(b) for b in range(len(self.shards))]
+        self.masters = [z.has_master_weights(b) for b in range(len(self.shards))]
+        self.group = z.group
+        self.rank, self.size = self.group.rank, self.group.size
+        self.members: List[List[int]] = [[] for _ in self.shards]
+        for i, (b, _, _) in enumerate(self.placements):
+            self.members[b].append(i)
+
+    def owner(self, i: int) -> int:
+        """The rank holding parameter i's first element: it writes the parameter's state."""
+        b, offset, _ = self.placements[i]
+        return offset // self.shard_numel[b]
+
+    def overlap(self, i: int) -> Tuple[int, int]:
+        """Parameter i's elements [begin, end) (bucket layout) in this rank's shard; empty when end <= begin."""
+        b, offset, numel = self.placements[i]
+        s = self.shard_numel[b]
+        return max(offset, self.rank * s), min(offset + numel, (self.rank + 1) * s)
+
+    def gather(self, b: int, shard_tensor: torch.Tensor) -> torch.Tensor:
+        full = torch.empty(self.shard_numel[b] * self.size, dtype=shard_tensor.dtype, device=shard_tensor.device)
+        self.group.all_gather(full, shard_tensor.detach().contiguous())
+        return full
+
+
+def encode(zero: Any, names: List[str], slices: List[Slice], register: Callable[[str, torch.Tensor, Slice], None],
+           encode_value: Callable[[Any, str], Any]) -> Dict[str, Any]:
+    """The optimizer's JSON (the same on every rank); registers this rank's tensors with `register`."""
+    layout = ZeroLayout(zero)
+    zero.wait_parameters()  # the parameters are saved beside this state: every all-gather done
+    state: Dict[str, Dict[str, Any]] = {}
+    masters: Dict[str, str] = {}
+    for b, shard in enumerate(layout.shards):
+        s = layout.shard_numel[b]
+        per_shard = zero.optim.state.get(shard, {})
+        for key in sorted(per_shard):
+            value = per_shard[key]
+            shaped = torch.is_tensor(value) and value.dim() == 1 and value.numel() == s
+            full = layout.gather(b, value) if shaped else None
+            for i in layout.members[b]:
+                saved = f"optim/{names[i]}/{key}"
+                if not torch.is_tensor(value):
+                    state.setdefault(names[i], {})[key] = encode_value(value, saved)
+                    continue
+                state.setdefault(names[i], {})[key] = {"__tensor__": saved}
+                if layout.owner(i) != layout.rank:
+                    continue
+                if shaped:
+                    _, offset, numel = layout.placements[i]
+                    register(saved, full[offset:offset + numel].view(layout.params[i].shape).clone(), slices[i])
+                else:  # a scalar tensor (Adam's step): every shard holds the same
+                    register(saved, value.detach().clone(), None)
+        if layout.masters[b]:
+            full = layout.gather(b, shard)
+            for i in layout.members[b]:
+                masters[names[i]] = f"master/{names[i]}"
+                if layout.owner(i) == layout.rank:
+                    _, offset, numel = layout.placements[i]
+                    register(masters[names[i]], full[offset:offset + numel].view(layout.params[i].shape).clone(),
+                             slices[i])
+    encoded: Dict[str, Any] = {"type": type(zero.optim).__name__, "state": state}
+    if masters:
+        encoded["master"] = masters
+    return encoded
+
+
+def needed(zero: Any, names: List[str]) -> Set[str]:
+    """The parameter names whose saved state this rank reads: those overlapping its shards."""
+    layout = ZeroLayout(zero)
+    return {names[i] for i in range(len(names)) if layout.overlap(i)[0] < layout.overlap(i)[1]}
+
+
+def shard_state_dict(zero: Any, encoded: Dict[str, Any], names: List[str], options: Dict[str, Any],
+                     decode: Callable[[Any, str], Any]) -> Dict[str, Any]:
+    """torch.optim's state_dict for the shard optimizer from a saved one (any DP size, ZeRO or not):
+    each shard's state assembled from the overlapping parameters' saved state. ValueError when a
+    saved tensor does not fit its parameter."""
+    layout = ZeroLayout(zero)
+    saved_state = encoded.get("state") or {}
+    state: Dict[int, Dict[str, Any]] = {}
+    for b, shard in enumerate(layout.shards):
+        s = layout.shard_numel[b]
+        assembled: Dict[str, Any] = {}
+        for i in layout.members[b]:
+            begin, end = layout.overlap(i)
+            per_param = saved_state.get(names[i])
+            if end <= begin or not per_param:
+                continue
+            _, offset, numel = layout.placements[i]
+            for key, value in per_param.items():
+                value = decode(value, names[i])
+                if torch.is_tensor(value) and value.dim() > 0:
+                    if value.numel() != numel:
+                        raise ValueError(f"optimizer state {key!r} of {names[i]} has {value.numel()} elements; the "
+                                         f"parameter has {numel}")
+                    into = assembled.get(key)
+                    if into is None:  # zeros where no parameter lies (padding)
+                        into = assembled[key] = torch.zeros(s, dtype=shard.dtype, device=shard.device)
+                    into[begin - layout.rank * s:end - layout.rank * s].copy_(
+                        value.reshape(-1)[begin - offset:end - offset])
+                else:
+                    assembled.setdefault(key, value.clone() if torch.is_tensor(value) else value)
+        if assembled:
+            state[b] = assembled
+    return {"state": state, "param_groups": [dict(options, params=list(range(len(layout.shards))))]}
+
+
+def load_masters(zero: Any, encoded: Dict[str, Any], names: List[str], tensors: Dict[str, torch.Tensor]) -> None:
+    """The masters take the (already loaded) parameters' values, then the saved masters' where the
+    checkpoint has them."""
+    layout = ZeroLayout(zero)
+    zero._zero.refresh_master_weights()
+    saved = encoded.get("master") or {}
+    with torch.no_grad():
+        for i, name in enumerate(names):
+            b, offset, _ = layout.placements[i]
+            begin, end = layout.overlap(i)
+            key = saved.get(name)
+            if not layout.masters[b] or end <= begin or key not in tensors:
+                continue
+            s = layout.shard_numel[b]
+            layout.shards[b][begin - layout.rank * s:end - layout.rank * s].copy_(
+                tensors[key].reshape(-1)[begin - offset:end - offset])
