@@ -44,6 +44,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <memory>
 #include <sstream>
 #include <string>
@@ -91,6 +92,8 @@ struct Options {
   bool sequence_parallel = false;
   bool recompute = false;
   int zero = 0;  // ZeRO stage over the DP group (0: plain data parallelism)
+  bool zero_overlap = false;  // ZeRO's parameter all-gather overlapping the next forward
+  double bucket_cap_mb = 25;  // gradient buckets (PyTorch DDP's default); the first is 1 MB or this
   std::string checkpoint_dir;
   int64_t save_every = 0;
   bool resume = false;
@@ -180,11 +183,24 @@ struct GptImpl : torch::nn::Module {
   // ids [s, b] -> this rank's slice of the logits [s, b, vocab / tp]. Sequence-parallel: the
   // embedding's output is this rank's rows, and so is every activation up to the head.
   torch::Tensor forward(const torch::Tensor& ids) {
+    ready(tok->parameters());
     torch::Tensor x = tok(ids);
     const int64_t rows = x.size(0), first = sequence_parallel ? tp_rank * rows : 0;
+    ready({pos});
     x = x + replicated(pos).narrow(0, first, rows);
-    for (auto& block : blocks) x = block(x);
+    for (auto& block : blocks) {
+      ready(block->parameters());
+      x = block(x);
+    }
+    ready({lnf_weight, lnf_bias});
+    ready(head->parameters());
     return head(torch::layer_norm(x, {x.size(-1)}, replicated(lnf_weight), replicated(lnf_bias)));
+  }
+  // Called with each layer's parameters just before the layer reads them: ZeRO's wait for their
+  // all-gather when it overlaps the forward (--zero-overlap).
+  std::function<void(const std::vector<torch::Tensor>&)> before_use;
+  void ready(const std::vector<torch::Tensor>& params) {
+    if (before_use) before_use(params);
   }
   void set_recompute(bool on) {
     for (auto& block : blocks) block->options.recompute = on;
@@ -310,12 +326,20 @@ int train(Options o) {
   if (o.zero > 0) {
     loom::ZeroOptions zero_options;
     zero_options.stage = o.zero;
+    zero_options.overlap_param_gather = o.zero_overlap;
+    zero_options.bucket_cap_bytes = static_cast<size_t>(o.bucket_cap_mb * (1 << 20));
+    zero_options.first_bucket_cap_bytes = std::min(zero_options.first_bucket_cap_bytes, zero_options.bucket_cap_bytes);
     zero = std::make_unique<loom::ZeroOptimizer>(
         model->parameters(), ps.dp_group(),
         [&](std::vector<torch::Tensor> shard) { return std::make_unique<torch::optim::AdamW>(shard, adamw); },
         zero_options);
+    if (o.zero_overlap)
+      model->before_use = [&zero](const std::vector<torch::Tensor>& params) { zero->wait_parameters(params); };
   } else {
-    plain_reducer = std::make_unique<loom::GradientReducer>(model->parameters(), ps.dp_group());
+    loom::ReducerOptions reducer_options;
+    reducer_options.bucket_cap_bytes = static_cast<size_t>(o.bucket_cap_mb * (1 << 20));
+    reducer_options.first_bucket_cap_bytes = std::min(reducer_options.first_bucket_cap_bytes, reducer_options.bucket_cap_bytes);
+    plain_reducer = std::make_unique<loom::GradientReducer>(model->parameters(), ps.dp_group(), reducer_options);
     plain_opt = std::make_unique<torch::optim::AdamW>(model->parameters(), adamw);
   }
   loom::GradientReducer& reducer = zero ? zero->reducer() : *plain_reducer;
@@ -707,6 +731,10 @@ int main(int argc, char** argv) {
   app.add_flag("--scaler", o.scaler, "scale the loss with loom::GradScaler whatever the precision");
   app.add_option("--zero", o.zero, "ZeRO over the data-parallel group: 1 shards the optimizer state, 2 the gradients too")
       ->check(CLI::Range(0, 2));
+  app.add_option("--bucket-cap-mb", o.bucket_cap_mb, "gradient bucket size (the first bucket: 1 MB or this)")
+      ->check(CLI::Range(0.001, 1024.0));
+  app.add_flag("--zero-overlap", o.zero_overlap,
+               "with --zero: step() leaves the parameter all-gathers running; each layer waits for its own in forward");
   app.add_flag("--sequence-parallel", o.sequence_parallel, "layernorm and dropout on sequence shards");
   app.add_flag("--recompute", o.recompute, "recompute each block in backward (less activation memory)");
   app.add_option("--checkpoint-dir", o.checkpoint_dir, "save checkpoints here (every --save-every steps and at the end)");
@@ -724,6 +752,10 @@ int main(int argc, char** argv) {
   CLI11_PARSE(app, argc, argv);
   if (o.resume && o.checkpoint_dir.empty()) {
     std::fprintf(stderr, "train_gpt: --resume needs --checkpoint-dir\n");
+    return 2;
+  }
+  if (o.zero_overlap && o.zero == 0) {
+    std::fprintf(stderr, "train_gpt: --zero-overlap needs --zero 1 or 2\n");
     return 2;
   }
 
