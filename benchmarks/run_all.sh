@@ -107,9 +107,10 @@ if [[ " $BENCHMARKS " == *" zero "* ]]; then
     echo "== ZeRO against DDP, 2 ranks (round $round)"
     mpirun -np 2 $LOOM_MPIRUN_FLAGS build/benchmarks/zero_bench --json "$RESULTS/zero_np2_r$round.json"
   done
-  # Again with malloc keeping freed memory in the heap (as the CUDA caching allocator does): what
-  # stage 2's per-iteration bucket allocation costs on glibc's defaults (zero_bench.cpp explains).
-  for round in 1 2 3; do
+  # Once more with malloc keeping freed memory in the heap (as the CUDA caching allocator does): a
+  # control that stage 2's released buckets no longer cost page faults on glibc's defaults
+  # (zero_bench.cpp explains).
+  for round in 1; do
     echo "== ZeRO against DDP, 2 ranks, malloc keeping freed memory (round $round)"
     GLIBC_TUNABLES=glibc.malloc.trim_threshold=1073741824:glibc.malloc.mmap_threshold=1073741824 \
       mpirun -np 2 -x GLIBC_TUNABLES $LOOM_MPIRUN_FLAGS build/benchmarks/zero_bench \

@@ -19,11 +19,13 @@
 //
 // Every rank trains on the same batch, so all four must stay equal: checked at the end.
 //
-// Stage 2 frees its gradient buckets after each backward (that is its saving); glibc's malloc then
-// returns that memory to the kernel and takes it back (page faults) in the next backward, which
-// costs stage 2 5-10% of a step on the CPU here. A run with GLIBC_TUNABLES raising malloc's trim and
-// mmap thresholds keeps freed memory in the process's heap, as the CUDA caching allocator does on a
-// GPU: run_all.sh runs both, and the JSON records the setting.
+// Stage 2 frees its gradient buckets after each backward (that is its saving). Through glibc's
+// malloc that memory went back to the kernel and was faulted in again in the next backward, 5-15% of
+// a step on the CPU here; the reducer now keeps each released bucket's mapping and hands its pages
+// back lazily (madvise MADV_FREE, src/parallel/released_buffers.h), as jemalloc does. run_all.sh
+// still runs it once more with GLIBC_TUNABLES raising malloc's trim and mmap thresholds (memory
+// kept in the heap, as the CUDA caching allocator keeps it on a GPU): the two should agree now. The
+// JSON records the setting.
 //
 //   mpirun -np 2 build/benchmarks/zero_bench --json zero_np2.json
 #include <torch/torch.h>

@@ -24,6 +24,7 @@
 #include "loom/parallel/data_parallel.h"
 #include "loom/trace.h"
 #include "parallel/bucket_plan.h"
+#include "parallel/released_buffers.h"
 
 namespace loom {
 namespace {
@@ -73,6 +74,8 @@ struct GradientReducer::Impl : std::enable_shared_from_this<GradientReducer::Imp
   std::vector<at::Tensor> params;
   std::shared_ptr<Communicator> group;
   ReducerOptions options;
+  // release_buckets: each bucket's pages handed back lazily, reused without faults (released_buffers.h).
+  std::shared_ptr<detail::ReleasedBuffers> released = std::make_shared<detail::ReleasedBuffers>();
   double divisor = 1;
   CommHook hook;
   bool default_hook = true;
@@ -183,7 +186,7 @@ struct GradientReducer::Impl : std::enable_shared_from_this<GradientReducer::Imp
     Bucket& bucket = buckets[b];
     if (bucket.buffer.defined()) return;
     if (options.release_buckets) {
-      bucket.buffer = at::empty({bucket.numel}, bucket.tensor_options);
+      bucket.buffer = released->take(b, bucket.numel, bucket.tensor_options);
       const size_t last = bucket.members.back();
       const int64_t used = slots[last].offset + params[last].numel();
       bucket.buffer.narrow(0, used, bucket.numel - used).zero_();
