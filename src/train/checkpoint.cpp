@@ -97,6 +97,17 @@ struct Checkpointer::Impl {
   std::thread worker;
   std::future<CheckpointInfo> result;
   CheckpointInfo last;
+  // Frees what the last load replaced or read (released off the caller's path, joined before the
+  // next load and at destruction).
+  std::thread releaser;
+
+  void release_in_background(std::vector<std::shared_ptr<void>> garbage) {
+    join_releaser();
+    releaser = std::thread([held = std::move(garbage)]() mutable { held.clear(); });
+  }
+  void join_releaser() {
+    if (releaser.joinable()) releaser.join();
+  }
 
   // Every rank's string, in rank order.
   std::vector<std::string> exchange(const std::string& mine, const char* purpose) {
@@ -162,6 +173,7 @@ Checkpointer::Checkpointer(std::shared_ptr<Communicator> world, CheckpointOption
 
 Checkpointer::~Checkpointer() {
   impl_->finish_pending(/*rethrow=*/false);
+  impl_->join_releaser();
 }
 
 Checkpointer& Checkpointer::model(torch::nn::Module& module) {
@@ -219,6 +231,7 @@ bool Checkpointer::pending() const {
 }
 
 CheckpointInfo Checkpointer::wait() {
+  impl_->join_releaser();
   impl_->finish_pending(/*rethrow=*/true);
   return impl_->last;
 }
@@ -462,15 +475,17 @@ std::optional<CheckpointInfo> Checkpointer::load_latest() {
 CheckpointInfo Checkpointer::load(const std::string& path) {
   auto& s = *impl_;
   s.finish_pending(/*rethrow=*/true);
+  s.join_releaser();  // the previous load's garbage: gone before this one reads more
   const auto started = trace::now();
   std::vector<std::string> problems;
+  std::vector<std::shared_ptr<void>> garbage;
   Manifest m;
   SaveState live;
   LoadedTensors loaded;
   uint64_t bytes_read = 0;
   TrainingProgress progress;
   const std::string manifest_path = join_path(path, kManifestName);
-  const LoadContext context{m, path, live, s.rank, s.size, s.where};
+  const LoadContext context{m, path, live, s.rank, s.size, s.where, &garbage};
   try {
     const std::string manifest_text = s.storage->read_manifest(path);
     if (!check_manifest_integrity(manifest_text, s.where + ": manifest " + manifest_path))
@@ -522,6 +537,8 @@ CheckpointInfo Checkpointer::load(const std::string& path) {
     throw CheckpointError(s.where + ": cannot load " + path + " (nothing was changed):" + join_lines(all_problems));
 
   for (StateProvider* provider : s.providers()) provider->apply(context, loaded);
+  context.discard(std::move(loaded));  // the data read: copied into the model, or adopted
+  s.release_in_background(std::move(garbage));
 
   CheckpointInfo info;
   info.path = path;

@@ -321,6 +321,7 @@ void OptimizerState::apply(const LoadContext& context, const LoadedTensors& data
   const auto names = model_.parameter_names();
   auto& groups = optimizer.param_groups();
   auto& state = optimizer.state();
+  context.discard(std::move(state));
   state.clear();
   const json& steps = saved["steps"];
   for (size_t g = 0; g < groups.size(); ++g) {

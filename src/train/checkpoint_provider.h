@@ -19,6 +19,8 @@
 #include <ATen/core/Tensor.h>
 
 #include <map>
+#include <memory>
+#include <type_traits>
 #include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
@@ -69,9 +71,18 @@ struct LoadContext {
   int rank = 0;
   int size = 1;
   const std::string& where;     // message prefix naming the rank and the operation
+  // What apply() replaces (an optimizer's old state) goes here, to be freed after load() returns:
+  // munmap of a few hundred MB takes tens of milliseconds.
+  std::vector<std::shared_ptr<void>>* garbage = nullptr;
   // Saved at this world size and TP degree: per-rank state (RNG) maps rank to rank.
   bool same_layout() const {
     return manifest.world.size == size && manifest.world.tensor_parallel == live.tp_size;
+  }
+  // Moves `value` into the garbage (destroyed in the background), or lets it go here without one.
+  template <typename T>
+  void discard(T&& value) const {
+    auto held = std::make_shared<std::decay_t<T>>(std::forward<T>(value));
+    if (garbage) garbage->push_back(std::move(held));
   }
 };
 

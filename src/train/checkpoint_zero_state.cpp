@@ -180,6 +180,7 @@ void ZeroOptimizerState::apply(const LoadContext& context, const LoadedTensors& 
   torch::optim::Optimizer& shards_optimizer = zero.optimizer();
   const OptimizerKind kind = *optimizer_kind(shards_optimizer);
   shards_optimizer.param_groups()[0].set_options(view_->param_groups()[0].options().clone());
+  context.discard(std::move(shards_optimizer.state()));
   shards_optimizer.state().clear();
   const auto& params = zero.parameters();
   const auto shards = zero.shard_parameters();
