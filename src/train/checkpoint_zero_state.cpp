@@ -18,6 +18,7 @@
 
 #include <algorithm>
 
+#include "loom/comm/agreement.h"
 #include "loom/comm/communicator.h"
 #include "loom/error.h"
 #include "loom/parallel/optimizer_state.h"
@@ -47,6 +48,40 @@ Overlap overlap_with_shard(const ZeroOptimizer& zero, size_t i, int r) {
   return {std::max(p.offset, r * S), std::min(p.offset + p.numel, (r + 1) * S)};
 }
 
+
+// Every shard on every rank must hold the same state keys and step before the per-key
+// all-gathers: a rank whose shards stepped differently (its optimizer was replaced, its state
+// cleared) would gather other keys, and the ranks would wait on each other until the group's
+// timeout. One exchange of a short text instead, and every rank refuses with the same message.
+void agree_on_state(ZeroOptimizer& zero, OptimizerKind kind) {
+  torch::optim::Optimizer& shards_optimizer = zero.optimizer();
+  const auto shards = zero.shard_parameters();
+  std::vector<std::string> per_shard;  // "exp_avg exp_avg_sq, step 2", or "(no state)"
+  for (const auto& shard : shards) {
+    std::string held;
+    std::optional<int64_t> step;
+    if (const auto* s = find_optimizer_state(shards_optimizer, shard))
+      for (auto& [key, tensor] : optimizer_state_tensors(kind, *s, &step)) held += (held.empty() ? "" : " ") + key;
+    per_shard.push_back(held.empty() ? "(no state)" : held + (step ? ", step " + std::to_string(*step) : ""));
+  }
+  std::string mine;
+  const bool uniform = std::all_of(per_shard.begin(), per_shard.end(), [&](const std::string& d) { return d == per_shard[0]; });
+  if (uniform) {
+    mine = "every shard: " + per_shard[0];
+  } else {
+    for (size_t b = 0; b < per_shard.size(); ++b) mine += (b ? "; " : "") + ("shard " + std::to_string(b) + ": ") + per_shard[b];
+  }
+  const auto all = all_gather_strings(zero.group(), mine, {"ZeRO checkpoint: optimizer state keys"});
+  for (size_t r = 1; r < all.size(); ++r)
+    if (all[r] != all[0])
+      throw CheckpointError("the ZeRO shards' optimizer state differs between ranks (they stepped differently), "
+                            "expected the same keys and step on every rank: rank 0 has " + all[0] + "; rank " +
+                            std::to_string(r) + " has " + all[r]);
+  if (!uniform)
+    throw CheckpointError("the ZeRO shards' optimizer state differs between buckets (they stepped differently), "
+                          "expected the same keys and step in every shard: " + mine);
+}
+
 }  // namespace
 
 ZeroOptimizerState::ZeroOptimizerState(const ModelState& model) : model_(model), full_(model) {}
@@ -69,6 +104,7 @@ void ZeroOptimizerState::collect(int rank, SaveState& out) {
   std::vector<std::string> keys;
   if (const auto* s = find_optimizer_state(shards_optimizer, shards.front()))
     for (auto& [key, tensor] : optimizer_state_tensors(kind, *s, &step)) keys.push_back(key);
+  agree_on_state(zero, kind);
 
   zero.wait_parameters();  // the parameters are saved next to this state: every all-gather done
   const auto members = members_by_bucket(zero);

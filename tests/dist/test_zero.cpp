@@ -4,6 +4,7 @@
 // communicated against DDP's, and the refusals.
 #include <gtest/gtest.h>
 
+#include <chrono>
 #include <cmath>
 #include <limits>
 #include <optional>
@@ -437,6 +438,34 @@ TEST(ZeroCheckpoint, ResumedAtAnotherDataParallelSizeEqualsTheUninterruptedRun) 
     global_steps(net, zero->reducer(), 10, 20, [&] { zero->zero_grad(); }, [&] { zero->step(); });
     expect_params(net, want, "ZeRO at DP " + std::to_string(group->size()));
   }
+  test::cleanup(dir);
+}
+
+TEST(ZeroCheckpoint, ShardsThatSteppedDifferentlyAreRefusedOnEveryRankAtOnce) {
+  // Rank 1's first shard lost its state: the ranks would gather different keys and wait on each
+  // other until the group's timeout. They agree first, and every rank refuses at once, naming both.
+  if (test::gloo_bootstrap()) GTEST_SKIP() << "checkpoints are tested under mpirun";
+  auto world = test::world();
+  if (world->size() == 1) GTEST_SKIP() << "needs two ranks";
+  const std::string dir = test::shared_dir("zero_mismatch");
+  Net net = fresh_net(3);
+  auto zero = zero_over(net, world, 2);
+  global_steps(net, zero->reducer(), 0, 2, [&] { zero->zero_grad(); }, [&] { zero->step(); });
+  if (world->rank() == 1) zero->optimizer().state().erase(zero->shard_parameters()[0].unsafeGetTensorImpl());
+  Checkpointer ckpt(world, {.directory = dir, .async = false});
+  ckpt.model(net).optimizer(*zero);
+  const auto started = std::chrono::steady_clock::now();
+  std::string message = "not rejected";
+  try {
+    ckpt.save({.step = 2});
+  } catch (const CheckpointError& e) {
+    message = e.what();
+  }
+  EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count(), 10.0)
+      << "refused at once, not after the group's timeout";
+  test::expect_contains(message, "differs between ranks");
+  test::expect_contains(message, "rank 0 has every shard: exp_avg exp_avg_sq, step 2; rank 1 has shard 0: (no state); "
+                                 "shard 1: exp_avg exp_avg_sq, step 2");
   test::cleanup(dir);
 }
 

@@ -311,3 +311,23 @@ def test_checkpoint_keeps_the_fp32_master_weights_of_bf16_parameters(loom):
     zero_steps(model, zero, comm, 5, 10, torch.bfloat16)
     for (name, a), b in zip(want.named_parameters(), model.parameters()):
         torch.testing.assert_close(b, a, rtol=0, atol=0, msg=f"bf16 with masters resumed: parameter {name}")
+
+
+def test_checkpoint_of_shards_that_stepped_differently_is_refused_on_every_rank_at_once(loom):
+    """Rank 1's first shard lost its state: the ranks agree on the keys first and every rank refuses
+    at once (without the agreement they would wait on each other until the group's timeout)."""
+    import time
+    comm = loom.world_comm()
+    if comm.size == 1:
+        pytest.skip("needs two ranks")
+    model = fresh(3)
+    zero = zero_over(model, comm, 2)
+    zero_steps(model, zero, comm, 0, 2)
+    if comm.rank == 1:
+        del zero.optim.state[zero.optim.param_groups[0]["params"][0]]
+    started = time.monotonic()
+    with pytest.raises(torchloom.CheckpointError, match="differs between ranks"):
+        torchloom.Checkpointer(comm, shared_dir(comm), async_=False).model(model).optimizer(zero).save(
+            torchloom.TrainingProgress(step=2)).wait()
+    assert time.monotonic() - started < 10, "refused at once, not after the group's timeout"
+

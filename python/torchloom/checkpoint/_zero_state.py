@@ -53,10 +53,35 @@ class ZeroLayout:
         return full
 
 
+def _agree_on_state(zero: Any, layout: ZeroLayout) -> None:
+    """Every shard on every rank must hold the same state keys and step before the per-key
+    all-gathers, or the ranks would gather different keys and wait on each other until the group's
+    timeout: one all-gather of a hash instead, and every rank refuses (ValueError) at once."""
+    import hashlib
+    per_shard = []
+    for shard in layout.shards:
+        state = zero.optim.state.get(shard, {})
+        step = state.get("step")
+        step = float(step) if step is not None else None
+        per_shard.append((sorted(state), step))
+    mine = "every shard: " + repr(per_shard[0]) if all(d == per_shard[0] for d in per_shard) else \
+        "; ".join(f"shard {b}: {d!r}" for b, d in enumerate(per_shard))
+    digest = int.from_bytes(hashlib.sha256(mine.encode()).digest()[:7], "little")
+    everyone = torch.zeros(layout.size, dtype=torch.int64)
+    layout.group.all_gather(everyone, torch.tensor([digest], dtype=torch.int64))
+    differing = [r for r in range(layout.size) if int(everyone[r]) != int(everyone[0])]
+    if differing:
+        raise ValueError(f"the ZeRO shards' optimizer state differs between ranks (they stepped differently): "
+                         f"ranks {differing} differ from rank 0; this rank (rank {layout.rank}) has {mine}")
+    if not mine.startswith("every shard"):
+        raise ValueError(f"the ZeRO shards' optimizer state differs between buckets (they stepped differently): {mine}")
+
+
 def encode(zero: Any, names: List[str], slices: List[Slice], register: Callable[[str, torch.Tensor, Slice], None],
            encode_value: Callable[[Any, str], Any]) -> Dict[str, Any]:
     """The optimizer's JSON (the same on every rank); registers this rank's tensors with `register`."""
     layout = ZeroLayout(zero)
+    _agree_on_state(zero, layout)
     zero.wait_parameters()  # the parameters are saved beside this state: every all-gather done
     state: Dict[str, Dict[str, Any]] = {}
     masters: Dict[str, str] = {}
