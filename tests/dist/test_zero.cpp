@@ -272,34 +272,52 @@ TEST(Zero, BytesCommunicatedEqualDdps) {
   }
 }
 
+namespace {
+
+// A 256-512-256 MLP's parameters in `dtype`, after two Adam steps of ZeRO at `stage` over the world:
+// what the memory tests count.
+struct MemoryRun {
+  std::vector<at::Tensor> params;
+  std::unique_ptr<ZeroOptimizer> zero;
+  int64_t numel = 0;
+};
+
+MemoryRun two_adam_steps(int stage, at::ScalarType dtype, size_t bucket_cap_bytes) {
+  torch::nn::Sequential net(torch::nn::Linear(256, 512), torch::nn::ReLU(), torch::nn::Linear(512, 256));
+  net->to(dtype);
+  MemoryRun run;
+  for (auto& p : net->parameters()) {
+    run.params.push_back(p.detach().clone().requires_grad_(true));
+    run.numel += p.numel();
+  }
+  ZeroOptions options;
+  options.stage = stage;
+  options.bucket_cap_bytes = bucket_cap_bytes;
+  run.zero = std::make_unique<ZeroOptimizer>(run.params, test::world(), [](std::vector<at::Tensor> shard) {
+    return std::make_unique<torch::optim::Adam>(shard, torch::optim::AdamOptions(1e-3));
+  }, options);
+  const auto& params = run.params;
+  at::Tensor x = at::randn({4, 256}).to(dtype);
+  for (int step = 0; step < 2; ++step) {
+    run.zero->zero_grad();
+    at::Tensor h = at::relu(at::linear(x, params[0], params[1]));
+    at::linear(h, params[2], params[3]).square().mean().backward();
+    run.zero->step();
+  }
+  return run;
+}
+
+}  // namespace
+
 TEST(Zero, MemoryCountedFromLiveStoragesMatchesTheFormulas) {
   // fp32 parameters with Adam, counted from the tensors' storages after a step:
   //   stage 1: 4 + 4 + 8/N bytes per parameter; stage 2: 4 + 4/N + 8/N; DDP (counted the same way) 4 + 4 + 8.
-  auto comm = test::world();
-  const double n = comm->size();
-  torch::nn::Sequential net(torch::nn::Linear(256, 512), torch::nn::ReLU(), torch::nn::Linear(512, 256));
-  auto make_params = [&] {
-    std::vector<at::Tensor> fresh;
-    for (auto& p : net->parameters()) fresh.push_back(p.detach().clone().requires_grad_(true));
-    return fresh;
-  };
-  int64_t P = 0;
-  for (auto& p : net->parameters()) P += p.numel();
+  const double n = test::world()->size();
   for (int stage : {1, 2}) {
-    auto params = make_params();
-    ZeroOptions options;
-    options.stage = stage;
-    options.bucket_cap_bytes = 256 << 10;
-    ZeroOptimizer zero(params, comm, [](std::vector<at::Tensor> shard) {
-      return std::make_unique<torch::optim::Adam>(shard, torch::optim::AdamOptions(1e-3));
-    }, options);
-    at::Tensor x = at::randn({4, 256});
-    for (int step = 0; step < 2; ++step) {
-      zero.zero_grad();
-      at::Tensor h = at::relu(at::linear(x, params[0], params[1]));
-      at::linear(h, params[2], params[3]).square().mean().backward();
-      zero.step();
-    }
+    MemoryRun run = two_adam_steps(stage, at::kFloat, 256 << 10);
+    ZeroOptimizer& zero = *run.zero;
+    const auto& params = run.params;
+    const double P = static_cast<double>(run.numel);
     const ZeroMemory m = zero.memory();
     const double grads = stage == 1 ? 4.0 * P : 4.0 * P / n;
     EXPECT_NEAR(m.parameters, 4.0 * P, 0.05 * 4.0 * P) << "stage " << stage;
@@ -779,28 +797,11 @@ TEST(Zero, ScalerUnscalesTheFp32MasterGradientsOfBf16Parameters) {
 TEST(Zero, MemoryOfBf16ParametersWithMastersMatchesTheMixedPrecisionFormulas) {
   // bf16 parameters, fp32 masters and Adam state, counted from live storages after a step:
   //   stage 1: 2 + 2 + 12/N bytes per parameter;  stage 2: 2 + 14/N  (ZeRO's K = 12).
-  auto comm = test::world();
-  const double n = comm->size();
-  torch::nn::Sequential net(torch::nn::Linear(256, 512), torch::nn::ReLU(), torch::nn::Linear(512, 256));
-  net->to(at::kBFloat16);
-  int64_t P = 0;
-  for (auto& p : net->parameters()) P += p.numel();
+  const double n = test::world()->size();
   for (int stage : {1, 2}) {
-    std::vector<at::Tensor> params;
-    for (auto& p : net->parameters()) params.push_back(p.detach().clone().requires_grad_(true));
-    ZeroOptions options;
-    options.stage = stage;
-    options.bucket_cap_bytes = 128 << 10;
-    ZeroOptimizer zero(params, comm, [](std::vector<at::Tensor> shard) {
-      return std::make_unique<torch::optim::Adam>(shard, torch::optim::AdamOptions(1e-3));
-    }, options);
-    at::Tensor x = at::randn({4, 256}).to(at::kBFloat16);
-    for (int step = 0; step < 2; ++step) {
-      zero.zero_grad();
-      at::Tensor h = at::relu(at::linear(x, params[0], params[1]));
-      at::linear(h, params[2], params[3]).square().mean().backward();
-      zero.step();
-    }
+    MemoryRun run = two_adam_steps(stage, at::kBFloat16, 128 << 10);
+    ZeroOptimizer& zero = *run.zero;
+    const double P = static_cast<double>(run.numel);
     const ZeroMemory m = zero.memory();
     const double total = static_cast<double>(m.parameters + m.gradients + m.master_weights + m.optimizer_state);
     const double formula = stage == 1 ? (4 + 12 / n) * P : (2 + 14 / n) * P;

@@ -102,10 +102,12 @@ TEST_F(CudaTraining, DataParallelOverNcclEqualsOneProcessOnTheWholeBatch) {
   }
 }
 
-TEST_F(CudaTraining, ZeroStages1And2OverNcclEqualDdpOverNccl) {
+TEST_F(CudaTraining, ZeroStages1And2AndOverlappedGatherOverNcclEqualDdpOverNccl) {
   // ZeRO's in-place reduce-scatter and all-gather on the device communicator, the released
   // buckets of stage 2 on the caching allocator, the shard optimizer on CUDA: equal to DDP (Adam)
-  // over the same communicator after 10 steps, each rank on its own batch.
+  // over the same communicator after 10 steps, each rank on its own batch. The third variant leaves
+  // the all-gather running past step() (overlap_param_gather) and waits per layer: the wait must
+  // order the compute stream after NCCL's, or the forward reads half-written parameters.
   const int rank = g_gpu->rank();
   auto train = [&](auto&& make_step, Mlp& net) {
     for (int step = 0; step < 10; ++step) {
@@ -128,7 +130,8 @@ TEST_F(CudaTraining, ZeroStages1And2OverNcclEqualDdpOverNccl) {
     torch::mse_loss(ddp.forward(x), y).backward();
     ddp_opt.step();
   }, ddp_net);
-  for (int stage : {1, 2}) {
+  for (const auto& [stage, overlap] : {std::pair{1, false}, std::pair{2, false}, std::pair{2, true}}) {
+    const std::string what = "stage " + std::to_string(stage) + (overlap ? " with overlapped gather" : "");
     at::manual_seed(1);
     Mlp net;
     net->to(device_);
@@ -136,89 +139,50 @@ TEST_F(CudaTraining, ZeroStages1And2OverNcclEqualDdpOverNccl) {
     zero_options.stage = stage;
     zero_options.first_bucket_cap_bytes = 4096;
     zero_options.bucket_cap_bytes = 8192;
+    zero_options.overlap_param_gather = overlap;
     loom::ZeroOptimizer zero(net->parameters(), g_gpu, [](std::vector<at::Tensor> shard) {
       return std::make_unique<torch::optim::Adam>(shard, torch::optim::AdamOptions(1e-2));
     }, zero_options);
     EXPECT_TRUE(zero.shard_parameters().front().is_cuda());
     train([&](const at::Tensor& x, const at::Tensor& y) {
       zero.zero_grad();
-      torch::mse_loss(net->forward(x), y).backward();
+      zero.wait_parameters(*net->l1);  // returns at once without overlap
+      at::Tensor h = torch::relu(net->l1(x));
+      zero.wait_parameters(*net->l2);
+      h = torch::relu(net->l2(h));
+      zero.wait_parameters(*net->l3);
+      torch::mse_loss(net->l3(h), y).backward();
       zero.step();
+      if (overlap && g_gpu->size() > 1) EXPECT_GT(zero.unwaited_buckets(), 0u) << "step() left the gathers running";
     }, net);
+    zero.wait_parameters();
     auto a = net->parameters(), b = ddp->parameters();
     for (size_t i = 0; i < a.size(); ++i)
       EXPECT_TRUE(at::allclose(a[i], b[i], 1e-4, 1e-5))
-          << "stage " << stage << " parameter " << i << ": largest difference " << (a[i] - b[i]).abs().max().item<double>();
+          << what << " parameter " << i << ": largest difference " << (a[i] - b[i]).abs().max().item<double>();
     if (g_gpu->size() > 1) EXPECT_GT(zero.stats().bytes_reduce_scattered, 0u);
   }
 }
 
-TEST_F(CudaTraining, ZeroOverlappedGatherAndBf16MastersOverNccl) {
-  // The all-gather left running by step() (overlap_param_gather) and waited per layer: the wait
-  // must order the compute stream after NCCL's, or the forward reads half-written parameters.
-  // Equal to DDP over NCCL after 10 steps. Then bf16 parameters with fp32 master shards on the
-  // device: the masters are fp32 CUDA tensors and training moves the parameters.
+TEST_F(CudaTraining, ZeroBf16ParametersGetFp32MasterShardsOnTheDevice) {
+  // bf16 parameters with fp32 master shards on the device: the masters are fp32 CUDA tensors, the
+  // step casts them back into the parameters, and training moves them.
   const int rank = g_gpu->rank();
-  auto batch = [&](int step) {
-    at::manual_seed(300 + 10 * step + rank);
-    return std::make_pair(at::randn({8, 32}).to(device_), at::randn({8, 8}).to(device_));
-  };
-  at::manual_seed(1);
-  Mlp ddp_net;
-  ddp_net->to(device_);
-  loom::ReducerOptions options;
-  options.first_bucket_cap_bytes = 4096;
-  options.bucket_cap_bytes = 8192;
-  options.comm_hook = loom::comm_hooks::all_reduce_average();
-  loom::DistributedDataParallel<Mlp> ddp(ddp_net, g_gpu, {options, true});
-  torch::optim::Adam ddp_opt(ddp->parameters(), torch::optim::AdamOptions(1e-2));
-  for (int step = 0; step < 10; ++step) {
-    auto [x, y] = batch(step);
-    ddp.zero_grad();
-    torch::mse_loss(ddp.forward(x), y).backward();
-    ddp_opt.step();
-  }
-  at::manual_seed(1);
-  Mlp net;
-  net->to(device_);
-  loom::ZeroOptions zero_options;
-  zero_options.stage = 2;
-  zero_options.first_bucket_cap_bytes = 4096;
-  zero_options.bucket_cap_bytes = 8192;
-  zero_options.overlap_param_gather = true;
-  auto adam = [](std::vector<at::Tensor> shard) {
-    return std::make_unique<torch::optim::Adam>(shard, torch::optim::AdamOptions(1e-2));
-  };
-  loom::ZeroOptimizer zero(net->parameters(), g_gpu, adam, zero_options);
-  for (int step = 0; step < 10; ++step) {
-    auto [x, y] = batch(step);
-    zero.zero_grad();
-    zero.wait_parameters(*net->l1);
-    at::Tensor h = torch::relu(net->l1(x));
-    zero.wait_parameters(*net->l2);
-    h = torch::relu(net->l2(h));
-    zero.wait_parameters(*net->l3);
-    torch::mse_loss(net->l3(h), y).backward();
-    zero.step();
-  }
-  zero.wait_parameters();
-  auto a = net->parameters(), b = ddp->parameters();
-  for (size_t i = 0; i < a.size(); ++i)
-    EXPECT_TRUE(at::allclose(a[i], b[i], 1e-4, 1e-5))
-        << "overlapped gather, parameter " << i << ": largest difference " << (a[i] - b[i]).abs().max().item<double>();
-
   at::manual_seed(1);
   Mlp half;
   half->to(device_, at::kBFloat16);
   const auto before = half->l1->weight.detach().clone();
-  loom::ZeroOptimizer masters(half->parameters(), g_gpu, adam, {.stage = 2});
+  loom::ZeroOptimizer masters(half->parameters(), g_gpu, [](std::vector<at::Tensor> shard) {
+    return std::make_unique<torch::optim::Adam>(shard, torch::optim::AdamOptions(1e-2));
+  }, {.stage = 2});
   EXPECT_TRUE(masters.has_master_weights(0));
   EXPECT_EQ(masters.shard_parameters().front().scalar_type(), at::kFloat);
   EXPECT_TRUE(masters.shard_parameters().front().is_cuda());
   for (int step = 0; step < 5; ++step) {
-    auto [x, y] = batch(step);
+    at::manual_seed(300 + 10 * step + rank);
+    at::Tensor x = at::randn({8, 32}).to(device_, at::kBFloat16), y = at::randn({8, 8}).to(device_, at::kBFloat16);
     masters.zero_grad();
-    torch::mse_loss(half->forward(x.to(at::kBFloat16)), y.to(at::kBFloat16)).backward();
+    torch::mse_loss(half->forward(x), y).backward();
     masters.step();
   }
   EXPECT_GT((half->l1->weight - before).abs().max().item<double>(), 1e-3) << "bf16 parameters moved";

@@ -74,20 +74,24 @@ def test_equals_torch_ddp_with_torch_zero(loom, gloo, stage, overlap):
     assert zero.stats()["steps"] == STEPS
 
 
+def memory_after_two_adam_steps(stage, dtype, bucket_cap_mb):
+    """A 256-512-256 MLP's parameters in dtype after two Adam steps of ZeRO at stage: (memory, count)."""
+    model = nn.Sequential(nn.Linear(256, 512), nn.ReLU(), nn.Linear(512, 256)).to(dtype)
+    params = [p.detach().clone().requires_grad_(True) for p in model.parameters()]
+    zero = torchloom.ZeroRedundancyOptimizer(params, torch.optim.Adam, stage=stage, bucket_cap_mb=bucket_cap_mb, lr=1e-3)
+    x = torch.randn(4, 256).to(dtype)
+    for _ in range(2):
+        zero.zero_grad()
+        h = torch.relu(torch.nn.functional.linear(x, params[0], params[1]))
+        torch.nn.functional.linear(h, params[2], params[3]).square().mean().backward()
+        zero.step()
+    return zero.memory(), sum(p.numel() for p in params)
+
+
 def test_memory_matches_the_formulas(loom):
     n = loom.world_comm().size
-    model = nn.Sequential(nn.Linear(256, 512), nn.ReLU(), nn.Linear(512, 256))
-    count = sum(p.numel() for p in model.parameters())
     for stage, grads in ((1, 4.0), (2, 4.0 / n)):
-        params = [p.detach().clone().requires_grad_(True) for p in model.parameters()]
-        zero = torchloom.ZeroRedundancyOptimizer(params, torch.optim.Adam, stage=stage, bucket_cap_mb=0.25, lr=1e-3)
-        x = torch.randn(4, 256)
-        for _ in range(2):
-            zero.zero_grad()
-            h = torch.relu(torch.nn.functional.linear(x, params[0], params[1]))
-            torch.nn.functional.linear(h, params[2], params[3]).square().mean().backward()
-            zero.step()
-        m = zero.memory()
+        m, count = memory_after_two_adam_steps(stage, torch.float32, 0.25)
         assert m["parameters"] == pytest.approx(4.0 * count, rel=0.05)
         assert m["gradients"] == pytest.approx(grads * count, rel=0.05), stage
         assert m["optimizer_state"] == pytest.approx(8.0 * count / n, rel=0.05), stage
@@ -154,18 +158,8 @@ def test_bf16_master_weights_and_scaler_equal_fp32_masters_kept_beside_torch_ddp
 def test_bf16_memory_with_masters_matches_the_mixed_precision_formulas(loom):
     """bf16 parameters, fp32 masters and Adam: stage 1 4 + 12/N, stage 2 2 + 14/N bytes per parameter."""
     n = loom.world_comm().size
-    model = nn.Sequential(nn.Linear(256, 512), nn.ReLU(), nn.Linear(512, 256)).to(torch.bfloat16)
-    count = sum(p.numel() for p in model.parameters())
     for stage, formula in ((1, 4 + 12 / n), (2, 2 + 14 / n)):
-        params = [p.detach().clone().requires_grad_(True) for p in model.parameters()]
-        zero = torchloom.ZeroRedundancyOptimizer(params, torch.optim.Adam, stage=stage, bucket_cap_mb=0.125, lr=1e-3)
-        x = torch.randn(4, 256).bfloat16()
-        for _ in range(2):
-            zero.zero_grad()
-            h = torch.relu(torch.nn.functional.linear(x, params[0], params[1]))
-            torch.nn.functional.linear(h, params[2], params[3]).square().mean().backward()
-            zero.step()
-        m = zero.memory()
+        m, count = memory_after_two_adam_steps(stage, torch.bfloat16, 0.125)
         assert m["master_weights"] == pytest.approx(4.0 * count / n, rel=0.05), stage
         assert sum(m.values()) == pytest.approx(formula * count, rel=0.05), (stage, m)
 
