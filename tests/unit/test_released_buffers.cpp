@@ -61,11 +61,3 @@ TEST(ReleasedBuffers, ASlotStillInUseGetsAnotherMappingAndSmallerRequestsFit) {
   second.fill_(4.0f);
   EXPECT_TRUE(second.eq(4.0f).all().item<bool>());
 }
-
-TEST(ReleasedBuffers, FreshAllocationsFaultEveryTimeForComparison) {
-  // What the reducer did before: at::empty of a large bucket, freed and taken again, faults in again
-  // (glibc hands the memory back to the kernel). Shows what the reuse saves.
-  long faults = 0;
-  for (int i = 0; i < 2; ++i) faults = faults_writing(at::empty({kNumel * 4}, kFloat));
-  EXPECT_GT(faults, 1000);
-}
