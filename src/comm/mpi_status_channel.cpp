@@ -194,17 +194,25 @@ void announce(const std::vector<int>& ranks, const departures::Departure& depart
   Channel& c = channel();
   std::unique_lock<std::mutex> lock(c.mutex);
   if (!c.running) return;
-  LeavingWords notice;
-  notice.status = departure.status;
-  notice.length = static_cast<int64_t>(std::min(departure.reason.size(), sizeof(notice.reason)));
-  std::copy_n(departure.reason.data(), notice.length, notice.reason);
+  // Heap-held: a notice to a rank that is stopped (alive, not reading) may never be sent, and its
+  // request is then freed with the buffer still lent to MPI, which is left allocated (below).
   struct Pending {
     int rank;
     MPI_Request send = MPI_REQUEST_NULL;
     MPI_Request ack = MPI_REQUEST_NULL;
     int64_t word = 0;
   };
-  std::vector<Pending> pending(ranks.size());
+  struct Outgoing {
+    LeavingWords notice;
+    std::vector<Pending> pending;
+  };
+  auto* out = new Outgoing;
+  LeavingWords& notice = out->notice;
+  notice.status = departure.status;
+  notice.length = static_cast<int64_t>(std::min(departure.reason.size(), sizeof(notice.reason)));
+  std::copy_n(departure.reason.data(), notice.length, notice.reason);
+  std::vector<Pending>& pending = out->pending;
+  pending.resize(ranks.size());
   for (size_t i = 0; i < ranks.size(); ++i) {
     pending[i].rank = ranks[i];
     MPI_Irecv(&pending[i].word, 1, MPI_INT64_T, ranks[i], kLeavingAckTag, c.comm, &pending[i].ack);
@@ -223,24 +231,38 @@ void announce(const std::vector<int>& ranks, const departures::Departure& depart
     lock.unlock();
     std::this_thread::sleep_for(std::chrono::microseconds(500));
     lock.lock();
+    if (!c.running) return;  // `out` stays allocated: its requests may still be live
+  }
+  // Unacknowledged notices are withdrawn. Neither the cancel nor the send's completion is waited
+  // for without a bound: a 496-byte send is eager, but to a stopped rank it can stay queued
+  // (Open MPI does not cancel sends), and this runs in exit handlers that must not hang.
+  for (auto& p : pending)
+    if (p.ack != MPI_REQUEST_NULL) MPI_Cancel(&p.ack);
+  const auto give_up = departures::Clock::now() + std::chrono::milliseconds(100);
+  bool unfinished = true;
+  while (unfinished) {
+    unfinished = false;
+    for (auto& p : pending)
+      for (MPI_Request* r : {&p.ack, &p.send}) {
+        if (*r == MPI_REQUEST_NULL) continue;
+        int done = 0;
+        MPI_Test(r, &done, MPI_STATUS_IGNORE);  // sets *r to MPI_REQUEST_NULL when done
+        unfinished = unfinished || !done;
+      }
+    if (!unfinished || departures::Clock::now() >= give_up) break;
+    lock.unlock();
+    std::this_thread::sleep_for(std::chrono::microseconds(500));
+    lock.lock();
     if (!c.running) return;
   }
-  for (auto& p : pending) {
-    if (p.ack != MPI_REQUEST_NULL) {
-      MPI_Cancel(&p.ack);
-      MPI_Wait(&p.ack, MPI_STATUS_IGNORE);
-    }
-    // Sent eagerly: complete locally even when the peer is gone (the notice buffer is this frame's,
-    // so wait for it rather than free the request).
-    if (p.send != MPI_REQUEST_NULL) {
-      int done = 0;
-      MPI_Test(&p.send, &done, MPI_STATUS_IGNORE);
-      if (!done) {
-        MPI_Cancel(&p.send);
-        MPI_Wait(&p.send, MPI_STATUS_IGNORE);
-      }
-    }
+  if (!unfinished) {
+    delete out;
+    return;
   }
+  for (auto& p : pending)
+    for (MPI_Request* r : {&p.ack, &p.send})
+      if (*r != MPI_REQUEST_NULL) MPI_Request_free(r);
+  // `out` is left allocated: MPI may still write an acknowledgement into it or read the notice.
 }
 
 }  // namespace

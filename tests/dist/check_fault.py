@@ -104,6 +104,15 @@ SCENARIOS = {
                                     output=[lambda n: f"process rank {n - 1} with PID"], output_torchrun=TORCHRUN_KILLED),
     "sigkill_in_tp_forward": dict(env={"LOOM_ON_ERROR": "abort", "LOOM_ABORT_GRACE": "0.5"}, success=False,
                                   output=[lambda n: f"process rank {n - 1} with PID"], output_torchrun=TORCHRUN_KILLED),
+    "sigkill_in_zero_step": dict(env={"LOOM_ON_ERROR": "abort", "LOOM_ABORT_GRACE": "0.5"}, success=False,
+                                 output=[lambda n: f"process rank {n - 1} with PID"], output_torchrun=TORCHRUN_KILLED),
+    # Stopped with the parameter all-gathers in flight (ZeRO, overlapped with the next forward),
+    # under LOOM_ON_ERROR=raise: the survivors' wait_parameters() raises the all-gather's timeout
+    # naming the stopped rank (not swallowed to fail later in another collective), and they leave.
+    "sigstop_in_zero_overlapped_gather": dict(
+        env={"LOOM_ON_ERROR": "raise"}, success=False, exit_code=1,
+        survivors=lambda r, n: expect("TimeoutError", T, 2 * T, "all_gather", "timed out after",
+                                      f"no answer from rank {n - 1}")),
     # A stopped rank never answers: the others time out, say it does not answer, and end the job.
     "sigstop_rank": dict(
         env={"LOOM_ON_ERROR": "abort", "LOOM_ABORT_GRACE": "0.5"}, success=False,

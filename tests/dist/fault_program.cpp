@@ -21,6 +21,7 @@
 #include "loom/error.h"
 #include "loom/parallel/data_parallel.h"
 #include "loom/parallel/tensor_parallel.h"
+#include "loom/parallel/zero.h"
 #include "loom/runtime.h"
 
 namespace {
@@ -78,6 +79,30 @@ void train_ddp(const std::shared_ptr<loom::Communicator>& comm, int steps, const
     loss.backward();
     opt.step();
   }
+}
+
+// ZeRO training (stage 2) with `on_step` called after each backward, before step(): a rank that
+// dies there leaves the others inside the sharded step, waiting for its gradient shard (the
+// reduce-scatter) or its parameter shard (the all-gather; with `overlap`, in wait_parameters()).
+void train_zero(const std::shared_ptr<loom::Communicator>& comm, int steps, bool overlap,
+                const std::function<void(int)>& on_step) {
+  torch::manual_seed(1);
+  torch::nn::Linear model(64, 64);
+  loom::ZeroOptions options;
+  options.stage = 2;
+  options.overlap_param_gather = overlap;
+  loom::ZeroOptimizer zero(
+      model->parameters(), comm,
+      [](std::vector<at::Tensor> shard) { return std::make_unique<torch::optim::SGD>(shard, 0.01); }, options);
+  for (int step = 0; step < steps; ++step) {
+    zero.zero_grad();
+    if (overlap) zero.wait_parameters();
+    at::Tensor loss = model(at::randn({32, 64})).pow(2).mean();
+    loss.backward();
+    on_step(step);
+    zero.step();
+  }
+  zero.wait_parameters();
 }
 
 // Scenarios that fail inside loom::init(): every rank reports the ConfigError it raised.
@@ -186,6 +211,26 @@ int main(int argc, char** argv) {
         }
       });
     });
+    std::this_thread::sleep_for(std::chrono::seconds(60));
+  } else if (scenario == "sigkill_in_zero_step" || scenario == "sigstop_in_zero_overlapped_gather") {
+    // Killed between backward and the sharded step (LOOM_ON_ERROR=abort: the job ends); or stopped
+    // there with the parameter all-gathers overlapping the next forward (step() returns at once)
+    // under LOOM_ON_ERROR=raise: the survivors' wait_parameters() must raise the all-gather's
+    // timeout, and they leave main with it, as a program's error path does.
+    const bool kill = scenario == "sigkill_in_zero_step";
+    run_and_report(rank, [&] {
+      train_zero(comm, 50, /*overlap=*/!kill, [&](int step) {
+        if (rank == victim && step == 5) {
+          std::printf("RANK %d SIGNALLING ITSELF\n", rank);
+          std::fflush(stdout);
+          raise(kill ? SIGKILL : SIGSTOP);
+        }
+      });
+    });
+    if (!kill) {
+      std::this_thread::sleep_for(std::chrono::seconds(1));  // every survivor reports before mpirun ends the job
+      return 1;
+    }
     std::this_thread::sleep_for(std::chrono::seconds(60));
   } else if (scenario == "sigkill_in_tp_forward") {
     loom::ParallelState ps(comm, comm->size());
