@@ -275,7 +275,12 @@ struct GradientReducer::Impl : std::enable_shared_from_this<GradientReducer::Imp
       GradBucket handed{next_to_issue, bucket.buffer, bucket.members, group.get(), divisor,
                         next_to_issue + 1 == buckets.size()};
       bucket.issued_at = trace::now();
-      bucket.reduction = passthrough() ? PendingReduction{} : hook(handed);
+      try {
+        bucket.reduction = passthrough() ? PendingReduction{} : hook(handed);
+      } catch (...) {
+        abandon_iteration();
+        throw;
+      }
       // Nobody waits on a bucket before backward ends: it runs in the background from now on.
       if (bucket.reduction.work) bucket.reduction.work->run_in_background();
       bucket.issued = true;
@@ -410,6 +415,23 @@ struct GradientReducer::Impl : std::enable_shared_from_this<GradientReducer::Imp
     rebuilt = true;
     stats.buckets_rebuilt = true;
     ready_order.clear();
+  }
+
+  // A hook refused its bucket in the middle of backward (the error reaches the caller of
+  // backward()): the iteration ends on this rank as if it had not started, so that the next
+  // backward is a fresh one, once the buckets already handed to the communicator have finished
+  // (they write into buffers the next iteration fills; each wait is bounded by the group's
+  // timeout). Autograd does not run the finalize callback of a backward that failed.
+  void abandon_iteration() {
+    for (auto& bucket : buckets) {
+      if (!bucket.reduction.work) continue;
+      try {
+        bucket.reduction.work->wait();
+      } catch (const std::exception& e) {
+        LOOM_LOG(warn, where() << ": a bucket of the abandoned backward failed too: " << e.what());
+      }
+    }
+    reset_iteration();
   }
 
   void reset_iteration() {

@@ -199,7 +199,11 @@ struct ZeroOptimizer::Impl {
     master_grads_current = false;
   }
 
-  [[noreturn]] void refuse_unwaited_backward(size_t b) const {
+  // The reducer abandons the backward whose bucket this refuses (the caller may wait and redo
+  // it): the buckets reduced before it in that backward count for nothing.
+  [[noreturn]] void refuse_unwaited_backward(size_t b) {
+    reduced_since_step = false;
+    master_grads_current = false;
     std::string names;
     for (size_t i = 0; i < placements.size() && names.size() < 200; ++i)
       if (placements[i].bucket == b)

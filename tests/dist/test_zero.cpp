@@ -909,23 +909,48 @@ TEST(Zero, OverlappedParameterGatherWaitedPerLayerEqualsDdp) {
   }
 }
 
-TEST(Zero, BackwardThroughParametersNobodyWaitedForIsRefusedByName) {
-  // Overlap on, a forward that reads the parameters without waiting: its backward is refused (the
-  // forward may have read values the all-gather had not yet written), naming the parameters.
+TEST(Zero, BackwardThroughParametersNobodyWaitedForIsRefusedByNameAndCanBeRedone) {
+  // Overlap on. At step 1 the forward waits for l3's parameters only and reads l1's and l2's
+  // unwaited: the backward is refused when their bucket fills (the forward may have read values the
+  // all-gather had not yet written), naming them, after l3's bucket was already reduce-scattered.
+  // That backward counts for nothing: step() refuses to step on it; the caller waits and redoes
+  // it, and 20 steps equal DDP's.
   auto comm = test::world();
   if (comm->size() == 1) GTEST_SKIP() << "alone, the shards are the parameters: nothing to gather";
-  Net net;
-  ZeroOptions options;
-  options.overlap_param_gather = true;
-  auto named = net->named_parameters();
-  for (const auto& item : named) options.parameter_names.push_back(item.key());
-  ZeroOptimizer zero(net->parameters(), comm, [](std::vector<at::Tensor> shard) { return make(Opt::Adam, shard); },
-                     options);
-  auto [x, y] = batch(0, 0, comm->rank());
-  torch::mse_loss(net(x), y).backward();
-  zero.step();
-  zero.zero_grad();
-  const std::string message = test::rejection([&] { torch::mse_loss(net(x), y).backward(); });
-  test::expect_contains(message, "nobody waited for");
-  test::expect_contains(message, "l3.bias");
+  const Trained ddp = train_ddp(Opt::Adam, {});
+  for (int stage : {1, 2}) {
+    at::manual_seed(3);
+    Net net;
+    ZeroOptions options;
+    options.stage = stage;
+    options.bucket_cap_bytes = 2048;
+    options.first_bucket_cap_bytes = 512;
+    options.overlap_param_gather = true;
+    for (const auto& item : net->named_parameters()) options.parameter_names.push_back(item.key());
+    ZeroOptimizer zero(net->parameters(), comm, [](std::vector<at::Tensor> shard) { return make(Opt::Adam, shard); },
+                       options);
+    for (int step = 0; step < 20; ++step) {
+      zero.zero_grad();
+      auto [x, y] = batch(step, 0, comm->rank());
+      if (step == 1) {
+        zero.wait_parameters(*net->l3);
+        const uint64_t reduced_before = zero.stats().bytes_reduce_scattered;
+        const std::string message = test::rejection([&] { torch::mse_loss(net(x), y).backward(); });
+        test::expect_contains(message, "nobody waited for");
+        test::expect_contains(message, "l2.");
+        EXPECT_EQ(message.find("l3."), std::string::npos) << "l3 was waited for: " << message;
+        EXPECT_GT(zero.stats().bytes_reduce_scattered, reduced_before) << "no bucket went out before the refusal";
+        test::expect_contains(test::rejection([&] { zero.step(); }), "no synchronised backward since the last step");
+        zero.wait_parameters();
+        zero.zero_grad();
+      }
+      zero.wait_parameters();
+      torch::mse_loss(net(x), y).backward();
+      zero.step();
+    }
+    zero.wait_parameters();
+    Trained got;
+    for (auto& p : net->parameters()) got.params.push_back(p.detach().clone());
+    expect_equal(got, ddp, "refused at step 1 and redone, stage " + std::to_string(stage));
+  }
 }

@@ -56,7 +56,8 @@
 // torchloom.ZeroRedundancyOptimizer the module). C++ modules have no pre-hooks, so the model calls it:
 //   at::Tensor Block::forward(at::Tensor x) { zero->wait_parameters(*this); ... }
 // Everything of the optimizer's that needs the parameters waits for all of them first. A backward
-// through a parameter nobody waited for is refused by name (its forward may have read old values).
+// through a parameter nobody waited for is refused by name (its forward may have read old values);
+// it counts for nothing, and the caller may wait, zero_grad() and redo the forward and backward.
 #pragma once
 
 #include <ATen/core/Tensor.h>
