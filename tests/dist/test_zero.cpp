@@ -6,21 +6,30 @@
 
 #include <chrono>
 #include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
 #include <limits>
 #include <optional>
+#include <random>
 
 #include <torch/nn.h>
 #include <torch/optim.h>
 
+#include "../hostile_json.h"
 #include "loom/amp/grad_scaler.h"
+#include "loom/comm/agreement.h"
 #include "loom/parallel/data_parallel.h"
 #include "loom/parallel/optimizer_state.h"
 #include "loom/parallel/tensor_parallel.h"
 #include "loom/parallel/zero.h"
 #include "loom/train/checkpoint.h"
 #include "test_util.h"
+#include "train/checkpoint_files.h"
+#include "train/checkpoint_manifest.h"
 
 using namespace loom;
+namespace ckpt = loom::detail::ckpt;
 
 namespace {
 
@@ -836,6 +845,95 @@ TEST(ZeroCheckpoint, Bf16MasterWeightsResumeAsTheUninterruptedRun) {
   ASSERT_TRUE(ckpt.load_latest().has_value());
   global_steps(net, zero->reducer(), 10, 20, [&] { zero->zero_grad(); }, [&] { zero->step(); });
   expect_params(net, want, "bf16 ZeRO with masters, resumed");
+  test::cleanup(dir);
+}
+
+// Everything a ZeRO load may change on this rank: the parameters, the fp32 master shards and the
+// optimizer's state.
+std::vector<at::Tensor> zero_state(Net& net, ZeroOptimizer& zero) {
+  std::vector<at::Tensor> out;
+  for (const auto& p : net->parameters()) out.push_back(p.detach().clone());
+  for (const auto& t : zero.shard_parameters()) out.push_back(t.detach().clone());
+  auto& optimizer = zero.optimizer();
+  for (const auto& shard : zero.shard_parameters())
+    if (auto* state = find_optimizer_state(optimizer, shard)) {
+      std::optional<int64_t> steps;
+      for (const auto& [key, t] : optimizer_state_tensors(*optimizer_kind(optimizer), *state, &steps))
+        out.push_back(t.clone());
+      out.push_back(at::tensor(steps.value_or(-1)));
+    }
+  return out;
+}
+
+// The fp32 master records (master/<param>) of a bf16 stage-2 checkpoint, forged from a fresh seed
+// each run (printed; LOOM_FUZZ_SEED replays one; rank 0's, broadcast) for at most 10 s, the
+// manifest resealed so the checks behind its checksum are reached: a record removed, renamed to
+// a parameter that does not exist, retyped, its slices duplicated, or one of its values replaced
+// by a hostile one. Every load succeeds or is refused with a CheckpointError on every rank, and a
+// refused load changed nothing: parameters, masters and Adam state (which differ from the
+// checkpoint's, so a partial load would show).
+TEST(ZeroCheckpoint, ForgedMasterRecordsAreRefusedChangingNothing) {
+  if (test::gloo_bootstrap()) GTEST_SKIP() << "checkpoints are tested under mpirun";
+  auto world = test::world();
+  const std::string dir = test::shared_dir("zero_master_forgery");
+  Net net = fresh_net(3, at::kBFloat16);
+  auto zero = zero_over(net, world, 2);
+  auto zero_grad = [&] { zero->zero_grad(); };
+  auto step = [&] { zero->step(); };
+  global_steps(net, zero->reducer(), 0, 2, zero_grad, step);
+  Checkpointer ckpt(world, {.directory = dir, .async = false});
+  ckpt.model(net).optimizer(*zero);
+  ckpt.save({.step = 2});
+  const std::string path = dir + "/step_000002/manifest.json";
+  const std::string original = ckpt::read_small_file(path, 1 << 24, "test");
+  std::vector<std::string> masters;
+  const auto saved = nlohmann::ordered_json::parse(original);
+  for (const auto& [name, record] : saved["tensors"].items())
+    if (name.rfind("master/", 0) == 0) masters.push_back(name);
+  ASSERT_EQ(masters.size(), net->parameters().size()) << "one fp32 master record per bf16 parameter";
+
+  const char* fixed = std::getenv("LOOM_FUZZ_SEED");
+  const int64_t mine = fixed ? std::strtoll(fixed, nullptr, 10) : static_cast<int64_t>(std::random_device{}() >> 1);
+  const uint64_t seed = static_cast<uint64_t>(broadcast_values(*world, std::vector<int64_t>{mine}, 0, {"seed"})[0]);
+  if (world->rank() == 0) std::printf("master forgery seed %llu (LOOM_FUZZ_SEED replays it)\n", (unsigned long long)seed);
+  SCOPED_TRACE("LOOM_FUZZ_SEED=" + std::to_string(seed));
+  std::mt19937_64 rng(seed);
+  int refused = 0, loaded = 0, iterations = 0;
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  for (bool go = true; go && iterations < 200; ++iterations) {
+    global_steps(net, zero->reducer(), 2, 3, zero_grad, step);  // the live state leaves the checkpoint's
+    const auto before = zero_state(net, *zero);
+    nlohmann::ordered_json doc = nlohmann::ordered_json::parse(original);
+    auto& tensors = doc["tensors"];
+    const std::string victim = masters[rng() % masters.size()];
+    switch (rng() % 5) {
+      case 0: tensors.erase(victim); break;
+      case 1: tensors["master/no.such.parameter"] = tensors[victim]; tensors.erase(victim); break;
+      case 2: tensors[victim]["dtype"] = "BF16"; break;
+      case 3: tensors[victim]["slices"].push_back(tensors[victim]["slices"][0]); break;
+      default: test::replace_random_leaf(tensors[victim], rng);
+    }
+    if (world->rank() == 0) std::ofstream(path, std::ios::trunc) << ckpt::reseal_manifest(doc.dump(1));
+    world->barrier()->wait();
+    try {
+      ckpt.load(dir + "/step_000002");
+      ++loaded;
+    } catch (const CheckpointError& e) {
+      ++refused;
+      const auto after = zero_state(net, *zero);
+      ASSERT_EQ(after.size(), before.size());
+      for (size_t i = 0; i < after.size(); ++i)
+        ASSERT_TRUE(at::equal(after[i], before[i])) << "iteration " << iterations << ", state tensor " << i
+                                                    << ": a refused load changed it (" << e.what() << ")";
+    }
+    world->barrier()->wait();  // every rank read the manifest before rank 0 writes the next one
+    // Every rank stops at the same iteration: rank 0's clock decides.
+    go = broadcast_values(*world, std::vector<int64_t>{std::chrono::steady_clock::now() < deadline}, 0,
+                          {"fuzz deadline"})[0] != 0;
+  }
+  if (world->rank() == 0)
+    std::printf("master forgery: %d forgeries, %d refused, %d loaded\n", iterations, refused, loaded);
+  EXPECT_GT(refused, iterations / 2);
   test::cleanup(dir);
 }
 

@@ -20,6 +20,7 @@
 #include <nlohmann/json.hpp>
 #include <random>
 
+#include "../hostile_json.h"
 #include "loom/amp/grad_scaler.h"
 #include "loom/error.h"
 #include "loom/parallel/tensor_parallel.h"
@@ -809,20 +810,7 @@ TEST(CheckpointCorruption, ParameterNamesAndShapesAreListedAsADiff) {
 // The manifest with one of its numbers or strings replaced by a hostile value.
 std::string hostile_value(const std::string& manifest, std::mt19937_64& rng) {
   nlohmann::ordered_json doc = nlohmann::ordered_json::parse(manifest);
-  std::vector<nlohmann::ordered_json*> leaves;
-  std::function<void(nlohmann::ordered_json&)> walk = [&](nlohmann::ordered_json& j) {
-    if (j.is_structured()) {
-      for (auto& child : j) walk(child);
-    } else if (!j.is_null()) {
-      leaves.push_back(&j);
-    }
-  };
-  walk(doc);
-  const nlohmann::ordered_json values[] = {-1,  0,    1,     0.5,  -0.5, 1e308, -1e308, 1e-320, 2,    7,
-                                           true, false, "x", "",  int64_t(1) << 62, -(int64_t(1) << 62),
-                                           uint64_t(UINT64_MAX), nullptr, nlohmann::ordered_json::array(),
-                                           nlohmann::ordered_json::object()};
-  *leaves[rng() % leaves.size()] = values[rng() % (sizeof(values) / sizeof(values[0]))];
+  loom::test::replace_random_leaf(doc, rng);
   return doc.dump(1);
 }
 
