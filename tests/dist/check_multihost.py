@@ -5,6 +5,10 @@ between the hosts and shared memory inside them.
 
   same-loss     train_gpt TP 2 x DP 2 on two hosts (TP groups inside a host, DP across) ends with
                 the same final loss, to the last digit, as on one host
+  zero-same-loss
+                the same with ZeRO stage 2 and the parameter all-gather overlapping the forward
+                (reduce-scatters and all-gathers of the DP groups over TCP between the hosts):
+                the same final loss, to the last digit, as plain data parallelism on one host
   host-killed   every rank of hostB killed by SIGKILL mid-run: the job ends within seconds,
                 non-zero, and its output names hostB
   resume-fewer  a checkpoint written by 4 ranks on two hosts resumes on one host at 2 ranks
@@ -66,6 +70,22 @@ def same_loss(args):
     print(f"final loss on two hosts {a}, on one host {b}")
     if a is None or a != b:
         print(two.stdout[-2000:], two.stderr[-2000:])
+        return 1
+    return 0
+
+
+def zero_same_loss(args):
+    train = [args.train_gpt, "--steps", "20", "--deterministic"] + SMALL
+    zero = run(args, [args.loomrun, "-np", "4", "-H", "hostA:2,hostB:2", "--tp", "2", "--"] + train +
+               ["--zero", "2", "--zero-overlap", "--bucket-cap-mb", "0.05"], 300)
+    plain = run(args, [args.loomrun, "-np", "4", "--tp", "2", "--"] + train, 300)
+    a, b = final_loss(zero.stdout), final_loss(plain.stdout)
+    print(f"final loss with ZeRO 2 (overlapped gather) on two hosts {a}, plain DP on one host {b}")
+    if "ZeRO" not in zero.stdout + zero.stderr:
+        print("FAIL: the two-host run does not say it trained with ZeRO\n", zero.stdout[-2000:], zero.stderr[-2000:])
+        return 1
+    if a is None or a != b:
+        print(zero.stdout[-2000:], zero.stderr[-2000:])
         return 1
     return 0
 
@@ -240,14 +260,14 @@ def main():
     parser.add_argument("--loomrun", required=True)
     parser.add_argument("--train-gpt", required=True)
     parser.add_argument("--work", required=True)
-    parser.add_argument("case", choices=["same-loss", "host-killed", "resume-fewer", "restart-without-host",
+    parser.add_argument("case", choices=["same-loss", "zero-same-loss", "host-killed", "resume-fewer", "restart-without-host",
                                          "per-host-topology"])
     args = parser.parse_args()
     if os.geteuid() != 0 or not shutil.which("unshare") or not shutil.which("nsenter"):
         print("SKIP: fake hosts need root, unshare and nsenter")
         return 77
     os.makedirs(args.work, exist_ok=True)
-    return {"same-loss": same_loss, "host-killed": host_killed, "resume-fewer": resume_fewer,
+    return {"same-loss": same_loss, "zero-same-loss": zero_same_loss, "host-killed": host_killed, "resume-fewer": resume_fewer,
             "restart-without-host": restart_without_host, "per-host-topology": per_host_topology}[args.case](args)
 
 
