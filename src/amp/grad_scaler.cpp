@@ -10,6 +10,7 @@
 #include <torch/optim/optimizer.h>
 
 #include <cmath>
+#include <cstdio>
 #include <limits>
 #include <tuple>
 
@@ -78,6 +79,13 @@ std::vector<at::Tensor> GradScaler::scale(const std::vector<at::Tensor>& outputs
 GradScaler::PerOptimizer& GradScaler::state_of(const void* optimizer) { return per_optimizer_[optimizer]; }
 
 namespace {
+
+// A value as saved, in full (std::to_string writes 1e-320 as 0.000000).
+std::string to_text(double value) {
+  char text[32];
+  std::snprintf(text, sizeof(text), "%.17g", value);
+  return text;
+}
 std::vector<at::Tensor> defined_grads(torch::optim::Optimizer& optimizer) {
   std::vector<at::Tensor> grads;
   for (auto& group : optimizer.param_groups())
@@ -250,16 +258,19 @@ void GradScaler::load_state_dict(const std::map<std::string, double>& state) {
   const double scale = state.at("scale"), growth = state.at("growth_factor"), backoff = state.at("backoff_factor");
   const double interval = state.at("growth_interval"), tracker = state.at("_growth_tracker");
   auto bad = [&](const std::string& what) { return InvalidArgumentError(where("load_state_dict") + ": " + what); };
-  // The scale lives in a float32 tensor (as in PyTorch): a double beyond float32's range cannot.
-  if (!(scale > 0) || !(scale <= std::numeric_limits<float>::max()))
-    throw bad("scale must be positive and at most " + std::to_string(std::numeric_limits<float>::max()) +
-              " (float32), found " + std::to_string(scale));
-  if (!(growth > 1)) throw bad("growth_factor must be > 1.0, found " + std::to_string(growth));
-  if (!(backoff > 0 && backoff < 1)) throw bad("backoff_factor must be in (0, 1), found " + std::to_string(backoff));
-  if (!(interval >= 1) || interval != std::floor(interval))
-    throw bad("growth_interval must be a positive integer, found " + std::to_string(interval));
+  // The scale lives in a float32 tensor (as in PyTorch): a double beyond float32's range cannot,
+  // and one too small for it would become 0 there.
+  if (!(scale > 0) || !(scale <= std::numeric_limits<float>::max()) || !(static_cast<float>(scale) > 0))
+    throw bad("scale must be positive and within float32's range (at most " +
+              std::to_string(std::numeric_limits<float>::max()) + ", not rounding to 0), found " + to_text(scale));
+  if (!(growth > 1) || !std::isfinite(growth))
+    throw bad("growth_factor must be > 1.0 and finite, found " + to_text(growth));
+  if (!(backoff > 0 && backoff < 1)) throw bad("backoff_factor must be in (0, 1), found " + to_text(backoff));
+  // At most 2^53: every integer up to it is exact in a double, and it fits the int64 it becomes.
+  if (!(interval >= 1) || !(interval <= 9007199254740992.0) || interval != std::floor(interval))
+    throw bad("growth_interval must be an integer in [1, 2^53], found " + to_text(interval));
   if (!(tracker >= 0) || tracker != std::floor(tracker) || tracker >= interval)
-    throw bad("_growth_tracker must be an integer in [0, growth_interval), found " + std::to_string(tracker));
+    throw bad("_growth_tracker must be an integer in [0, growth_interval), found " + to_text(tracker));
   options_.init_scale = scale;
   options_.growth_factor = growth;
   options_.backoff_factor = backoff;

@@ -18,6 +18,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdint>
 #include <cstring>
 #include <future>
 #include <random>
@@ -496,10 +497,16 @@ CheckpointInfo Checkpointer::load(const std::string& path) {
 
     const json& pr = m.progress;
     for (const char* key : {"step", "epoch", "sample"})
-      if (!pr.contains(key) || !pr[key].is_number_integer())
-        problems.push_back("manifest progress has no integer \"" + std::string(key) + "\"");
-    if (problems.empty())
+      if (!pr.contains(key) || !pr[key].is_number_integer() ||
+          (pr[key].is_number_unsigned() ? pr[key].get<uint64_t>() > INT64_MAX : pr[key].get<int64_t>() < 0))
+        problems.push_back("manifest progress \"" + std::string(key) + "\" is " +
+                           (pr.contains(key) ? pr[key].dump() : "missing") + "; expected an integer in [0, 2^63)");
+    if (problems.empty()) {
       progress = {pr["step"].get<int64_t>(), pr["epoch"].get<int64_t>(), pr["sample"].get<int64_t>()};
+      if (progress.step != m.step)
+        problems.push_back("manifest progress is at step " + std::to_string(progress.step) + "; the manifest is of step " +
+                           std::to_string(m.step));
+    }
 
     // Every provider says what it needs and what is wrong; nothing live changes.
     std::vector<Need> needs;

@@ -244,6 +244,18 @@ void check_header_against_manifest(const ShardHeader& header, const Manifest& ma
   // What the shard says of itself (written from format version 2): its step, and where each of its
   // split slices starts. A shard of another step, or slices the manifest places elsewhere, is refused
   // even when the manifest's checksum holds (a shard copied in from another checkpoint).
+  // Every version-2 shard says both; a version-1 shard says neither (a version-2 shard under a
+  // manifest claiming version 1 is a manifest whose version was edited to skip its checksum).
+  for (const char* key : {kShardStepKey, kShardSlicesKey}) {
+    const bool has = header.metadata.count(key) != 0;
+    if (manifest.version >= 2 && !has)
+      throw CheckpointError(where + ": the shard has no " + key + " metadata, which every shard of format version " +
+                            std::to_string(manifest.version) + " carries");
+    if (manifest.version < 2 && has)
+      throw CheckpointError(where + ": the shard carries " + key + " metadata (format version 2 or later) under a "
+                            "manifest of format version " + std::to_string(manifest.version) +
+                            ": the manifest's version was edited");
+  }
   if (auto step = header.metadata.find(kShardStepKey); step != header.metadata.end() &&
                                                         step->second != std::to_string(manifest.step))
     throw CheckpointError(where + ": the shard was written at step " + step->second + "; the manifest is of step " +

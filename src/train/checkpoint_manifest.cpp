@@ -133,8 +133,13 @@ bool check_manifest_integrity(std::string_view text, const std::string& where) {
   nlohmann::ordered_json doc = nlohmann::ordered_json::parse(text.begin(), text.end(), nullptr, false);
   if (doc.is_discarded() || !doc.is_object()) return true;
   const auto version = doc.find("format_version");
-  if (version != doc.end() && version->is_number_integer() && version->get<int64_t>() == 1) return false;
   const auto stored = doc.find(kManifestChecksumKey);
+  if (version != doc.end() && version->is_number_integer() && version->get<int64_t>() == 1) {
+    if (stored != doc.end())
+      reject(where, std::string("says format version 1, which carries no checksum of its own, yet has \"") +
+                        kManifestChecksumKey + "\": its version was edited (to skip the checksum)");
+    return false;
+  }
   if (stored == doc.end())
     reject(where, std::string("has no \"") + kManifestChecksumKey +
                       "\": the checksum of its own content, which every manifest of this format version carries");

@@ -302,11 +302,10 @@ void OptimizerState::plan(const LoadContext& context, std::vector<Need>& needs, 
       problems.push_back("optimizer state " + name + " belongs to no live parameter");
       continue;
     }
-    // Shape alone: state may be kept in another dtype than its parameter (fp32 beside bf16).
+    // Shape alone: state may be kept in another dtype than its parameter (fp32 beside bf16). Every
+    // state tensor of the optimizers supported has its parameter's shape.
     if (r.shape == p->global_shape)
       needs.push_back({name, &r, p->box(), p->tensor.sizes().vec()});
-    else if (r.split_dim < 0)
-      needs.push_back({name, &r, slice_box(r.shape, -1, 0, 0), r.shape});
     else
       problems.push_back("optimizer state " + name + " " + shape_to_string(r.shape) + " does not match its parameter " +
                          shape_to_string(p->global_shape));

@@ -169,6 +169,16 @@ void RngState::plan(const LoadContext& context, std::vector<Need>& needs, std::v
 }
 
 void RngState::verify(const LoadContext& context, const LoadedTensors& data, std::vector<std::string>& problems) {
+  // A tracker inside fork() refuses new states (apply would throw after the model changed): asked
+  // now by handing it its own states back, which changes nothing.
+  for (RngTracker* tracker : trackers_) {
+    try {
+      tracker->set_states(tracker->get_states());
+    } catch (const std::exception& e) {
+      problems.push_back("an RNG tracker cannot take the saved streams now: " + std::string(e.what()) +
+                         " (load outside its fork)");
+    }
+  }
   // Checked on scratch generators of the kind they restore (a CUDA tracker's streams on a CUDA
   // generator), so that a malformed state fails here.
   for (const auto& [key, saved] : sources_) {

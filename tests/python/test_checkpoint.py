@@ -3,8 +3,10 @@ checkpoint continues exactly as the uninterrupted run (model, any torch.optim op
 state, an LR scheduler, the GradScaler); a load that fails changes nothing; an edited manifest is
 refused. The manifest is read and resealed here with the `xxhash` package, independently of the
 C++ writer."""
+import copy
 import json
 import os
+import re
 import shutil
 
 import pytest
@@ -142,6 +144,56 @@ def test_optimizer_of_another_kind_or_groups_is_refused_before_anything_changes(
     for k, v in other.state_dict().items():
         assert torch.equal(v, before[k]), k
     assert not other_opt.state
+
+
+def _everything(model, opt, sched, scaler):
+    """Every value a load may change, deep-copied: model, optimizer (state and groups), scheduler,
+    scaler."""
+    return {"model": model.state_dict(), "opt": opt.state_dict(), "sched": sched.state_dict(),
+            "scale": scaler.get_scale()}
+
+
+def _same(a, b):
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return isinstance(b, (list, tuple)) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+def _forge_optimizer_state_tensor(m):
+    state = m["objects"]["torch.optim/optimizer"]["state"]
+    first = next(iter(state.values()))
+    first["exp_avg"] = {"__tensor__": "optim/nowhere/exp_avg"}
+
+
+@pytest.mark.parametrize("forgery, message", [
+    # Hyper-parameters torch.optim's load_state_dict would take as they are.
+    (lambda m: m["objects"]["torch.optim/optimizer"]["param_groups"][0]["options"].update(lr=-1.0),
+     "the saved options are not valid for AdamW: Invalid learning rate"),
+    (lambda m: m["objects"]["torch.optim/optimizer"]["param_groups"][0]["options"].update(betas="x"),
+     "the saved options are not valid for AdamW"),
+    # A tensor the checkpoint does not hold (the load used to fail on it after the model changed).
+    (_forge_optimizer_state_tensor, "refers to tensor 'optim/nowhere/exp_avg', which the checkpoint does not hold"),
+    # A scheduler value of the wrong kind.
+    (lambda m: m["objects"]["lr_scheduler"].update(last_epoch="x"), "OneCycleLR state 'last_epoch' is 'x'"),
+])
+def test_forged_object_state_is_refused_before_anything_changes(directory, forgery, message):
+    comm = torchloom.world_comm()
+    model, opt, sched, scaler = make("adamw", 6)
+    ckpt = torchloom.Checkpointer(comm, directory, async_=False)
+    ckpt.model(model).optimizer(opt).object("lr_scheduler", sched).scaler(scaler)
+    steps(model, opt, sched, scaler, 1, 2)
+    ckpt.save(torchloom.TrainingProgress(step=2))
+    steps(model, opt, sched, scaler, 3, 3)  # the live state moves on: a partial load would show
+    path = torchloom.Checkpointer.find_latest(directory)
+    reseal(os.path.join(path, "manifest.json"), forgery)
+    before = copy.deepcopy(_everything(model, opt, sched, scaler))
+    with pytest.raises(torchloom.CheckpointError, match=re.escape(message)):
+        ckpt.load(path)
+    assert _same(_everything(model, opt, sched, scaler), before)
 
 
 def test_state_of_any_object_round_trips_with_tensors_tuples_and_non_finite_floats(directory):

@@ -12,19 +12,23 @@
 #include <atomic>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <chrono>
 #include <filesystem>
 #include <sys/stat.h>
 #include <fstream>
 #include <new>
+#include <optional>
 #include <nlohmann/json.hpp>
 #include <random>
 
 #include "../hostile_json.h"
 #include "loom/amp/grad_scaler.h"
 #include "loom/error.h"
+#include "loom/parallel/optimizer_state.h"
 #include "loom/parallel/tensor_parallel.h"
 #include "loom/train/checkpoint.h"
+#include "train/checkpoint_checksum.h"
 #include "train/checkpoint_files.h"
 #include "train/checkpoint_load_plan.h"
 #include "train/checkpoint_manifest.h"
@@ -440,37 +444,41 @@ struct Training {
   void attach(loom::Checkpointer& c) { c.model(net).optimizer(*opt).scaler(scaler).rng(tracker).tensor("ema", ema); }
 };
 
+// Every hyper-parameter of a group's options, whatever the optimizer.
+std::vector<double> option_values(const torch::optim::OptimizerOptions& o) {
+  if (auto* a = dynamic_cast<const torch::optim::AdamOptions*>(&o))
+    return {a->lr(), std::get<0>(a->betas()), std::get<1>(a->betas()), a->eps(), a->weight_decay(), double(a->amsgrad())};
+  if (auto* w = dynamic_cast<const torch::optim::AdamWOptions*>(&o))
+    return {w->lr(), std::get<0>(w->betas()), std::get<1>(w->betas()), w->eps(), w->weight_decay(), double(w->amsgrad())};
+  if (auto* m = dynamic_cast<const torch::optim::SGDOptions*>(&o))
+    return {m->lr(), m->momentum(), m->dampening(), m->weight_decay(), double(m->nesterov())};
+  if (auto* r = dynamic_cast<const torch::optim::RMSpropOptions*>(&o))
+    return {r->lr(), r->alpha(), r->eps(), r->weight_decay(), r->momentum(), double(r->centered())};
+  if (auto* g = dynamic_cast<const torch::optim::AdagradOptions*>(&o))
+    return {g->lr(), g->lr_decay(), g->weight_decay(), g->initial_accumulator_value(), g->eps()};
+  ADD_FAILURE() << "options of an optimizer the snapshot does not know";
+  return {};
+}
+
 // Every piece of state, as bytes, for bitwise comparison.
 std::map<std::string, at::Tensor> snapshot(Training& t) {
   std::map<std::string, at::Tensor> s;
   for (const auto& p : t.net->named_parameters()) s["p/" + p.key()] = p.value().detach().clone();
   for (const auto& b : t.net->named_buffers()) s["b/" + b.key()] = b.value().clone();
-  for (const auto& group : t.opt->param_groups()) {
+  const auto kind = loom::optimizer_kind(*t.opt);
+  for (size_t g = 0; g < t.opt->param_groups().size(); ++g) {
+    const auto& group = t.opt->param_groups()[g];
     for (const auto& p : group.params()) {
-      auto it = t.opt->state().find(p.unsafeGetTensorImpl());
-      if (it == t.opt->state().end()) continue;
+      auto* state = loom::find_optimizer_state(*t.opt, p);
+      if (state == nullptr) continue;
       std::ostringstream key;
       key << "o/" << s.size();
-      if (auto* a = dynamic_cast<torch::optim::AdamParamState*>(it->second.get())) {
-        s[key.str() + "/exp_avg"] = a->exp_avg().clone();
-        s[key.str() + "/max"] = a->max_exp_avg_sq().clone();
-        s[key.str() + "/step"] = at::tensor({a->step()});
-      } else if (auto* w = dynamic_cast<torch::optim::AdamWParamState*>(it->second.get())) {
-        s[key.str() + "/exp_avg_sq"] = w->exp_avg_sq().clone();
-        s[key.str() + "/step"] = at::tensor({w->step()});
-      } else if (auto* m = dynamic_cast<torch::optim::SGDParamState*>(it->second.get())) {
-        s[key.str() + "/momentum"] = m->momentum_buffer().clone();
-      } else if (auto* r = dynamic_cast<torch::optim::RMSpropParamState*>(it->second.get())) {
-        s[key.str() + "/square_avg"] = r->square_avg().clone();
-        s[key.str() + "/momentum"] = r->momentum_buffer().clone();
-        s[key.str() + "/grad_avg"] = r->grad_avg().clone();
-        s[key.str() + "/step"] = at::tensor({r->step()});
-      } else if (auto* g = dynamic_cast<torch::optim::AdagradParamState*>(it->second.get())) {
-        s[key.str() + "/sum"] = g->sum().clone();
-        s[key.str() + "/step"] = at::tensor({g->step()});
-      }
+      std::optional<int64_t> step;
+      for (const auto& [name, tensor] : loom::optimizer_state_tensors(*kind, *state, &step))
+        s[key.str() + "/" + name] = tensor.clone();
+      if (step) s[key.str() + "/step"] = at::tensor({*step});
     }
-    s["lr"] = at::tensor({group.options().get_lr()});
+    s["options/" + std::to_string(g)] = at::tensor(option_values(group.options()), at::kDouble);
   }
   for (const auto& [k, v] : t.scaler.state_dict()) s["scaler/" + k] = at::tensor({v});
   s["rng/cpu"] = at::detail::getDefaultCPUGenerator().get_state();
@@ -748,8 +756,45 @@ TEST(CheckpointCorruption, EditedManifest) {
        {"optimizer parameter group 0: options refused by Adam", "Invalid learning rate"});
   // State the live object would refuse is refused before the model changes (it was applied after).
   edit([](json& j) { j["scaler"]["growth_factor"] = 0.5; }, {"grad scaler state refused", "growth_factor must be > 1.0"});
+  // Values beyond what holds them: an interval no int64 holds exactly, a scale float32 rounds to 0.
+  edit([](json& j) { j["scaler"]["growth_interval"] = 1e308; },
+       {"grad scaler state refused", "growth_interval must be an integer in [1, 2^53], found 1e+308"});
+  edit([](json& j) { j["scaler"]["scale"] = 1e-320; }, {"grad scaler state refused", "not rounding to 0"});
+  // Progress before the start, beyond int64, or of another step than the manifest's.
+  edit([](json& j) { j["progress"]["step"] = -1; }, {"manifest progress \"step\" is -1; expected an integer in [0, 2^63)"});
+  edit([](json& j) { j["progress"]["sample"] = uint64_t(UINT64_MAX); }, {"manifest progress \"sample\" is 18446744073709551615"});
+  edit([](json& j) { j["progress"]["step"] = 8; }, {"manifest progress is at step 8; the manifest is of step 7"});
+  // Replicated optimizer state of another shape than its parameter (every state tensor of the
+  // optimizers supported has its parameter's shape).
+  edit(
+      [](json& j) {
+        auto& r = j["tensors"]["optim/fc1.weight/exp_avg"];
+        r["shape"] = {32};
+        r["split_dim"] = nullptr;
+      },
+      {"optimizer state optim/fc1.weight/exp_avg [32] does not match its parameter [8, 4]"});
   write_file(s.manifest, original.substr(0, original.size() / 2));
   expect_load_fails(s, {s.manifest, "is not a JSON object"});
+}
+
+// A load while the RNG tracker is inside fork() cannot restore its streams: refused before anything
+// changes (the tracker used to throw after the model and optimizer had been loaded), and the same
+// load succeeds once the fork ends.
+TEST(CheckpointCorruption, LoadInsideAnRngForkIsRefusedChangingNothing) {
+  auto s = save_one("rng_fork");
+  Training b("adam", 42);
+  b.steps(1);
+  loom::Checkpointer c(nullptr, {.directory = s.dir});
+  b.attach(c);
+  {
+    auto guard = b.tracker.fork();
+    const auto before = snapshot(b);
+    const std::string message = expect_checkpoint_error([&] { c.load_latest(); });
+    for (const char* part : {"an RNG tracker cannot take the saved streams now", "is forked", "nothing was changed"})
+      EXPECT_NE(message.find(part), std::string::npos) << part << " in\n" << message;
+    expect_same(before, snapshot(b));
+  }
+  EXPECT_TRUE(c.load_latest().has_value());
 }
 
 // The manifest says which bytes are which tensor: an edit of one digit that is not resealed (a
@@ -773,11 +818,35 @@ TEST(CheckpointCorruption, UnsealedManifestEditIsRefused) {
 }
 
 // Version-1 manifests (before manifests were checksummed) still load.
-TEST(CheckpointCorruption, VersionOneManifestStillLoads) {
+// Version-1 manifests (before manifests were checksummed) still load, with their version-1 shards
+// (no step or slice metadata). A version-2 checkpoint whose manifest claims version 1, to skip its
+// checksum, is refused: by the checksum a version-1 manifest cannot carry, or, that removed too, by
+// the shards' version-2 metadata.
+TEST(CheckpointCorruption, VersionOneManifestStillLoadsButADowngradedOneIsRefused) {
   auto s = save_one("manifest_v1");
   nlohmann::ordered_json doc = nlohmann::ordered_json::parse(read_file(s.manifest));
-  doc.erase("manifest_xxh3_64");
   doc["format_version"] = 1;
+  write_file(s.manifest, doc.dump(1));
+  expect_load_fails(s, {s.manifest, "says format version 1, which carries no checksum of its own",
+                        "its version was edited"});
+  doc.erase("manifest_xxh3_64");
+  write_file(s.manifest, doc.dump(1));
+  expect_load_fails(s, {s.shard, "carries torchloom.step metadata (format version 2 or later) under a manifest of "
+                                 "format version 1"});
+  // A genuine version-1 checkpoint: its shard has no such metadata (removed here, the header kept
+  // at its length, the file's checksum updated).
+  std::string bytes = read_file(s.shard);
+  uint64_t header_bytes = 0;
+  std::memcpy(&header_bytes, bytes.data(), 8);
+  json header = json::parse(bytes.substr(8, header_bytes));
+  header["__metadata__"].erase("torchloom.step");
+  header["__metadata__"].erase("torchloom.slices");
+  std::string text = header.dump();
+  ASSERT_LE(text.size(), header_bytes);
+  text.resize(header_bytes, ' ');
+  bytes.replace(8, header_bytes, text);
+  write_file(s.shard, bytes);
+  doc["shards"][0]["xxh3_64"] = ckpt::to_hex(ckpt::checksum_of(bytes.data(), bytes.size()));
   write_file(s.manifest, doc.dump(1));
   expect_loads(s);
 }

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import copy
 import datetime
+import inspect
 import json
 import math
 import os
@@ -178,7 +179,9 @@ class Checkpointer:
     def object(self, name: str, obj: Any) -> "Checkpointer":
         """Any object with state_dict() and load_state_dict() (an LR scheduler, a sampler). Before
         anything changes, its saved state is checked with obj.check_state_dict(state) when it has
-        one, otherwise by loading it into a deep copy (torch LR schedulers: a key check)."""
+        one, otherwise by loading it into a deep copy (torch LR schedulers: their keys and the kind of
+        each value checked against the live ones, then loaded into a copy that shares only the
+        optimizer)."""
         if not hasattr(obj, "state_dict") or not hasattr(obj, "load_state_dict"):
             raise TypeError(f"checkpoint object {name!r}: expected state_dict() and load_state_dict()")
         self._objects[name] = obj
@@ -319,9 +322,11 @@ class Checkpointer:
         missing = set(k for k in zero.optim.param_groups[0] if k != "params") - set(options)
         if missing:
             raise ValueError(f"optimizer parameter group 0: options {sorted(missing)} missing in the checkpoint")
+        if check:
+            _check_options_on_scratch(zero.optim, options, 0)
         return zero_state.shard_state_dict(
             zero, encoded, names, options,
-            lambda value, owner: _decode(value, _Missing(tensors, owner) if check else tensors))
+            lambda value, owner: _decode(value, _SavedTensors(tensors, owner) if check else tensors))
 
     def _encode_optimizer(self) -> str:
         opt = self._optimizer
@@ -413,14 +418,22 @@ class Checkpointer:
             else:
                 self._optimizer_state_dict(encoded, zeros, check=True)
             return
-        state = _decode(encoded, _Missing(zeros, name))
+        state = _decode(encoded, _SavedTensors(zeros, name))
         obj = self._objects[name]
         if hasattr(obj, "check_state_dict"):
             obj.check_state_dict(state)
-        elif isinstance(obj, torch.optim.lr_scheduler.LRScheduler):
-            unknown = set(state) - set(obj.state_dict())
+        elif isinstance(obj, (torch.optim.lr_scheduler.LRScheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)):
+            live = obj.state_dict()
+            unknown = set(state) - set(live)
             if unknown:
                 raise ValueError(f"unexpected keys {sorted(unknown)} for {type(obj).__name__}")
+            for key, value in state.items():
+                if not _same_kind(value, live[key]):
+                    raise ValueError(f"{type(obj).__name__} state {key!r} is {value!r}; the live one is a "
+                                     f"{type(live[key]).__name__}")
+            # Loaded into a copy that shares only the optimizer (schedulers never change it when
+            # loading; copying it would copy every parameter).
+            copy.deepcopy(obj, {id(obj.optimizer): obj.optimizer}).load_state_dict(state)
         else:
             copy.deepcopy(obj).load_state_dict(state)
 
@@ -461,6 +474,8 @@ class Checkpointer:
             missing = set(k for k in live if k != "params") - set(options)
             if missing:
                 raise ValueError(f"optimizer parameter group {g}: options {sorted(missing)} missing in the checkpoint")
+            if check:
+                _check_options_on_scratch(opt, options, g)
             ids = []
             for n in live_names:
                 index[n] = next_index
@@ -471,20 +486,51 @@ class Checkpointer:
         for pname, per_param in encoded["state"].items():
             if pname not in index:
                 raise ValueError(f"optimizer state of {pname}, which is not a live parameter")
-            state[index[pname]] = _decode(per_param, _Missing(tensors, pname) if check else tensors)
+            state[index[pname]] = _decode(per_param, _SavedTensors(tensors, pname) if check else tensors)
         return {"state": state, "param_groups": groups}
 
 
-class _Missing(dict):
-    """Tensor lookup for checks before the data is read: a tensor with no scratch copy (a record the
-    C++ load will refuse anyway) reads as an empty tensor rather than a KeyError."""
+class _SavedTensors(dict):
+    """Tensor lookup for checks before the data is read. A saved state that names a tensor with no
+    scratch copy (the manifest has no such record, or one of a dtype torch cannot hold) is refused
+    here: the load would otherwise fail on it after the model had changed."""
 
     def __init__(self, tensors: Dict[str, torch.Tensor], owner: str):
         super().__init__(tensors)
         self.owner = owner
 
     def __missing__(self, key: str) -> torch.Tensor:
-        return torch.empty(0)
+        raise ValueError(f"the saved state of {self.owner} refers to tensor {key!r}, which the checkpoint does not "
+                         "hold (its manifest has no such record, or one of an unsupported dtype)")
+
+
+def _same_kind(saved: Any, live: Any) -> bool:
+    """Whether a saved value can stand where the live one does: numbers for numbers (not booleans),
+    the same container or scalar type otherwise; anything where the live value is None."""
+    def number(v: Any) -> bool:
+        return isinstance(v, (int, float)) and not isinstance(v, bool)
+    if live is None:
+        return True
+    if number(live):
+        return number(saved)
+    if isinstance(live, (list, tuple)):
+        return isinstance(saved, (list, tuple))
+    return isinstance(saved, type(live))
+
+
+def _check_options_on_scratch(optimizer: torch.optim.Optimizer, options: Dict[str, Any], group: int) -> None:
+    """Range-checks saved hyper-parameters as the optimizer's constructor does, on a scratch optimizer
+    of its class over one scratch parameter on the live parameters' device (torch.optim's
+    load_state_dict checks none of them: a negative lr or a string for betas would load)."""
+    cls = type(optimizer)
+    accepted = inspect.signature(cls.__init__).parameters
+    kwargs = {k: v for k, v in options.items() if k in accepted and k not in ("self", "params")}
+    device = optimizer.param_groups[0]["params"][0].device
+    try:
+        cls([torch.zeros(1, device=device, requires_grad=True)], **kwargs)
+    except Exception as e:  # whatever the constructor raises for a bad value
+        raise ValueError(f"optimizer parameter group {group}: the saved options are not valid for {cls.__name__}: "
+                         f"{e}") from None
 
 
 __all__ = ["Checkpointer", "CheckpointInfo", "SaveHandle", "TrainingProgress"]
