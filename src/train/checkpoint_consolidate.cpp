@@ -30,13 +30,14 @@ ConsolidateInfo consolidate_checkpoint(const std::string& checkpoint, const std:
   std::vector<Need> needs;
   std::map<std::string, std::string> output_names;  // output name -> saved name
   for (const auto& [name, record] : manifest.tensors) {
-    // C++ models save model/<name> and optim/<param>/<key>; Python's Checkpointer saves both (and
-    // objects' tensors) under extra/.
+    // C++ models save model/<name>, optim/<param>/<key> and ZeRO's fp32 master/<param>; Python's
+    // Checkpointer saves them all (and objects' tensors) under extra/. Masters are optimizer state.
     std::string output = name;
     if (name.rfind("model/", 0) == 0 || name.rfind("extra/", 0) == 0) output = name.substr(6);
-    else if (name.rfind("optim/", 0) != 0) continue;  // RNG states
+    else if (name.rfind("optim/", 0) != 0 && name.rfind("master/", 0) != 0) continue;  // RNG states
     if (output.rfind("objects/", 0) == 0) continue;
-    if (output.rfind("optim/", 0) == 0 && !options.optimizer) continue;
+    const bool optimizer_state = output.rfind("optim/", 0) == 0 || output.rfind("master/", 0) == 0;
+    if (optimizer_state && !options.optimizer) continue;
     auto [it, inserted] = output_names.emplace(output, name);
     if (!inserted)
       throw CheckpointError(where + ": both " + it->second + " and " + name + " would be named \"" + output + "\"");

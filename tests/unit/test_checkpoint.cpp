@@ -942,6 +942,66 @@ TEST(CheckpointCorruption, LoaderFuzzRefusesWithCheckpointErrorAndChangesNothing
   EXPECT_GT(refused, iterations / 2);
 }
 
+// A shard copied in from another step's checkpoint (its manifest record resealed to match it) is
+// refused by the step the shard records of itself.
+TEST(CheckpointCorruption, ShardOfAnotherStepIsRefused) {
+  auto s = save_one("other_step");
+  Training a("adam", 5);
+  a.steps(2);
+  loom::Checkpointer c(nullptr, {.directory = s.dir, .async = false});
+  a.attach(c);
+  c.save({.step = 8});
+  const std::string other = read_file(s.dir + "/step_000008/shard-00000-of-00001.safetensors");
+  write_file(s.shard, other);
+  json m = json::parse(read_file(s.manifest));
+  m["shards"][0]["bytes"] = other.size();
+  m["shards"][0]["xxh3_64"] = ckpt::to_hex(ckpt::checksum_of(other.data(), other.size()));
+  write_file(s.manifest, ckpt::reseal_manifest(m.dump(1)));
+  write_file(s.dir + "/latest", "step_000007\n");
+  expect_load_fails(s, {s.shard, "the shard was written at step 8; the manifest is of step 7"});
+}
+
+// consolidate_checkpoint: every parameter whole, byte for byte the saved one, read back from the
+// file it writes; optimizer state only when asked for; RNG states never.
+TEST(CheckpointConsolidate, ParametersWholeAndOptimizerStateOnlyWhenAsked) {
+  const std::string dir = fresh_dir("consolidate");
+  Training a("adam", 3);
+  a.steps(2);
+  loom::Checkpointer c(nullptr, {.directory = dir, .async = false});
+  a.attach(c);
+  c.save({.step = 2});
+  auto read_back = [&](bool optimizer) {
+    const std::string out = dir + (optimizer ? "/with_optimizer.safetensors" : "/model.safetensors");
+    const auto info = loom::consolidate_checkpoint(dir + "/step_000002", out, {.optimizer = optimizer});
+    const std::string bytes = read_file(out);
+    const auto header = ckpt::parse_shard(bytes, out);
+    EXPECT_EQ(info.tensors, header.tensors.size());
+    std::map<std::string, at::Tensor> tensors;
+    for (const auto& e : header.tensors)
+      tensors[e.name] = at::from_blob(const_cast<char*>(bytes.data()) + header.data_start + e.begin, e.shape,
+                                      at::TensorOptions().dtype(e.dtype))
+                            .clone();
+    return tensors;
+  };
+  const auto model_only = read_back(false);
+  for (const auto& p : a.net->named_parameters()) {
+    ASSERT_TRUE(model_only.count(p.key())) << p.key();
+    EXPECT_TRUE(at::equal(model_only.at(p.key()), p.value().detach())) << p.key();  // col's slices joined
+  }
+  for (const auto& [name, t] : model_only) {
+    EXPECT_EQ(name.rfind("optim/", 0), std::string::npos) << name;
+    EXPECT_EQ(name.find("rng"), std::string::npos) << name;
+  }
+  const auto with_optimizer = read_back(true);
+  auto* state = loom::find_optimizer_state(*a.opt, a.net->named_parameters()["fc1.weight"]);
+  ASSERT_NE(state, nullptr);
+  for (const auto& [key, t] : loom::optimizer_state_tensors(loom::OptimizerKind::Adam, *state)) {
+    ASSERT_TRUE(with_optimizer.count("optim/fc1.weight/" + key)) << key;
+    EXPECT_TRUE(at::equal(with_optimizer.at("optim/fc1.weight/" + key), t)) << key;
+  }
+  EXPECT_GT(with_optimizer.size(), model_only.size());
+}
+
 // ---- Directory management --------------------------------------------------------------------------
 
 TEST(CheckpointDirectory, RotationLatestAndIncompleteDirectories) {

@@ -205,10 +205,10 @@ class Checkpointer {
 // `python -m torchloom.checkpoint consolidate DIR OUT.safetensors` calls). One process, no
 // communication; the manifest's and every shard's checksum are verified first. Names are the saved
 // names without their "model/" or "extra/" prefix (optimizer state, when asked for, keeps
-// "optim/<param>/<key>"); RNG states are left out. `out` is written beside itself, fsync'ed and
+// "optim/<param>/<key>", and ZeRO's fp32 master weights "master/<param>"); RNG states are left out. `out` is written beside itself, fsync'ed and
 // renamed into place. loom::CheckpointError for a damaged checkpoint or colliding names.
 struct ConsolidateOptions {
-  bool optimizer = false;  // include the optimizer's state tensors
+  bool optimizer = false;  // include the optimizer's state tensors (and fp32 master weights)
 };
 struct ConsolidateInfo {
   size_t tensors = 0;

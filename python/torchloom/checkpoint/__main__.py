@@ -30,7 +30,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     consolidate = commands.add_parser("consolidate", help="full tensors as one safetensors file")
     consolidate.add_argument("directory", help="a step_<N> directory, or a directory of checkpoints")
     consolidate.add_argument("out", help="the safetensors file to write")
-    consolidate.add_argument("--optimizer", action="store_true", help="include the optimizer's state tensors")
+    consolidate.add_argument("--optimizer", action="store_true", help="include the optimizer's state tensors (and ZeRO's fp32 master weights)")
     export = commands.add_parser("export", help="another framework's model directory")
     export.add_argument("--format", required=True, choices=["hf-gpt2"], help="hf-gpt2: transformers' GPT-2")
     export.add_argument("directory", help="a step_<N> directory, or a directory of checkpoints")
