@@ -159,6 +159,12 @@ std::map<std::string, at::Tensor> snapshot(Job& job) {
     s["o/" + p.key() + "/exp_avg_sq"] = st.exp_avg_sq().clone();
     s["o/" + p.key() + "/step"] = at::tensor({st.step()});
   }
+  for (size_t g = 0; g < job.opt->param_groups().size(); ++g) {  // every hyper-parameter of every group
+    const auto& o = static_cast<const torch::optim::AdamWOptions&>(job.opt->param_groups()[g].options());
+    const std::vector<double> values = {o.lr(),  std::get<0>(o.betas()), std::get<1>(o.betas()),
+                                        o.eps(), o.weight_decay(),        double(o.amsgrad())};
+    s["options/" + std::to_string(g)] = at::tensor(values, at::kDouble);
+  }
   for (const auto& [k, v] : job.scaler->state_dict()) s["scaler/" + k] = at::tensor({v});
   s["rng/cpu"] = at::detail::getDefaultCPUGenerator().get_state();
   for (const auto& [k, v] : job.tracker.get_states()) s["rng/" + k] = v;
