@@ -196,6 +196,41 @@ def test_forged_object_state_is_refused_before_anything_changes(directory, forge
     assert _same(_everything(model, opt, sched, scaler), before)
 
 
+def test_rng_tracker_streams_and_the_default_generator_round_trip(directory):
+    """Checkpointer.rng(): the tracker's streams and torch's default generator are restored, so the
+    random numbers drawn after the load are the ones drawn after the save; a load inside the
+    tracker's fork() is refused and changes nothing."""
+    comm = torchloom.world_comm()
+    tracker = torchloom.tensor_parallel.rng_tracker()  # the process's CPU tracker
+    tracker.reset()
+    tracker.add("model-parallel", 123)
+    ckpt = torchloom.Checkpointer(comm, directory, async_=False)
+    ckpt.tensor("weights", torch.zeros(4)).rng(tracker)
+    torch.manual_seed(7)
+    with tracker.fork():
+        torch.rand(3)  # the stream moves on before the save
+    ckpt.save(torchloom.TrainingProgress(step=1))
+    with tracker.fork():
+        expected_stream = torch.rand(5)
+    expected_default = torch.rand(5)
+
+    tracker.reset()  # other streams and another default generator state
+    tracker.add("model-parallel", 999)
+    torch.manual_seed(99)
+    with tracker.fork():
+        before = {k: v.clone() for k, v in tracker.get_states().items()}
+        default_before = torch.get_rng_state()
+        with pytest.raises(torchloom.CheckpointError, match="an RNG tracker cannot take the saved streams now"):
+            ckpt.load_latest()
+        assert torch.equal(torch.get_rng_state(), default_before)
+    assert all(torch.equal(tracker.get_states()[k], v) for k, v in before.items())
+    ckpt.load_latest()
+    with tracker.fork():
+        assert torch.equal(torch.rand(5), expected_stream)
+    assert torch.equal(torch.rand(5), expected_default)
+    tracker.reset()
+
+
 def test_state_of_any_object_round_trips_with_tensors_tuples_and_non_finite_floats(directory):
     class Sampler:
         def __init__(self):
