@@ -720,7 +720,8 @@ int main(int argc, char** argv) {
                "exit status 0 only when the final held-out loss is below the trigram count model's (the main job)");
   app.add_option("--score", o.score, "at the end, print the fp32 loss over contiguous windows of this file");
   app.add_option("--score-windows", o.score_windows, "windows of --seq bytes scored")->check(CLI::PositiveNumber);
-  app.add_option("--data", o.data, "text file, or directory of text files (default: this project's docs)");
+  app.add_option("--data", o.data,
+                 "text file, or directory of text files (default: examples/data/licenses.txt, see its SOURCES.md)");
   app.add_option("--data-bytes", o.data_bytes, "read at most this many bytes of --data")->check(CLI::PositiveNumber);
   app.add_option("--held-out", o.held_out, "share of the text kept for the held-out loss")->check(CLI::Range(0.01, 0.5));
   app.add_option("--seed", o.seed, "seed of the batches, the weights and dropout");

@@ -1,13 +1,14 @@
 """train_gpt -> checkpoint -> export --format hf-gpt2 -> transformers: the same loss.
 
 Trains examples/train_gpt briefly at TP 2 (2 ranks, so the exported weights are joined from
-slices), with a checkpoint at the end and --score on a text file (the fp32 mean next-byte loss over
-contiguous windows, computed by train_gpt's own model); exports the checkpoint with
+slices) on its corpus, with a checkpoint at the end and --score on the corpus's held-out tail (the
+last 10%, never trained on: the fp32 mean next-byte loss over contiguous windows, computed by
+train_gpt's own model); exports the checkpoint with
 `python -m torchloom.checkpoint export --format hf-gpt2`; loads the directory with transformers'
 GPT2LMHeadModel.from_pretrained and computes the loss over the same windows. They must agree to
 float32 rounding (the TP model reduces its row-parallel products in another order): 1e-4.
 
-Usage: check_hf_export.py --mpirun MPIEXEC --train-gpt PATH --work DIR --text FILE
+Usage: check_hf_export.py --mpirun MPIEXEC --train-gpt PATH --work DIR --corpus FILE
 """
 import argparse
 import os
@@ -24,16 +25,23 @@ def main():
     parser.add_argument("--mpirun", required=True)
     parser.add_argument("--train-gpt", required=True)
     parser.add_argument("--work", required=True)
-    parser.add_argument("--text", required=True)
+    parser.add_argument("--corpus", required=True, help="train_gpt's corpus (its default --data)")
     args = parser.parse_args()
     shutil.rmtree(args.work, ignore_errors=True)
     os.makedirs(args.work)
     ckpt, out = os.path.join(args.work, "ckpt"), os.path.join(args.work, "hf-gpt2")
+    # The held-out tail as train_gpt splits it (--held-out 0.1 of the bytes, the last ones).
+    with open(args.corpus, "rb") as f:
+        corpus = f.read()
+    held_out = os.path.join(args.work, "held_out.txt")
+    with open(held_out, "wb") as f:
+        f.write(corpus[len(corpus) - int(0.1 * len(corpus)):])
     seq, windows = 32, 8
     train = subprocess.run(
         [args.mpirun, "--oversubscribe", "--bind-to", "none", "-np", "2", args.train_gpt, "--tp", "2", "--steps", "100",
          "--layers", "2", "--hidden", "64", "--heads", "4", "--seq", str(seq), "--batch", "8", "--eval-every", "0",
-         "--checkpoint-dir", ckpt, "--score", args.text, "--score-windows", str(windows), "--progress", "lines"],
+         "--data", args.corpus, "--held-out", "0.1", "--checkpoint-dir", ckpt, "--score", held_out,
+         "--score-windows", str(windows), "--progress", "lines"],
         capture_output=True, text=True, timeout=300)
     if train.returncode != 0:
         print(train.stdout[-3000:], train.stderr[-3000:])
@@ -49,7 +57,7 @@ def main():
 
     from transformers import GPT2LMHeadModel
     model = GPT2LMHeadModel.from_pretrained(out, torch_dtype=torch.float32).eval()
-    with open(args.text, "rb") as f:
+    with open(held_out, "rb") as f:
         data = torch.tensor(list(f.read()), dtype=torch.long)
     count = int(found.group(1))
     ids = torch.stack([data[w * seq: w * seq + seq + 1] for w in range(count)])  # [windows, seq + 1]
