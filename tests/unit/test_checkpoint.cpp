@@ -887,8 +887,37 @@ std::string hostile_value(const std::string& manifest, std::mt19937_64& rng) {
 // behind its checksum are reached too), from a fresh seed each run (printed; LOOM_FUZZ_SEED replays
 // one), for at most 10 s: every load either succeeds or raises CheckpointError having changed
 // nothing at all.
+// A data loader's position as a checkpoint object (JSON state, checked before any change).
+struct Sampler {
+  int64_t position = 0;
+  static int64_t parse(const std::string& text) {
+    const json j = json::parse(text, nullptr, /*allow_exceptions=*/false);
+    if (!j.is_object() || !j.contains("position") || !j["position"].is_number_integer() ||
+        j["position"].get<int64_t>() < 0 || j["position"].get<int64_t>() > 1000000)
+      throw std::invalid_argument("sampler state " + text + ": expected {\"position\": 0..1000000}");
+    return j["position"].get<int64_t>();
+  }
+  loom::Checkpointer::ObjectState state() {
+    return {[this] { return json{{"position", position}}.dump(); }, [](const std::string& text) { parse(text); },
+            [this](const std::string& text) { position = parse(text); }};
+  }
+};
+
 TEST(CheckpointCorruption, LoaderFuzzRefusesWithCheckpointErrorAndChangesNothing) {
-  auto s = save_one("loader_fuzz");
+  Saved s;
+  s.dir = fresh_dir("loader_fuzz");
+  {
+    Training a("adam", 5);
+    a.steps(2);
+    Sampler sampler{17};
+    loom::Checkpointer c(nullptr, {.directory = s.dir, .async = false});
+    a.attach(c);
+    c.object("sampler", sampler.state());
+    c.save({.step = 7});
+  }
+  s.step_dir = s.dir + "/step_000007";
+  s.shard = s.step_dir + "/shard-00000-of-00001.safetensors";
+  s.manifest = s.step_dir + "/manifest.json";
   const std::string shard = read_file(s.shard), manifest = read_file(s.manifest);
   const char* fixed = std::getenv("LOOM_FUZZ_SEED");
   const uint64_t seed = fixed ? std::strtoull(fixed, nullptr, 10) : std::random_device{}();
@@ -900,7 +929,14 @@ TEST(CheckpointCorruption, LoaderFuzzRefusesWithCheckpointErrorAndChangesNothing
   b.steps(1);
   loom::Checkpointer c(nullptr, {.directory = s.dir});
   b.attach(c);
-  auto before = snapshot(b);
+  Sampler sampler{3};
+  c.object("sampler", sampler.state());
+  auto everything = [&] {
+    auto all = snapshot(b);
+    all["sampler"] = at::tensor({sampler.position});
+    return all;
+  };
+  auto before = everything();
   int refused = 0, loaded = 0, iterations = 0;
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
   for (; iterations < 2000 && std::chrono::steady_clock::now() < deadline; ++iterations) {
@@ -925,10 +961,14 @@ TEST(CheckpointCorruption, LoaderFuzzRefusesWithCheckpointErrorAndChangesNothing
     try {
       c.load(s.step_dir);
       ++loaded;
-      before = snapshot(b);  // a harmless edit (a resealed user value, say) loaded: the new baseline
+      // A harmless edit (a resealed user value, say) loaded. The live state moves away from the
+      // checkpoint's again, so that a later partial load would show: the new baseline.
+      b.steps(1);
+      sampler.position += 1;
+      before = everything();
     } catch (const loom::CheckpointError&) {
       ++refused;
-      const auto after = snapshot(b);
+      const auto after = everything();
       bool same = after.size() == before.size();
       for (const auto& [k, v] : before) same = same && after.count(k) && at::equal(v, after.at(k));
       ASSERT_TRUE(same) << "iteration " << iterations << ": a refused load changed the state";
