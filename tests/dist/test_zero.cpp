@@ -969,6 +969,21 @@ TEST(Zero, ParametersWrittenInPlaceBetweenStepsPassTheirValuesToTheMasters) {
 
 // ---- The parameter all-gather overlapping the next forward --------------------------------------
 
+namespace {
+
+// The bucket layout train_ddp uses (several buckets), with the parameter all-gather overlapping
+// the next forward.
+ZeroOptions overlapped(int stage) {
+  ZeroOptions options;
+  options.stage = stage;
+  options.bucket_cap_bytes = 2048;
+  options.first_bucket_cap_bytes = 512;
+  options.overlap_param_gather = true;
+  return options;
+}
+
+}  // namespace
+
 TEST(Zero, OverlappedParameterGatherWaitedPerLayerEqualsDdp) {
   // overlap_param_gather: step() returns with every bucket's all-gather unwaited; the forward waits
   // for each layer's parameters just before the layer; 20 steps equal DDP.
@@ -977,11 +992,7 @@ TEST(Zero, OverlappedParameterGatherWaitedPerLayerEqualsDdp) {
   for (int stage : {1, 2}) {
     at::manual_seed(3);
     Net net;
-    ZeroOptions options;
-    options.stage = stage;
-    options.bucket_cap_bytes = 2048;
-    options.first_bucket_cap_bytes = 512;
-    options.overlap_param_gather = true;
+    const ZeroOptions options = overlapped(stage);
     ZeroOptimizer zero(net->parameters(), comm, [](std::vector<at::Tensor> shard) { return make(Opt::Adam, shard); },
                        options);
     const size_t buckets = zero.shard_parameters().size();
@@ -1019,11 +1030,7 @@ TEST(Zero, BackwardThroughParametersNobodyWaitedForIsRefusedByNameAndCanBeRedone
   for (int stage : {1, 2}) {
     at::manual_seed(3);
     Net net;
-    ZeroOptions options;
-    options.stage = stage;
-    options.bucket_cap_bytes = 2048;
-    options.first_bucket_cap_bytes = 512;
-    options.overlap_param_gather = true;
+    ZeroOptions options = overlapped(stage);
     for (const auto& item : net->named_parameters()) options.parameter_names.push_back(item.key());
     ZeroOptimizer zero(net->parameters(), comm, [](std::vector<at::Tensor> shard) { return make(Opt::Adam, shard); },
                        options);
