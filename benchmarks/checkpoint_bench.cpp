@@ -20,6 +20,11 @@
 //                      information, into memory allocated for that read (at::empty, freed untimed):
 //                      a load must put its data in memory nothing else uses yet, whose first touch
 //                      costs a page fault and a zeroed page per 4 KiB
+//   new memory         memory of the state's size allocated and its pages faulted in the cheapest
+//                      way (MADV_POPULATE_WRITE, all at once; a memset where the kernel lacks it), no
+//                      disk: what those page faults alone cost on this machine (information: the
+//                      floor beside read() of a load that cannot write into live memory before its
+//                      verdict)
 //   torch::load        the torch::save file, evicted first (and, as a second row, with the parameters
 //                      then copied into the model, which a resume from it also needs)
 //   async stall        how long an asynchronous save() holds the training loop (host copy of the
@@ -33,6 +38,7 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <fcntl.h>
+#include <sys/mman.h>
 #include <torch/nn.h>
 #include <torch/optim/adam.h>
 #include <torch/serialize.h>
@@ -102,6 +108,21 @@ double write_fdatasync(const fs::path& path, const std::vector<char>& buffer, ui
   ::fdatasync(fd);
   ::close(fd);
   return since(start);
+}
+
+// Allocates `bytes` of new memory and faults its pages in: what a load's fresh tensors cost before
+// any byte is read.
+double fault_in_new_memory(uint64_t bytes) {
+  const auto start = Clock::now();
+  at::Tensor t = at::empty({static_cast<int64_t>(bytes)}, at::kByte);
+  const uintptr_t page = static_cast<uintptr_t>(::sysconf(_SC_PAGESIZE));
+  const uintptr_t begin = (reinterpret_cast<uintptr_t>(t.data_ptr()) + page - 1) & ~(page - 1);
+  const uintptr_t end = (reinterpret_cast<uintptr_t>(t.data_ptr()) + bytes) & ~(page - 1);
+#ifdef MADV_POPULATE_WRITE
+  if (::madvise(reinterpret_cast<void*>(begin), end - begin, MADV_POPULATE_WRITE) != 0)
+#endif
+    std::memset(t.data_ptr(), 1, bytes);
+  return since(start);  // freed after the timing
 }
 
 // Reads every file under `path` into one buffer.
@@ -202,7 +223,7 @@ int main(int argc, char** argv) {
   async.wait();
   fs::remove_all(dir + "/async/step_000000");
 
-  std::vector<double> ours_save, dd, torch_save_sync, torch_save_cache, ours_load, ours_load_freed, raw_read, raw_read_new, torch_load,
+  std::vector<double> ours_save, dd, torch_save_sync, torch_save_cache, ours_load, ours_load_freed, raw_read, raw_read_new, touch, torch_load,
       torch_load_apply, stall, memcpy_s, async_total;
   uint64_t checkpoint_bytes = 0;
   std::printf("checkpoint_bench: %.1f MB of state (model %.1f MB + Adam %.1f MB), %d rounds, directory %s\n", mb,
@@ -266,7 +287,8 @@ int main(int argc, char** argv) {
       }
       torch_load_apply.push_back(since(t0));
     };
-    std::vector<std::function<void()>> loads = {load_ours, load_raw, load_torch, load_raw_new};
+    auto load_touch = [&] { touch.push_back(fault_in_new_memory(state_bytes)); };
+    std::vector<std::function<void()>> loads = {load_ours, load_raw, load_torch, load_raw_new, load_touch};
     for (size_t i = 0; i < loads.size(); ++i) loads[(i + r) % loads.size()]();
 
     // The training stall of an asynchronous save, against a plain copy of the same bytes.
@@ -290,9 +312,9 @@ int main(int argc, char** argv) {
     fs::remove(dir + "/torch.pt");
     std::printf(
         "  round %d: save %.3f s, write+fdatasync %.3f s, torch::save+fsync %.3f s, load %.3f s, read %.3f s "
-        "(into new memory %.3f s), torch::load %.3f s, stall %.4f s, memcpy %.4f s\n",
+        "(into new memory %.3f s, new memory faulted in %.3f s), torch::load %.3f s, stall %.4f s, memcpy %.4f s\n",
         r, ours_save.back(), dd.back(), torch_save_sync.back(), ours_load.back(), raw_read.back(), raw_read_new.back(),
-        torch_load.back(),
+        touch.back(), torch_load.back(),
         stall.back(), memcpy_s.back());
     std::fflush(stdout);
   }
@@ -328,6 +350,8 @@ int main(int argc, char** argv) {
        (gb / l_ours) / (gb / l_raw), ">= 0.8", (gb / l_ours) / (gb / l_raw) >= 0.8},
       {"load, cold cache (bandwidth)", rate(gb, l_ours), "read() into new memory", rate(gb, l_raw_new),
        (gb / l_ours) / (gb / l_raw_new), "(info)", true},
+      {"load, cold cache (time)", secs(l_ours), "new memory, faulted in", secs(median(touch)),
+       l_ours / median(touch), "(info)", true},
       {"load, cold cache (time)", secs(l_ours), "torch::load", secs(l_torch), l_ours / l_torch, "< 1 (faster)",
        l_ours < l_torch},
       {"load, cold cache (time)", secs(l_ours), "torch::load + param copy", secs(l_torch_apply),
@@ -358,6 +382,7 @@ int main(int argc, char** argv) {
                         {"load_cold_and_freed", ours_load_freed},
                         {"read_cold", raw_read},
                         {"read_cold_new_memory", raw_read_new},
+                        {"first_touch_new_memory", touch},
                         {"torch_load_cold", torch_load},
                         {"torch_load_cold_and_copy", torch_load_apply},
                         {"async_stall", stall},

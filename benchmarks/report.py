@@ -743,7 +743,9 @@ class Report:
                 f"interleaving every variant, medians (`checkpoint_bench`): the durable save against "
                 f"write+fdatasync of the same bytes and torch::save + fsync, the cold load (page cache evicted) "
                 f"against read() of the same files (into a reused buffer: the disk; and, for information, into "
-                f"memory allocated for the read, as a load's must be) and torch::load, the async save's stall "
+                f"memory allocated for the read, as a load's must be; also for information, that much new "
+                f"memory's pages faulted in with no disk, the floor of a load that cannot write into live "
+                f"memory before its verdict) and torch::load, the async save's stall "
                 f"against a memcpy. "
                 f"Bandwidth ratios are ours over the reference (higher is better), time ratios ours over the "
                 f"reference (lower is better), as `checkpoint_bench` prints them.\n\n")
