@@ -69,6 +69,26 @@ std::string random_nonce() {
   return to_hex(value).substr(8);
 }
 
+// The manifest's training progress, range-checked; what is wrong is appended to `problems`.
+TrainingProgress checked_progress(const Manifest& m, std::vector<std::string>& problems) {
+  const json& pr = m.progress;
+  bool valid = true;
+  for (const char* key : {"step", "epoch", "sample"}) {
+    if (pr.contains(key) && pr[key].is_number_integer() &&
+        (pr[key].is_number_unsigned() ? pr[key].get<uint64_t>() <= INT64_MAX : pr[key].get<int64_t>() >= 0))
+      continue;
+    valid = false;
+    problems.push_back("manifest progress \"" + std::string(key) + "\" is " +
+                       (pr.contains(key) ? pr[key].dump() : "missing") + "; expected an integer in [0, 2^63)");
+  }
+  if (!valid) return {};
+  TrainingProgress progress{pr["step"].get<int64_t>(), pr["epoch"].get<int64_t>(), pr["sample"].get<int64_t>()};
+  if (progress.step != m.step)
+    problems.push_back("manifest progress is at step " + std::to_string(progress.step) + "; the manifest is of step " +
+                       std::to_string(m.step));
+  return progress;
+}
+
 // Messages can carry bytes from a damaged file or the system: never let them make dump() throw
 // on one rank while the others wait in the exchange.
 std::string dump_text(const json& j) { return j.dump(-1, ' ', false, json::error_handler_t::replace); }
@@ -147,6 +167,22 @@ struct Checkpointer::Impl {
     return out;
   }
 
+  // The steps of a save, in order (Checkpointer::save runs them).
+  // Every rank describes what it holds (and any error met so far); every rank derives the same
+  // plan from all descriptions, or throws (the staging directory abandoned) when any rank failed.
+  struct AgreedPlan {
+    std::vector<json> ranks;  // every rank's description, in rank order
+    SavePlan plan;
+    std::string nonce, staging;  // rank 0's, naming the staging directory
+  };
+  AgreedPlan agree_on_plan(int64_t step, const SaveState& state, std::string error, const std::string& nonce,
+                           const std::string& final_name);
+  // This rank's shard: the tensors the plan gives it, in name order, copied into the staging buffer
+  // when asynchronous (the training stall) or written from the tensors themselves.
+  ShardWrite prepare_shard(const SaveState& state, const SavePlan& plan, int64_t step);
+  // Rank 0's manifest (its shard records are added once every shard is written).
+  Manifest manifest_for(AgreedPlan& agreed, const SaveState& state, const TrainingProgress& progress,
+                        const std::map<std::string, std::string>& user);
   CheckpointInfo write_and_publish(ShardWrite write, Manifest manifest, std::string staging, std::string final_name,
                                    std::string nonce, CheckpointInfo info, trace::Clock::time_point started);
 };
@@ -267,12 +303,41 @@ void Checkpointer::save(const TrainingProgress& progress, const std::map<std::st
     if (error.empty()) error = s.where + ": " + e.what();
   }
 
-  // Every rank describes what it holds; every rank derives the same plan from all descriptions.
-  json mine = {{"step", progress.step},
-               {"error", error},
-               {"nonce", nonce},
-               {"tp_size", state.tp_size},
-               {"tp_rank", state.tp_rank}};
+  Impl::AgreedPlan agreed = s.agree_on_plan(progress.step, state, error, nonce, final_name);
+  ShardWrite write = s.prepare_shard(state, agreed.plan, progress.step);
+  Manifest manifest;
+  if (s.rank == 0) manifest = s.manifest_for(agreed, state, progress, user);
+  CheckpointInfo info;
+  info.path = s.storage->location(final_name);
+  info.progress = progress;
+  info.user = user;
+  const auto staged = trace::now();
+  info.stall_seconds = seconds_between(started, staged);
+  trace::span("checkpoint " + final_name + " snapshot", "checkpoint", started, staged, "train");
+
+  if (!s.options.async) {
+    s.last = s.write_and_publish(std::move(write), std::move(manifest), agreed.staging, final_name, agreed.nonce,
+                                 std::move(info), started);
+    return;
+  }
+  std::promise<CheckpointInfo> promise;
+  s.result = promise.get_future();
+  s.worker = std::thread([&s, promise = std::move(promise), write = std::move(write), manifest = std::move(manifest),
+                          staging = agreed.staging, final_name, nonce = agreed.nonce, info = std::move(info),
+                          started]() mutable {
+    try {
+      promise.set_value(s.write_and_publish(std::move(write), std::move(manifest), staging, final_name, nonce,
+                                            std::move(info), started));
+    } catch (...) {
+      promise.set_exception(std::current_exception());
+    }
+  });
+}
+
+Checkpointer::Impl::AgreedPlan Checkpointer::Impl::agree_on_plan(int64_t step, const SaveState& state,
+                                                                 std::string error, const std::string& nonce,
+                                                                 const std::string& final_name) {
+  json mine = {{"step", step}, {"nonce", nonce}, {"tp_size", state.tp_size}, {"tp_rank", state.tp_rank}};
   json descriptors = json::array();
   for (const auto& t : state.tensors) {
     Descriptor d;
@@ -286,112 +351,94 @@ void Checkpointer::save(const TrainingProgress& progress, const std::map<std::st
     d.bytes = static_cast<uint64_t>(t.tensor.numel()) * t.tensor.element_size();
     if (!safetensors_dtype(d.dtype)) {
       if (error.empty())
-        error = s.where + ": tensor " + t.name + " has dtype " + c10::toString(d.dtype) +
+        error = where + ": tensor " + t.name + " has dtype " + c10::toString(d.dtype) +
                 ", which a safetensors checkpoint cannot store";
-      mine["error"] = error;
       continue;
     }
     descriptors.push_back(descriptor_to_json(d));
   }
+  mine["error"] = error;
   mine["tensors"] = std::move(descriptors);
-  std::vector<json> all;
-  for (const auto& text : s.exchange(dump_text(mine), "checkpoint plan")) all.push_back(json::parse(text));
-  const std::string staging = s.storage->staging_location(final_name, all[0]["nonce"].get<std::string>());
-  SavePlan plan;
+  AgreedPlan agreed;
+  for (const auto& text : exchange(dump_text(mine), "checkpoint plan")) agreed.ranks.push_back(json::parse(text));
+  agreed.nonce = agreed.ranks[0]["nonce"].get<std::string>();
+  agreed.staging = storage->staging_location(final_name, agreed.nonce);
   try {
     std::vector<std::string> errors;
-    for (int r = 0; r < s.size; ++r) {
-      if (!all[r]["error"].get<std::string>().empty()) errors.push_back(all[r]["error"].get<std::string>());
-      if (all[r]["step"].get<int64_t>() != progress.step)
-        errors.push_back(s.where + ": ranks save different steps: rank 0 step " + std::to_string(progress.step) +
-                         ", rank " + std::to_string(r) + " step " + std::to_string(all[r]["step"].get<int64_t>()));
+    for (int r = 0; r < size; ++r) {
+      const json& theirs = agreed.ranks[r];
+      if (!theirs["error"].get<std::string>().empty()) errors.push_back(theirs["error"].get<std::string>());
+      if (theirs["step"].get<int64_t>() != step)
+        errors.push_back(where + ": ranks save different steps: rank 0 step " + std::to_string(step) + ", rank " +
+                         std::to_string(r) + " step " + std::to_string(theirs["step"].get<int64_t>()));
     }
     if (!errors.empty())
-      throw CheckpointError(s.where + ": step " + std::to_string(progress.step) + " not saved:" + join_lines(errors));
-    std::vector<std::vector<Descriptor>> per_rank(s.size);
-    for (int r = 0; r < s.size; ++r)
-      for (const auto& d : all[r]["tensors"]) per_rank[r].push_back(descriptor_from_json(d));
-    plan = plan_save(per_rank, s.where);
+      throw CheckpointError(where + ": step " + std::to_string(step) + " not saved:" + join_lines(errors));
+    std::vector<std::vector<Descriptor>> per_rank(size);
+    for (int r = 0; r < size; ++r)
+      for (const auto& d : agreed.ranks[r]["tensors"]) per_rank[r].push_back(descriptor_from_json(d));
+    agreed.plan = plan_save(per_rank, where);
   } catch (...) {
-    if (s.rank == 0 && !all[0]["nonce"].get<std::string>().empty()) s.storage->abandon(staging);
+    if (rank == 0 && !agreed.nonce.empty()) storage->abandon(agreed.staging);
     throw;
   }
+  return agreed;
+}
 
-  // This rank's shard: the tensors the plan gives it, in name order.
+ShardWrite Checkpointer::Impl::prepare_shard(const SaveState& state, const SavePlan& plan, int64_t step) {
   std::vector<TensorSpec> specs;
   std::vector<at::Tensor> tensors;
   json offsets = json::object();  // where this shard's split slices start, for the load's cross-check
   for (const auto& t : state.tensors) {
-    if (!plan.writes[s.rank].count(t.name)) continue;
+    if (!plan.writes[rank].count(t.name)) continue;
     specs.push_back({t.name, t.tensor.scalar_type(), t.tensor.sizes().vec()});
     tensors.push_back(t.tensor);
     if (t.split_dim >= 0) offsets[t.name] = t.offset;
   }
   ShardWrite write;
-  write.inject_failure = test_hooks().fail_write_rank == s.rank;
+  write.inject_failure = test_hooks().fail_write_rank == rank;
   try {
     write.header = build_header(specs, {{"format", "pt"},
-                                        {kShardStepKey, std::to_string(progress.step)},
+                                        {kShardStepKey, std::to_string(step)},
                                         {kShardSlicesKey, dump_text(offsets)},
-                                        {"torchloom.rank", std::to_string(s.rank)}});
-    if (s.options.async) {
-      write.regions = s.staging.stage(tensors);
-      write.keep_alive.push_back(s.staging.buffer());
-      if (!s.options.reuse_staging_buffer) s.staging.release();
+                                        {"torchloom.rank", std::to_string(rank)}});
+    if (options.async) {
+      write.regions = staging.stage(tensors);
+      write.keep_alive.push_back(staging.buffer());
+      if (!options.reuse_staging_buffer) staging.release();
     } else {
       write.regions = regions_in_place(tensors, write.keep_alive);
     }
   } catch (const std::exception& e) {
     // Reported in the writer's agreement, like a failed write: the other ranks are already past
     // the plan and must learn that this rank will not publish.
-    write.error = s.where + ": cannot copy the state for writing: " + e.what();
+    write.error = where + ": cannot copy the state for writing: " + e.what();
   }
+  return write;
+}
 
+Manifest Checkpointer::Impl::manifest_for(AgreedPlan& agreed, const SaveState& state,
+                                          const TrainingProgress& progress,
+                                          const std::map<std::string, std::string>& user) {
   Manifest manifest;
-  if (s.rank == 0) {
-    manifest.step = progress.step;
-    int tp = 1;
-    for (const auto& a : all) tp = std::max(tp, a["tp_size"].get<int>());
-    manifest.world.size = s.size;
-    manifest.world.tensor_parallel = s.size % tp == 0 ? tp : 1;
-    manifest.world.data_parallel = s.size / manifest.world.tensor_parallel;
-    for (const auto& a : all) manifest.world.tp_ranks.push_back(tp > 1 ? a["tp_rank"].get<int>() : 0);
-    manifest.tensors = std::move(plan.tensors);
-    const json& sections = state.sections;
-    manifest.progress = {{"step", progress.step},
-                         {"epoch", progress.epoch},
-                         {"sample", progress.sample},
-                         {"accumulation", sections.value("accumulation", json(nullptr))}};
-    manifest.optimizer = sections.value("optimizer", json(nullptr));
-    manifest.scaler = sections.value("scaler", json(nullptr));
-    manifest.objects = sections.value("objects", json(nullptr));
-    manifest.user = user;
-  }
-  CheckpointInfo info;
-  info.path = s.storage->location(final_name);
-  info.progress = progress;
-  info.user = user;
-  const auto staged = trace::now();
-  info.stall_seconds = seconds_between(started, staged);
-  trace::span("checkpoint " + final_name + " snapshot", "checkpoint", started, staged, "train");
-
-  const std::string agreed_nonce = all[0]["nonce"].get<std::string>();
-  if (!s.options.async) {
-    s.last = s.write_and_publish(std::move(write), std::move(manifest), staging, final_name, agreed_nonce,
-                                 std::move(info), started);
-    return;
-  }
-  std::promise<CheckpointInfo> promise;
-  s.result = promise.get_future();
-  s.worker = std::thread([&s, promise = std::move(promise), write = std::move(write), manifest = std::move(manifest),
-                          staging, final_name, agreed_nonce, info = std::move(info), started]() mutable {
-    try {
-      promise.set_value(s.write_and_publish(std::move(write), std::move(manifest), staging, final_name, agreed_nonce,
-                                            std::move(info), started));
-    } catch (...) {
-      promise.set_exception(std::current_exception());
-    }
-  });
+  manifest.step = progress.step;
+  int tp = 1;
+  for (const auto& theirs : agreed.ranks) tp = std::max(tp, theirs["tp_size"].get<int>());
+  manifest.world.size = size;
+  manifest.world.tensor_parallel = size % tp == 0 ? tp : 1;
+  manifest.world.data_parallel = size / manifest.world.tensor_parallel;
+  for (const auto& theirs : agreed.ranks) manifest.world.tp_ranks.push_back(tp > 1 ? theirs["tp_rank"].get<int>() : 0);
+  manifest.tensors = std::move(agreed.plan.tensors);
+  const json& sections = state.sections;
+  manifest.progress = {{"step", progress.step},
+                       {"epoch", progress.epoch},
+                       {"sample", progress.sample},
+                       {"accumulation", sections.value("accumulation", json(nullptr))}};
+  manifest.optimizer = sections.value("optimizer", json(nullptr));
+  manifest.scaler = sections.value("scaler", json(nullptr));
+  manifest.objects = sections.value("objects", json(nullptr));
+  manifest.user = user;
+  return manifest;
 }
 
 CheckpointInfo Checkpointer::Impl::write_and_publish(ShardWrite write, Manifest manifest, std::string staging,
@@ -495,18 +542,7 @@ CheckpointInfo Checkpointer::load(const std::string& path) {
     m = parse_manifest(manifest_text, s.where + ": manifest " + manifest_path);
     live = s.collect(/*for_load=*/true);
 
-    const json& pr = m.progress;
-    for (const char* key : {"step", "epoch", "sample"})
-      if (!pr.contains(key) || !pr[key].is_number_integer() ||
-          (pr[key].is_number_unsigned() ? pr[key].get<uint64_t>() > INT64_MAX : pr[key].get<int64_t>() < 0))
-        problems.push_back("manifest progress \"" + std::string(key) + "\" is " +
-                           (pr.contains(key) ? pr[key].dump() : "missing") + "; expected an integer in [0, 2^63)");
-    if (problems.empty()) {
-      progress = {pr["step"].get<int64_t>(), pr["epoch"].get<int64_t>(), pr["sample"].get<int64_t>()};
-      if (progress.step != m.step)
-        problems.push_back("manifest progress is at step " + std::to_string(progress.step) + "; the manifest is of step " +
-                           std::to_string(m.step));
-    }
+    progress = checked_progress(m, problems);
 
     // Every provider says what it needs and what is wrong; nothing live changes.
     std::vector<Need> needs;
