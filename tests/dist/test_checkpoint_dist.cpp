@@ -1,7 +1,8 @@
 // Checkpoints across ranks (CTest runs this at 1, 2 and 4 ranks): bitwise round trips of every
 // saved piece of a TP x DP job (model slices, AdamW state, grad scaler, RNG generator and tracker
 // streams, accumulation position, progress, user values), replicated tensors written once and the
-// writes spread over the ranks, asynchronous saves that capture the state at save(), a write error
+// writes spread over the ranks, hostile training-state values refused alike on every rank changing
+// nothing, asynchronous saves that capture the state at save(), a write error
 // on one rank raised by wait() on every rank, and loads at other TP x DP layouts (TP 2 -> 1,
 // 1 -> 4, 4 -> 2, any DP) checked against one process's master weights, optimizer state and output.
 #include <ATen/ATen.h>
@@ -10,13 +11,21 @@
 #include <torch/nn.h>
 #include <torch/optim.h>
 
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <iterator>
 #include <memory>
+#include <random>
 #include <set>
 
+#include "../hostile_json.h"
 #include "loom/amp/grad_scaler.h"
+#include "loom/comm/agreement.h"
 #include "loom/error.h"
 #include "loom/parallel/data_parallel.h"
 #include "loom/parallel/tensor_parallel.h"
@@ -181,6 +190,14 @@ void expect_same(const std::map<std::string, at::Tensor>& a, const std::map<std:
   }
 }
 
+// Bit for bit (at::equal says a NaN differs from itself; a forged hyper-parameter that loaded can
+// make the next training step produce NaNs).
+bool same_bits(const at::Tensor& a, const at::Tensor& b) {
+  if (a.sizes() != b.sizes() || a.dtype() != b.dtype()) return false;
+  const at::Tensor x = a.contiguous(), y = b.contiguous();
+  return std::memcmp(x.data_ptr(), y.data_ptr(), x.numel() * x.element_size()) == 0;
+}
+
 int default_tp() {
   return test::world()->size() % 2 == 0 ? 2 : 1;
 }
@@ -283,6 +300,90 @@ TEST(CheckpointDist, ShardsRecordTheirSlicesSoASwappedManifestIsRefused) {
   EXPECT_NE(message.find("tensor model/head.weight holds the slice at offset"), std::string::npos) << message;
   EXPECT_NE(message.find("nothing was changed"), std::string::npos) << message;
   expect_same(before, snapshot(b));
+  cleanup(dir);
+}
+
+// Hostile values (seeded, the seed printed; LOOM_FUZZ_SEED replays it) in what a manifest says of
+// the training state: progress and the accumulation position, the grad scaler, the optimizer's
+// groups and steps, the world, the tensor and shard records; resealed, so that the checks behind
+// the manifest's checksum are reached. Every rank refuses with CheckpointError changing nothing,
+// or every rank loads, and then what it loaded is the checkpoint's data; never some ranks of each.
+// Bounded: 8 s or 400 forgeries.
+TEST(CheckpointDist, HostileTrainingStateIsRefusedOnEveryRankChangingNothing) {
+  auto world = test::world();
+  const std::string dir = shared_dir("hostile_state");
+  const auto& ps = state(default_tp());
+  Job a(ps, 31);
+  a.train(2);
+  { auto half = a.accumulate->next(); }  // saved inside an accumulation window: position 1 of 2
+  Checkpointer ca(world, {.directory = dir, .async = false});
+  a.attach(ca);
+  const auto saved = snapshot(a);
+  ca.save({.step = 2, .epoch = 1, .sample = 16});
+  const std::string path = dir + "/step_000002/manifest.json";
+  const std::string original = ckpt::read_small_file(path, 1 << 24, "test");
+
+  const char* fixed = std::getenv("LOOM_FUZZ_SEED");
+  const int64_t mine = fixed ? std::strtoll(fixed, nullptr, 10) : static_cast<int64_t>(std::random_device{}() >> 1);
+  const uint64_t seed = static_cast<uint64_t>(broadcast_values(*world, std::vector<int64_t>{mine}, 0, {"seed"})[0]);
+  if (world->rank() == 0) std::printf("training state forgery seed %llu (LOOM_FUZZ_SEED replays it)\n", (unsigned long long)seed);
+  SCOPED_TRACE("LOOM_FUZZ_SEED=" + std::to_string(seed));
+  std::mt19937_64 rng(seed);
+
+  Job b(ps, 77);
+  b.train(1);
+  Checkpointer cb(world, {.directory = dir});
+  b.attach(cb);
+  const char* sections[] = {"accumulation", "accumulation", "progress", "scaler", "optimizer", "world", "tensors", "shards"};
+  int refused = 0, loaded = 0, iterations = 0;
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(8);
+  for (bool go = true; go && iterations < 400; ++iterations) {
+    nlohmann::ordered_json doc = nlohmann::ordered_json::parse(original);
+    const std::string section = sections[rng() % std::size(sections)];
+    test::replace_random_leaf(section == "accumulation" ? doc["progress"]["accumulation"] : doc[section], rng);
+    if (world->rank() == 0) std::ofstream(path, std::ios::trunc) << ckpt::reseal_manifest(doc.dump(1));
+    world->barrier()->wait();
+    const auto before = snapshot(b);
+    std::string refusal;
+    try {
+      cb.load(dir + "/step_000002");
+    } catch (const CheckpointError& e) {
+      refusal = e.what();
+    }
+    const int64_t ok = refusal.empty();
+    for (int64_t theirs : all_gather_values(*world, std::vector<int64_t>{ok}, {"fuzz outcome"}))
+      ASSERT_EQ(theirs, ok) << "iteration " << iterations << " (" << section << "): ranks disagree on the load: "
+                            << (ok ? "loaded here" : refusal);
+    if (ok) {
+      ++loaded;
+      // A value the checks accept (a user string, say): the load is whole. The live state then
+      // moves away from the checkpoint's again, so that a later partial load would show.
+      // (A forged position the checks cannot tell from a genuine one, 0 of 2, loads as such.)
+      const auto& forged = doc["progress"]["accumulation"]["position"];
+      EXPECT_EQ(static_cast<int64_t>(b.accumulate->position()), forged.is_number_integer() ? forged.get<int64_t>() : 1)
+          << nlohmann::ordered_json::diff(nlohmann::ordered_json::parse(original), doc).dump();
+      for (const auto& [k, v] : saved)  // the data itself is the checkpoint's, whatever value was forged
+        if (k.rfind("p/", 0) == 0 || k.rfind("rng/", 0) == 0 || k == "counter" ||
+            (k.rfind("o/", 0) == 0 && k.find("/exp_avg") != std::string::npos))
+          ASSERT_TRUE(at::equal(v, snapshot(b).at(k))) << "iteration " << iterations << ": " << k << " loaded wrong";
+      b.train(1, 100 + iterations);
+      { auto half = b.accumulate->next(); }  // position 1 -> 0: differs from the checkpoint's
+    } else {
+      ++refused;
+      const auto after = snapshot(b);
+      ASSERT_EQ(after.size(), before.size());
+      for (const auto& [k, v] : before)
+        ASSERT_TRUE(after.count(k) && same_bits(v, after.at(k)))
+            << "iteration " << iterations << " (" << section << "): a refused load changed " << k << ": " << refusal
+            << " (nan before: " << at::isnan(v).any().item<bool>() << ")";
+    }
+    world->barrier()->wait();  // every rank read the manifest before rank 0 writes the next one
+    go = broadcast_values(*world, std::vector<int64_t>{std::chrono::steady_clock::now() < deadline}, 0,
+                          {"fuzz deadline"})[0] != 0;
+  }
+  if (world->rank() == 0)
+    std::printf("training state forgery: %d forgeries, %d refused, %d loaded\n", iterations, refused, loaded);
+  EXPECT_GT(refused, iterations / 2);
   cleanup(dir);
 }
 
