@@ -296,6 +296,24 @@ Manifest parse_manifest(std::string_view text, const std::string& where) {
     m.tensors.emplace(it.key(), std::move(r));
   }
 
+  // Each rank's tensor-parallel rank (which a load at another layout follows to pick RNG streams)
+  // agrees with the TP slices its shard holds: slice i of a tensor split tensor_parallel ways, model
+  // state or its optimizer state, is TP rank i's.
+  if (m.world.tensor_parallel > 1) {
+    for (const auto& [name, r] : m.tensors) {
+      const bool tp_state = name.rfind("model/", 0) == 0 || name.rfind("optim/", 0) == 0 || name.rfind("master/", 0) == 0;
+      if (!tp_state || r.split_dim < 0 || r.slices.size() != static_cast<size_t>(m.world.tensor_parallel)) continue;
+      for (size_t i = 0; i < r.slices.size(); ++i) {
+        const int rank = m.shards[r.slices[i].shard].rank;
+        if (m.world.tp_ranks[rank] != static_cast<int>(i))
+          reject(where, "world: \"tp_ranks\" makes rank " + std::to_string(rank) + " tensor-parallel rank " +
+                            std::to_string(m.world.tp_ranks[rank]) + ", but its shard holds slice " + std::to_string(i) +
+                            " of " + std::to_string(r.slices.size()) + " of \"" + name + "\" (tensor-parallel rank " +
+                            std::to_string(i) + "'s)");
+      }
+    }
+  }
+
   m.optimizer = member(doc, "optimizer", where, "");
   if (!m.optimizer.is_null() && !m.optimizer.is_object()) reject(where, "\"optimizer\" is neither null nor an object");
   m.scaler = member(doc, "scaler", where, "");

@@ -265,8 +265,10 @@ TEST(CheckpointDist, RoundTripIsBitwiseAndReplicatedTensorsAreWrittenOnce) {
 }
 
 // The reproduction, resealed: the slices of a TP-split tensor swapped between two shards in
-// a manifest whose own checksum was recomputed. Each shard records where its slices start, so the
-// rank verifying it refuses, and every rank's state stays as it was.
+// a manifest whose own checksum was recomputed; then the same for every split tensor, with the
+// world's TP ranks flipped to match, so that the manifest agrees with itself. The first contradicts
+// the world's TP ranks; the second, the slices each shard records of itself. Both are refused, and
+// every rank's state stays as it was.
 TEST(CheckpointDist, ShardsRecordTheirSlicesSoASwappedManifestIsRefused) {
   auto world = test::world();
   if (default_tp() < 2) GTEST_SKIP() << "needs TP 2";
@@ -277,29 +279,84 @@ TEST(CheckpointDist, ShardsRecordTheirSlicesSoASwappedManifestIsRefused) {
   Checkpointer ca(world, {.directory = dir, .async = false});
   a.attach(ca);
   ca.save({.step = 2});
+  const std::string path = dir + "/step_000002/manifest.json";
+  const std::string original = ckpt::read_small_file(path, 1 << 24, "test");
+  for (bool whole_manifest : {false, true}) {
+    if (world->rank() == 0) {
+      auto manifest = nlohmann::ordered_json::parse(original);
+      for (auto& [name, record] : manifest["tensors"].items()) {
+        if (!(name == "model/head.weight" || (whole_manifest && record["slices"].size() == 2))) continue;
+        auto& slices = record["slices"];
+        ASSERT_EQ(slices.size(), 2u) << name;
+        std::swap(slices[0]["shard"], slices[1]["shard"]);
+      }
+      if (whole_manifest)
+        for (auto& tp_rank : manifest["world"]["tp_ranks"]) tp_rank = 1 - tp_rank.get<int>();
+      std::ofstream(path, std::ios::trunc) << ckpt::reseal_manifest(manifest.dump(1));
+    }
+    world->barrier()->wait();
+    Job b(ps, 77);
+    b.train(1);
+    Checkpointer cb(world, {.directory = dir});
+    b.attach(cb);
+    const auto before = snapshot(b);
+    std::string message;
+    try {
+      cb.load_latest();
+    } catch (const CheckpointError& e) {
+      message = e.what();
+    }
+    EXPECT_NE(message.find(whole_manifest ? "holds the slice at offset"
+                                          : "of 2 of \"model/head.weight\" (tensor-parallel rank"),
+              std::string::npos)
+        << message;
+    EXPECT_NE(message.find("nothing was changed"), std::string::npos) << message;
+    expect_same(before, snapshot(b));
+    world->barrier()->wait();  // every rank read the manifest before rank 0 writes the next one
+  }
+  cleanup(dir);
+}
+
+// The world's TP ranks, which a load at another layout follows to give each rank the RNG streams of
+// its TP rank, swapped between two ranks and resealed: refused by the slices their shards hold,
+// at the same layout and at another, changing nothing.
+TEST(CheckpointDist, TensorParallelRanksThatContradictTheShardsAreRefused) {
+  auto world = test::world();
+  if (default_tp() < 2) GTEST_SKIP() << "needs TP 2";
+  const std::string dir = shared_dir("swapped_tp_ranks");
+  Job a(state(2), 23);
+  a.train(2);
+  Checkpointer ca(world, {.directory = dir, .async = false});
+  a.attach(ca);
+  ca.save({.step = 2});
   if (world->rank() == 0) {
     const std::string path = dir + "/step_000002/manifest.json";
     auto manifest = nlohmann::ordered_json::parse(ckpt::read_small_file(path, 1 << 24, "test"));
-    auto& slices = manifest["tensors"]["model/head.weight"]["slices"];
-    ASSERT_EQ(slices.size(), 2u);
-    std::swap(slices[0]["shard"], slices[1]["shard"]);
+    auto& tp_ranks = manifest["world"]["tp_ranks"];
+    ASSERT_EQ(tp_ranks[0], 0);
+    ASSERT_EQ(tp_ranks[1], 1);
+    std::swap(tp_ranks[0], tp_ranks[1]);
     std::ofstream(path, std::ios::trunc) << ckpt::reseal_manifest(manifest.dump(1));
   }
   world->barrier()->wait();
-  Job b(ps, 77);
-  b.train(1);
-  Checkpointer cb(world, {.directory = dir});
-  b.attach(cb);
-  const auto before = snapshot(b);
-  std::string message;
-  try {
-    cb.load_latest();
-  } catch (const CheckpointError& e) {
-    message = e.what();
+  for (int tp : {2, 1}) {
+    Job b(state(tp), 78);
+    b.train(1);
+    Checkpointer cb(world, {.directory = dir});
+    b.attach(cb);
+    const auto before = snapshot(b);
+    std::string message;
+    try {
+      cb.load_latest();
+    } catch (const CheckpointError& e) {
+      message = e.what();
+    }
+    EXPECT_NE(message.find("\"tp_ranks\" makes rank 0 tensor-parallel rank 1, but its shard holds slice 0"),
+              std::string::npos)
+        << "TP " << tp << ": " << message;
+    EXPECT_NE(message.find("nothing was changed"), std::string::npos) << message;
+    expect_same(before, snapshot(b));
   }
-  EXPECT_NE(message.find("tensor model/head.weight holds the slice at offset"), std::string::npos) << message;
-  EXPECT_NE(message.find("nothing was changed"), std::string::npos) << message;
-  expect_same(before, snapshot(b));
   cleanup(dir);
 }
 
