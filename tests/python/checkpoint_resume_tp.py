@@ -5,12 +5,12 @@ layers and a replicated head) with Adam and a StepLR scheduler for STEPS steps, 
 checkpoint after step SAVE_AT through torchloom.Checkpointer, and writes the full final weights
 (TP slices gathered) to DIR/final.pt.
 
---phase resume (2 ranks, TP 1 x DP 2): loads the checkpoint into a model built at TP 1 with a
-fresh optimizer whose lazy state does not exist yet and a fresh scheduler, trains the remaining
-steps on the same data, and compares every weight with DIR/final.pt. The TP 2 run reduces its
-row-parallel partial products in another order, so the comparison allows float32 rounding
-(rtol 1e-5); with the optimizer's state, the learning-rate schedule or a slice missed, the
-weights differ by far more (each was checked to fail this test).
+--phase resume (2 ranks, TP 1 x DP 2; or --tp 4 on 4 ranks, TP 4 x DP 1): loads the checkpoint
+into a model built at that layout with a fresh optimizer whose lazy state does not exist yet and a
+fresh scheduler, trains the remaining steps on the same data, and compares every weight with
+DIR/final.pt. The runs reduce their row-parallel partial products in different orders, so the
+comparison allows float32 rounding (rtol 1e-5); with the optimizer's state, the learning-rate
+schedule or a slice missed, the weights differ by far more (each was checked to fail this test).
 """
 import argparse
 import os
@@ -39,9 +39,17 @@ def build(ps):
     return model, opt, sched
 
 
+REPLICAS = 2  # the saved run's data-parallel degree: its replicas' batches make each step's global batch
+
+
 def train_step(model, opt, sched, ps, step):
-    g = torch.Generator().manual_seed(1000 * step + ps.dp_rank)
-    x, y = torch.randn(4, 8, generator=g), torch.randn(4, 2, generator=g)
+    # This rank's share of the global batch (at DP 1, both replicas' batches): the same step at any
+    # layout. Equal shares, so the average of the ranks' mean losses is the global mean.
+    batches = []
+    for replica in range(ps.dp_rank, REPLICAS, ps.dp_degree):
+        g = torch.Generator().manual_seed(1000 * step + replica)
+        batches.append((torch.randn(4, 8, generator=g), torch.randn(4, 2, generator=g)))
+    x, y = torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches])
     opt.zero_grad()
     out = model["head"](model["row"](torch.nn.functional.gelu(model["col"](x))))
     torch.nn.functional.mse_loss(out, y).backward()
@@ -94,6 +102,7 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--phase", choices=["save", "resume"], required=True)
     parser.add_argument("--dir", required=True)
+    parser.add_argument("--tp", type=int, default=1, help="the resume phase's tensor-parallel degree")
     args = parser.parse_args()
     torchloom.init()
     comm = torchloom.world_comm()
@@ -106,8 +115,8 @@ def main():
         comm.barrier().wait()
         ps = torchloom.ParallelState(comm, tensor_parallel=2)
     else:
-        assert comm.size == 2, "the resume phase runs at TP 1 x DP 2"
-        ps = torchloom.ParallelState(comm, tensor_parallel=1)
+        assert (args.tp, comm.size) in {(1, 2), (4, 4)}, "the resume phase runs at TP 1 x DP 2 or TP 4 x DP 1"
+        ps = torchloom.ParallelState(comm, tensor_parallel=args.tp)
     model, opt, sched = build(ps)
     ckpt = torchloom.Checkpointer(comm, ckpt_dir, keep_last=2)
     ckpt.model(model).optimizer(opt).object("lr_scheduler", sched)
@@ -130,7 +139,7 @@ def main():
     assert info is not None and info.progress.step == SAVE_AT, info
     assert sched.last_epoch == SAVE_AT, sched.state_dict()
     assert opt.param_groups[0]["lr"] == 0.02 * 0.5, opt.param_groups[0]["lr"]
-    if comm.rank == 0:
+    if comm.rank == 0 and args.tp == 1:  # the consolidated tensors are whole: compared with TP 1's
         check_consolidated(args.dir, ckpt_dir, model, opt)
     for step in range(SAVE_AT + 1, STEPS + 1):
         train_step(model, opt, sched, ps, step)
@@ -141,7 +150,8 @@ def main():
             failures.append(f"{name}: max difference {(w - expected[name]).abs().max().item():.3g}")
     for f in failures:
         print(f"rank {comm.rank}: FAIL {f}", flush=True)
-    print(f"rank {comm.rank}: resumed at TP 1 x DP 2 from step {SAVE_AT}: {len(expected) - len(failures)} of "
+    print(f"rank {comm.rank}: resumed at TP {ps.tp_degree} x DP {ps.dp_degree} from step {SAVE_AT}: "
+          f"{len(expected) - len(failures)} of "
           f"{len(expected)} weights equal the uninterrupted TP 2 x DP 2 run", flush=True)
     torchloom.finalize()
     return 1 if failures else 0
