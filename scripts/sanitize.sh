@@ -9,7 +9,8 @@
 # What runs (kept small: a build of LibTorch-heavy code with sanitizers is slow):
 #   address,undefined  loom_unit_tests and loom_topology_tests whole; loom_dist_tests at 2 ranks for
 #                      collectives, point-to-point, bad and hostile input, async operations, and
-#                      whole under torchrun (the Gloo backend)
+#                      whole under torchrun (the Gloo backend); loom_checkpoint_tests whole at 2
+#                      ranks (round trips, resharding, forged manifests and training state)
 #   thread             the metrics server, loom_unit_tests whole (comm core: waiter hand-off,
 #                      device-fault paths; checkpoint hashing and populating threads) and
 #                      loom_dist_tests whole at 2 ranks (progress thread, watchdog, async
@@ -33,6 +34,7 @@ if [[ ! -f "$DIR/build.ninja" ]]; then
         -DCMAKE_PREFIX_PATH="$TORCH_PREFIX" -DPython3_EXECUTABLE="$(command -v "$PYTHON")" ${CMAKE_ARGS:-}
 fi
 TARGETS=(loom_metrics_server_tests loom_unit_tests loom_topology_tests loom_dist_tests)
+[[ "$SANITIZE" == thread ]] || TARGETS+=(loom_checkpoint_tests)  # hostile manifests across ranks
 # SANITIZE_TARGETS narrows the build (and the runs to what was built), e.g. the LibTorch-free
 # loom_metrics_server_tests alone.
 [[ -n "${SANITIZE_TARGETS:-}" ]] && read -r -a TARGETS <<< "$SANITIZE_TARGETS"
@@ -98,5 +100,7 @@ else
   # The whole suite over the Gloo backend (torchrun), whose code is new and small enough to cover.
   run dist_torchrun_np2 "$PYTHON" -m torch.distributed.run --standalone --nproc_per_node 2 --no-python \
       "$DIR/tests/loom_dist_tests"
+  ASAN_OPTIONS=$ASAN_OPTIONS:fast_unwind_on_malloc=0 LSAN_OPTIONS=$LSAN_OPTIONS:fast_unwind_on_malloc=0 \
+    run checkpoint_np2 "${MPIRUN[@]}" -np 2 "$DIR/tests/loom_checkpoint_tests"
 fi
 exit $status
