@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # libFuzzer targets for every parser of outside input, with AddressSanitizer and UBSan, built with
-# clang into build-fuzz/ (optional: not part of scripts/run_tests.sh; needs clang, which
-# scripts/setup.sh does not install: apt-get install clang).
+# clang into build-fuzz/ (not part of scripts/run_tests.sh; CI's .ci/run runs it after the suite;
+# clang and libFuzzer come from scripts/setup.sh).
 #
 #   bash scripts/fuzz.sh                 # every target for FUZZ_SECONDS (default 60) each
 #   FUZZ_SECONDS=600 bash scripts/fuzz.sh nccl_xml
