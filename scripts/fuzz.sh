@@ -38,7 +38,8 @@ CHECKPOINT=(train/checkpoint_manifest train/safetensors train/checkpoint_checksu
 mkdir -p "$DIR/obj"
 compile() {  # source -> object, when newer
   local src=$1 obj=$DIR/obj/$(echo "$1" | tr / _).o
-  if [[ ! -f "$obj" || "$src" -nt "$obj" || src/topology/limits.h -nt "$obj" ]]; then
+  # Rebuilt when the source or any project header is newer (or the flags changed: delete build-fuzz/).
+  if [[ ! -f "$obj" || "$src" -nt "$obj" || -n "$(find src include -name '*.h' -newer "$obj" -print -quit)" ]]; then
     "$CXX" "${FLAGS[@]}" $(pkg-config --cflags hwloc) -c "$src" -o "$obj"
   fi
   echo "$obj"
@@ -47,15 +48,19 @@ OBJS=()
 for s in "${TOPOLOGY[@]}"; do OBJS+=("$(compile src/topology/$s.cpp)"); done
 for s in "${LAUNCHER[@]}" "${CORE[@]}"; do OBJS+=("$(compile src/$s.cpp)"); done
 # The checkpoint parsers name dtypes with c10's ScalarType (header-only here; libc10 is linked for
-# anything it does not inline), checksum with xxHash and log (file removal) through spdlog.
-source scripts/python_env.sh
-TORCH_LIB=$("$PYTHON" -c 'import os, torch; print(os.path.join(os.path.dirname(torch.__file__), "lib"))')
-TORCH_INCLUDE=$("$PYTHON" -c 'import os, torch; print(os.path.join(os.path.dirname(torch.__file__), "include"))')
-# core/log first, without LibTorch's include directory: it ships an fmt of its own, which the
-# system's spdlog was not built against.
-CHECKPOINT_OBJS=("$(FLAGS+=($(pkg-config --cflags spdlog)); compile src/core/log.cpp)")
-FLAGS+=(-isystem "$TORCH_INCLUDE")
-for s in "${CHECKPOINT[@]}"; do CHECKPOINT_OBJS+=("$(compile src/$s.cpp)"); done
+# anything it does not inline), checksum with xxHash and log (file removal) through spdlog: built
+# only when a checkpoint target is asked for (the others need no LibTorch).
+CHECKPOINT_OBJS=()
+if [[ " ${TARGETS[*]} " == *" checkpoint_manifest "* || " ${TARGETS[*]} " == *" safetensors "* ]]; then
+  source scripts/python_env.sh
+  TORCH_LIB=$("$PYTHON" -c 'import os, torch; print(os.path.join(os.path.dirname(torch.__file__), "lib"))')
+  TORCH_INCLUDE=$("$PYTHON" -c 'import os, torch; print(os.path.join(os.path.dirname(torch.__file__), "include"))')
+  # core/log first, without LibTorch's include directory: it ships an fmt of its own, which the
+  # system's spdlog was not built against.
+  CHECKPOINT_OBJS=("$(FLAGS+=($(pkg-config --cflags spdlog)); compile src/core/log.cpp)")
+  FLAGS+=(-isystem "$TORCH_INCLUDE")
+  for s in "${CHECKPOINT[@]}"; do CHECKPOINT_OBJS+=("$(compile src/$s.cpp)"); done
+fi
 for t in "${TARGETS[@]}"; do
   extra=()
   [[ "$t" == checkpoint_manifest || "$t" == safetensors ]] &&

@@ -180,9 +180,10 @@ struct Checkpointer::Impl {
   // This rank's shard: the tensors the plan gives it, in name order, copied into the staging buffer
   // when asynchronous (the training stall) or written from the tensors themselves.
   ShardWrite prepare_shard(const SaveState& state, const SavePlan& plan, int64_t step);
-  // Rank 0's manifest (its shard records are added once every shard is written).
-  Manifest manifest_for(AgreedPlan& agreed, const SaveState& state, const TrainingProgress& progress,
-                        const std::map<std::string, std::string>& user);
+  // Rank 0's manifest, around the plan's tensor records (its shard records are added once every
+  // shard is written).
+  Manifest manifest_for(const AgreedPlan& agreed, std::map<std::string, TensorRecord> tensors, const SaveState& state,
+                        const TrainingProgress& progress, const std::map<std::string, std::string>& user);
   CheckpointInfo write_and_publish(ShardWrite write, Manifest manifest, std::string staging, std::string final_name,
                                    std::string nonce, CheckpointInfo info, trace::Clock::time_point started);
 };
@@ -306,7 +307,7 @@ void Checkpointer::save(const TrainingProgress& progress, const std::map<std::st
   Impl::AgreedPlan agreed = s.agree_on_plan(progress.step, state, error, nonce, final_name);
   ShardWrite write = s.prepare_shard(state, agreed.plan, progress.step);
   Manifest manifest;
-  if (s.rank == 0) manifest = s.manifest_for(agreed, state, progress, user);
+  if (s.rank == 0) manifest = s.manifest_for(agreed, std::move(agreed.plan.tensors), state, progress, user);
   CheckpointInfo info;
   info.path = s.storage->location(final_name);
   info.progress = progress;
@@ -417,8 +418,8 @@ ShardWrite Checkpointer::Impl::prepare_shard(const SaveState& state, const SaveP
   return write;
 }
 
-Manifest Checkpointer::Impl::manifest_for(AgreedPlan& agreed, const SaveState& state,
-                                          const TrainingProgress& progress,
+Manifest Checkpointer::Impl::manifest_for(const AgreedPlan& agreed, std::map<std::string, TensorRecord> tensors,
+                                          const SaveState& state, const TrainingProgress& progress,
                                           const std::map<std::string, std::string>& user) {
   Manifest manifest;
   manifest.step = progress.step;
@@ -427,8 +428,9 @@ Manifest Checkpointer::Impl::manifest_for(AgreedPlan& agreed, const SaveState& s
   manifest.world.size = size;
   manifest.world.tensor_parallel = size % tp == 0 ? tp : 1;
   manifest.world.data_parallel = size / manifest.world.tensor_parallel;
-  for (const auto& theirs : agreed.ranks) manifest.world.tp_ranks.push_back(tp > 1 ? theirs["tp_rank"].get<int>() : 0);
-  manifest.tensors = std::move(agreed.plan.tensors);
+  for (const auto& theirs : agreed.ranks)
+    manifest.world.tp_ranks.push_back(manifest.world.tensor_parallel > 1 ? theirs["tp_rank"].get<int>() : 0);
+  manifest.tensors = std::move(tensors);
   const json& sections = state.sections;
   manifest.progress = {{"step", progress.step},
                        {"epoch", progress.epoch},
@@ -474,8 +476,18 @@ CheckpointInfo Checkpointer::Impl::write_and_publish(ShardWrite write, Manifest 
   // Rank 0's outcome; every rank raises it under its own prefix.
   std::string outcome;
   if (rank == 0) {
+    const std::string text = manifest_to_json(manifest);
+    // Never publish what every load would refuse (a user's ShardedModule whose slices are not in
+    // TP-rank order contradicts the world's TP ranks, say): the manifest's own parser judges it.
     if (errors.empty()) {
-      outcome = storage->publish(staging, final_name, manifest_to_json(manifest), nonce);
+      try {
+        parse_manifest(text, where + ": the manifest to publish");
+      } catch (const CheckpointError& e) {
+        errors.push_back(e.what());
+      }
+    }
+    if (errors.empty()) {
+      outcome = storage->publish(staging, final_name, text, nonce);
     } else {
       outcome = "not published (the previous one is intact):" + join_lines(errors);
       storage->abandon(staging);

@@ -1,8 +1,8 @@
 // libFuzzer target: checkpoint manifests (scripts/fuzz.sh). A manifest is refused with
 // CheckpointError or accepted, and an accepted one holds what the loader relies on without further
 // checks: every slice names a shard in range, a split tensor's slices tile its dimension in order,
-// replicated tensors have one slice, every shard's rank and every tp_ranks entry are in range, and
-// it survives a round trip through manifest_to_json. The integrity check (the manifest's own
+// replicated tensors have one slice, every shard's rank and every tp_ranks entry are in range and
+// agree with the TP slices the shards hold, and it survives a round trip through manifest_to_json. The integrity check (the manifest's own
 // checksum) refuses with CheckpointError or answers. Any other exception is a crash.
 #include <cstddef>
 #include <cstdint>
@@ -41,6 +41,12 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       covered += slice.length;
     }
     if (record.split_dim >= 0 && covered != record.shape.at(record.split_dim)) std::abort();
+    // Model, optimizer and master state split tensor_parallel ways: slice i is TP rank i's.
+    const bool tp_state = name.rfind("model/", 0) == 0 || name.rfind("optim/", 0) == 0 || name.rfind("master/", 0) == 0;
+    if (tp_state && m.world.tensor_parallel > 1 && record.split_dim >= 0 &&
+        record.slices.size() == static_cast<size_t>(m.world.tensor_parallel))
+      for (size_t i = 0; i < record.slices.size(); ++i)
+        if (m.world.tp_ranks.at(m.shards.at(record.slices[i].shard).rank) != static_cast<int>(i)) std::abort();
   }
   const ckpt::Manifest again = ckpt::parse_manifest(ckpt::manifest_to_json(m), "fuzz round trip");
   if (again.step != m.step || again.tensors.size() != m.tensors.size() || again.shards.size() != m.shards.size())

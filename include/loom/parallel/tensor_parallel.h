@@ -126,7 +126,9 @@ struct ShardInfo {
 // Implemented by modules that hold tensor-parallel slices (the layers below; a user's own TP
 // module can implement it too). Describes the module's own parameters (not its children's), by
 // their registered names; a parameter not listed is replicated across the TP group. The slice a
-// rank holds is the global tensor narrowed to [offset, offset + local size) along dim.
+// rank holds is the global tensor narrowed to [offset, offset + local size) along dim. Slices are
+// in TP-rank order (TP rank r's before rank r + 1's): a checkpoint tells each rank's TP rank by
+// them, and a Checkpointer refuses to save one whose slices say otherwise.
 //
 //   for (auto& [name, info] : fc1->shard_info())   // {"weight": {dim 0, [2048, 512], offset 1024}, "bias": ...}
 class ShardedModule {
