@@ -341,7 +341,7 @@ TEST(Placement, ManyNodesPlanInUnderASecond) {
   Plan p = plan(cluster, {8192, 2, 0, 64 << 20});
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   std::printf("planned 8192 ranks on 1024 nodes in %.3f s\n", seconds);
-  EXPECT_LT(seconds, 1.0);
+  EXPECT_LT(seconds, time_bound(1.0));
   ASSERT_EQ(p.layout.ranks.size(), 8192u);
   for (const auto& ring : p.layout.tp_groups) {
     ASSERT_EQ(p.layout.ranks[ring.ranks[0]].node, p.layout.ranks[ring.ranks[1]].node);
