@@ -13,7 +13,6 @@
 
 #include <chrono>
 #include <cstdio>
-#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -264,6 +263,27 @@ TEST(CheckpointDist, RoundTripIsBitwiseAndReplicatedTensorsAreWrittenOnce) {
   cleanup(dir);
 }
 
+// A fresh job at `ps` (weights and state of its own, one step trained) loads the newest checkpoint
+// in `dir`, which must be refused on every rank leaving the job exactly as it was. Returns the
+// refusal's message. Collective.
+std::string refused_load(const ParallelState& ps, const std::string& dir, uint64_t seed) {
+  Job b(ps, seed);
+  b.train(1);
+  Checkpointer cb(test::world(), {.directory = dir});
+  b.attach(cb);
+  const auto before = snapshot(b);
+  std::string message;
+  try {
+    cb.load_latest();
+    ADD_FAILURE() << "the load of " << dir << " was not refused";
+  } catch (const CheckpointError& e) {
+    message = e.what();
+  }
+  EXPECT_NE(message.find("nothing was changed"), std::string::npos) << message;
+  expect_same(before, snapshot(b));
+  return message;
+}
+
 // The reproduction, resealed: the slices of a TP-split tensor swapped between two shards in
 // a manifest whose own checksum was recomputed; then the same for every split tensor, with the
 // world's TP ranks flipped to match, so that the manifest agrees with itself. The first contradicts
@@ -295,23 +315,11 @@ TEST(CheckpointDist, ShardsRecordTheirSlicesSoASwappedManifestIsRefused) {
       std::ofstream(path, std::ios::trunc) << ckpt::reseal_manifest(manifest.dump(1));
     }
     world->barrier()->wait();
-    Job b(ps, 77);
-    b.train(1);
-    Checkpointer cb(world, {.directory = dir});
-    b.attach(cb);
-    const auto before = snapshot(b);
-    std::string message;
-    try {
-      cb.load_latest();
-    } catch (const CheckpointError& e) {
-      message = e.what();
-    }
+    const std::string message = refused_load(ps, dir, 77);
     EXPECT_NE(message.find(whole_manifest ? "holds the slice at offset"
                                           : "of 2 of \"model/head.weight\" (tensor-parallel rank"),
               std::string::npos)
         << message;
-    EXPECT_NE(message.find("nothing was changed"), std::string::npos) << message;
-    expect_same(before, snapshot(b));
     world->barrier()->wait();  // every rank read the manifest before rank 0 writes the next one
   }
   cleanup(dir);
@@ -340,22 +348,10 @@ TEST(CheckpointDist, TensorParallelRanksThatContradictTheShardsAreRefused) {
   }
   world->barrier()->wait();
   for (int tp : {2, 1}) {
-    Job b(state(tp), 78);
-    b.train(1);
-    Checkpointer cb(world, {.directory = dir});
-    b.attach(cb);
-    const auto before = snapshot(b);
-    std::string message;
-    try {
-      cb.load_latest();
-    } catch (const CheckpointError& e) {
-      message = e.what();
-    }
+    const std::string message = refused_load(state(tp), dir, 78);
     // (Which rank's shard is named first depends on how the save spread the writes.)
     EXPECT_NE(message.find("\"tp_ranks\" makes rank "), std::string::npos) << "TP " << tp << ": " << message;
     EXPECT_NE(message.find(", but its shard holds slice "), std::string::npos) << "TP " << tp << ": " << message;
-    EXPECT_NE(message.find("nothing was changed"), std::string::npos) << message;
-    expect_same(before, snapshot(b));
   }
   cleanup(dir);
 }
@@ -417,10 +413,7 @@ TEST(CheckpointDist, HostileTrainingStateIsRefusedOnEveryRankChangingNothing) {
   const std::string path = dir + "/step_000002/manifest.json";
   const std::string original = ckpt::read_small_file(path, 1 << 24, "test");
 
-  const char* fixed = std::getenv("LOOM_FUZZ_SEED");
-  const int64_t mine = fixed ? std::strtoll(fixed, nullptr, 10) : static_cast<int64_t>(std::random_device{}() >> 1);
-  const uint64_t seed = static_cast<uint64_t>(broadcast_values(*world, std::vector<int64_t>{mine}, 0, {"seed"})[0]);
-  if (world->rank() == 0) std::printf("training state forgery seed %llu (LOOM_FUZZ_SEED replays it)\n", (unsigned long long)seed);
+  const uint64_t seed = test::fuzz_seed(*world, "training state forgery");
   SCOPED_TRACE("LOOM_FUZZ_SEED=" + std::to_string(seed));
   std::mt19937_64 rng(seed);
 

@@ -5,11 +5,16 @@
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
 #include <filesystem>
+#include <random>
 #include <string>
 #include <unistd.h>
 #include <vector>
 
+#include "loom/comm/agreement.h"
 #include "loom/comm/communicator.h"
 #include "loom/comm/gloo.h"
 #include "loom/comm/mpi.h"
@@ -121,6 +126,17 @@ inline std::string shared_dir(const std::string& name) {
 inline void cleanup(const std::string& dir) {
   world()->barrier()->wait();
   if (world()->rank() == 0) std::filesystem::remove_all(dir);
+}
+
+// The seed of a fuzz test, the same on every rank: LOOM_FUZZ_SEED's if set (a replay), otherwise
+// rank 0's fresh one. Rank 0 prints it under `what`. Collective.
+inline uint64_t fuzz_seed(Communicator& comm, const char* what) {
+  const char* fixed = std::getenv("LOOM_FUZZ_SEED");
+  const int64_t mine = fixed ? std::strtoll(fixed, nullptr, 10) : static_cast<int64_t>(std::random_device{}() >> 1);
+  const auto seed = static_cast<uint64_t>(broadcast_values(comm, std::vector<int64_t>{mine}, 0, {"fuzz seed"})[0]);
+  if (comm.rank() == 0)
+    std::printf("%s seed %llu (LOOM_FUZZ_SEED replays it)\n", what, static_cast<unsigned long long>(seed));
+  return seed;
 }
 
 }  // namespace loom::test

@@ -892,10 +892,7 @@ TEST(ZeroCheckpoint, ForgedMasterRecordsAreRefusedChangingNothing) {
     if (name.rfind("master/", 0) == 0) masters.push_back(name);
   ASSERT_EQ(masters.size(), net->parameters().size()) << "one fp32 master record per bf16 parameter";
 
-  const char* fixed = std::getenv("LOOM_FUZZ_SEED");
-  const int64_t mine = fixed ? std::strtoll(fixed, nullptr, 10) : static_cast<int64_t>(std::random_device{}() >> 1);
-  const uint64_t seed = static_cast<uint64_t>(broadcast_values(*world, std::vector<int64_t>{mine}, 0, {"seed"})[0]);
-  if (world->rank() == 0) std::printf("master forgery seed %llu (LOOM_FUZZ_SEED replays it)\n", (unsigned long long)seed);
+  const uint64_t seed = test::fuzz_seed(*world, "master forgery");
   SCOPED_TRACE("LOOM_FUZZ_SEED=" + std::to_string(seed));
   std::mt19937_64 rng(seed);
   int refused = 0, loaded = 0, iterations = 0;
