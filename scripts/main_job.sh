@@ -13,11 +13,20 @@ source scripts/python_env.sh
 # Live progress on a terminal; a line every 20 steps when the output goes to a file or a pipe.
 progress=lines
 [[ -t 1 ]] && progress=live
+# The job's settings, each unless the arguments name it themselves (train_gpt takes an option once:
+# `--steps 2000` replaces the 1000 here).
+defaults=(--steps 1000 --eval-every 250 --checkpoint-dir "$build/demo-checkpoints" --save-every 250
+          --loss-csv "$build/demo-loss.csv" --progress "$progress")
+settings=()
+for ((i = 0; i < ${#defaults[@]}; i += 2)); do
+  case " $* " in
+    *" ${defaults[i]} "* | *" ${defaults[i]}="*) ;;
+    *) settings+=("${defaults[i]}" "${defaults[i + 1]}") ;;
+  esac
+done
 status=0
 "$build/loomrun" -np "${NP:-4}" --tp "${TP:-2}" -- \
-  "$build/examples/train_gpt" --steps 1000 --eval-every 250 --checkpoint-dir "$build/demo-checkpoints" \
-  --save-every 250 --must-beat-trigram --loss-csv "$build/demo-loss.csv" --progress "$progress" "$@" |
-  tee "$build/demo-output.txt" || status=$?
+  "$build/examples/train_gpt" "${settings[@]}" --must-beat-trigram "$@" | tee "$build/demo-output.txt" || status=$?
 trigram=$(sed -n 's/.*trigram count model.s \([0-9.]*\).*/\1/p' "$build/demo-output.txt" | tail -1)
 "$PYTHON" examples/plot_loss.py "$build/demo-loss.csv" "$build/demo-loss.png" ${trigram:+--trigram "$trigram"} || true
 exit "$status"
