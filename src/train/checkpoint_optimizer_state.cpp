@@ -10,7 +10,9 @@
 #include <torch/optim/rmsprop.h>
 #include <torch/optim/sgd.h>
 
+#include <ATen/Dispatch.h>
 #include <ATen/ops/zeros.h>
+#include <c10/util/overflows.h>
 
 #include <algorithm>
 #include <set>
@@ -119,6 +121,35 @@ void check_options_on_scratch(Kind kind, const OptimizerOptions& live, const jso
   std::unique_ptr<OptimizerOptions> options = live.clone();
   set_options(kind, *options, saved);
   make_optimizer(kind, {at::zeros({1})}, *options);
+}
+
+// A step hands each hyper-parameter to its parameters' kernels as a Scalar (add_(p, weight_decay),
+// addcdiv_(.., -lr), add_(eps)), converted to their dtype; LibTorch raises there for a value the
+// dtype cannot hold (weight_decay 1e308 for float parameters), at the first step after the load.
+// Refused here, by the same rule (c10::overflows), while nothing has changed.
+void check_options_fit_dtypes(Kind kind, const json& options, const std::vector<at::Tensor>& params,
+                              std::vector<std::string>& problems, const std::string& context) {
+  std::set<at::ScalarType> dtypes;
+  for (const auto& p : params)
+    if (at::isFloatingType(p.scalar_type())) dtypes.insert(p.scalar_type());
+  for (const auto& [key, type] : option_keys(kind)) {
+    if (type == 'b') continue;
+    std::vector<double> values;
+    if (type == 'd') values = {options[key].get<double>()};
+    else values = {options[key][0].get<double>(), options[key][1].get<double>()};
+    for (const at::ScalarType dtype : dtypes)
+      for (const double v : values) {
+        bool overflows = false;
+        AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dtype, "check_options_fit_dtypes",
+                                        [&] { overflows = c10::overflows<scalar_t, double>(v); });
+        if (overflows) {
+          std::ostringstream text;
+          text << context << "option \"" << key << "\" is " << v << ", which the parameters' dtype "
+               << c10::toString(dtype) << " cannot hold (its steps would fail)";
+          problems.push_back(text.str());
+        }
+      }
+  }
 }
 
 // The state tensors a parameter with state must have, and may have, for these saved options
@@ -260,6 +291,7 @@ void OptimizerState::plan(const LoadContext& context, std::vector<Need>& needs, 
       std::string what = e.what();
       problems.push_back(context_text + "options refused by " + optimizer_kind_name(*kind) + ": " + what.substr(0, what.find('\n')));
     }
+    check_options_fit_dtypes(*kind, options, live[g].params(), problems, context_text);
   }
   for (auto it = saved["steps"].begin(); it != saved["steps"].end(); ++it)
     if (!it.value().is_number_integer() || it.value().get<int64_t>() < 0)

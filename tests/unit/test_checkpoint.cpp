@@ -754,6 +754,12 @@ TEST(CheckpointCorruption, EditedManifest) {
   // Hyper-parameters the optimizer's constructor would refuse, found on a scratch optimizer.
   edit([](json& j) { j["optimizer"]["param_groups"][0]["options"]["lr"] = -1.0; },
        {"optimizer parameter group 0: options refused by Adam", "Invalid learning rate"});
+  // Hyper-parameters the constructor takes but the parameters' dtype (float) cannot hold: the
+  // first step after the load would fail converting them (the loader fuzz's find).
+  edit([](json& j) { j["optimizer"]["param_groups"][0]["options"]["weight_decay"] = 1e308; },
+       {"optimizer parameter group 0: option \"weight_decay\" is 1e+308", "dtype Float cannot hold"});
+  edit([](json& j) { j["optimizer"]["param_groups"][0]["options"]["eps"] = 3.5e38; },
+       {"option \"eps\" is 3.5e+38", "dtype Float cannot hold"});
   // State the live object would refuse is refused before the model changes (it was applied after).
   edit([](json& j) { j["scaler"]["growth_factor"] = 0.5; }, {"grad scaler state refused", "growth_factor must be > 1.0"});
   // Values beyond what holds them: an interval no int64 holds exactly, a scale float32 rounds to 0.
