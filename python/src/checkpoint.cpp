@@ -47,11 +47,12 @@ void bind_checkpoint(py::module_& m) {
       .def(
           "tensor_slice",
           [](loom::Checkpointer& c, const std::string& name, at::Tensor t, std::vector<int64_t> global_shape, int dim,
-             int64_t offset) -> loom::Checkpointer& {
-            return c.tensor(name, std::move(t), loom::Checkpointer::Slice{std::move(global_shape), dim, offset});
+             int64_t offset, bool tensor_parallel) -> loom::Checkpointer& {
+            return c.tensor(name, std::move(t),
+                            loom::Checkpointer::Slice{std::move(global_shape), dim, offset, tensor_parallel});
           },
           py::arg("name"), py::arg("tensor"), py::arg("global_shape"), py::arg("dim"), py::arg("offset"),
-          py::return_value_policy::reference_internal)
+          py::arg("tensor_parallel") = false, py::return_value_policy::reference_internal)
       .def("remove_tensor", &loom::Checkpointer::remove_tensor, py::arg("name"))
       .def("tensor_parallel", &loom::Checkpointer::tensor_parallel, py::arg("size"), py::arg("rank"),
            py::return_value_policy::reference_internal)

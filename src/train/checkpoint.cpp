@@ -245,7 +245,7 @@ Checkpointer& Checkpointer::tensor(const std::string& name, at::Tensor tensor) {
   return *this;
 }
 Checkpointer& Checkpointer::tensor(const std::string& name, at::Tensor tensor, const Slice& slice) {
-  impl_->extras.add(name, std::move(tensor), ExtraTensors::Slice{slice.global_shape, slice.dim, slice.offset},
+  impl_->extras.add(name, std::move(tensor), ExtraTensors::Slice{slice.global_shape, slice.dim, slice.offset, slice.tensor_parallel},
                     impl_->where);
   return *this;
 }

@@ -162,6 +162,21 @@ std::string reseal_manifest(std::string_view text) {
   return doc.dump(1) + "\n";
 }
 
+std::optional<std::string> tensor_parallel_ranks_contradict(const Manifest& m, const std::string& name,
+                                                            const TensorRecord& r) {
+  if (m.world.tensor_parallel <= 1 || r.split_dim < 0 || r.slices.size() != static_cast<size_t>(m.world.tensor_parallel))
+    return std::nullopt;
+  for (size_t i = 0; i < r.slices.size(); ++i) {
+    const int rank = m.shards.at(r.slices[i].shard).rank;
+    if (m.world.tp_ranks.at(rank) != static_cast<int>(i))
+      return "world: \"tp_ranks\" makes rank " + std::to_string(rank) + " tensor-parallel rank " +
+             std::to_string(m.world.tp_ranks.at(rank)) + ", but its shard holds slice " + std::to_string(i) + " of " +
+             std::to_string(r.slices.size()) + " of \"" + name + "\" (tensor-parallel rank " + std::to_string(i) +
+             "'s)";
+  }
+  return std::nullopt;
+}
+
 Manifest parse_manifest(std::string_view text, const std::string& where) {
   if (!nesting_within(text, kMaxManifestNesting)) reject(where, "nests deeper than a manifest can");
   const json doc = json::parse(text.begin(), text.end(), nullptr, /*allow_exceptions=*/false);
@@ -299,19 +314,12 @@ Manifest parse_manifest(std::string_view text, const std::string& where) {
   // Each rank's tensor-parallel rank (which a load at another layout follows to pick RNG streams)
   // agrees with the TP slices its shard holds: slice i of a tensor split tensor_parallel ways, model
   // state or its optimizer state, is TP rank i's.
-  if (m.world.tensor_parallel > 1) {
-    for (const auto& [name, r] : m.tensors) {
-      const bool tp_state = name.rfind("model/", 0) == 0 || name.rfind("optim/", 0) == 0 || name.rfind("master/", 0) == 0;
-      if (!tp_state || r.split_dim < 0 || r.slices.size() != static_cast<size_t>(m.world.tensor_parallel)) continue;
-      for (size_t i = 0; i < r.slices.size(); ++i) {
-        const int rank = m.shards[r.slices[i].shard].rank;
-        if (m.world.tp_ranks[rank] != static_cast<int>(i))
-          reject(where, "world: \"tp_ranks\" makes rank " + std::to_string(rank) + " tensor-parallel rank " +
-                            std::to_string(m.world.tp_ranks[rank]) + ", but its shard holds slice " + std::to_string(i) +
-                            " of " + std::to_string(r.slices.size()) + " of \"" + name + "\" (tensor-parallel rank " +
-                            std::to_string(i) + "'s)");
-      }
-    }
+  // Tensors registered by name (extra/) are checked by their provider, which knows which are
+  // tensor-parallel slices.
+  for (const auto& [name, r] : m.tensors) {
+    const bool tp_state = name.rfind("model/", 0) == 0 || name.rfind("optim/", 0) == 0 || name.rfind("master/", 0) == 0;
+    if (!tp_state) continue;
+    if (auto contradiction = tensor_parallel_ranks_contradict(m, name, r)) reject(where, *contradiction);
   }
 
   m.optimizer = member(doc, "optimizer", where, "");

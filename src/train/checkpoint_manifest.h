@@ -19,6 +19,7 @@
 #include <cstdint>
 #include <map>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -78,6 +79,12 @@ struct Manifest {
 };
 
 std::string manifest_to_json(const Manifest& manifest);
+// For a tensor split tensor_parallel ways (model state, its optimizer state, a tensor registered
+// as a tensor-parallel slice): the refusal when the world's tp_ranks give a shard's rank another
+// TP rank than the slice it holds (slice i is TP rank i's); nullopt when they agree or the tensor
+// is not split so. parse_manifest applies it to model/, optim/ and master/ tensors.
+std::optional<std::string> tensor_parallel_ranks_contradict(const Manifest& m, const std::string& name,
+                                                            const TensorRecord& record);
 // `where` names the manifest file in errors (loom::CheckpointError).
 Manifest parse_manifest(std::string_view json, const std::string& where);
 

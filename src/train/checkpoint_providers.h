@@ -53,6 +53,7 @@ class ExtraTensors final : public StateProvider {
     std::vector<int64_t> global_shape;
     int dim = -1;
     int64_t offset = 0;
+    bool tensor_parallel = false;  // slice i is TP rank i's (checked against the manifest's tp_ranks)
   };
   // Registering a name again replaces it.
   void add(const std::string& name, at::Tensor tensor, std::optional<Slice> slice, const std::string& where);

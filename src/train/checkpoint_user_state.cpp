@@ -3,6 +3,7 @@
 #include <algorithm>
 
 #include "loom/error.h"
+#include "train/checkpoint_manifest.h"
 #include "train/checkpoint_providers.h"
 
 namespace loom::detail::ckpt {
@@ -67,6 +68,16 @@ void ExtraTensors::plan(const LoadContext& context, std::vector<Need>& needs, st
     std::string lines;
     for (const auto& m : mismatched) lines += "\n  " + m;
     problems.push_back("shapes or dtypes differ:" + lines);
+  }
+  // The manifest's tp_ranks, which pick each rank's RNG streams at another layout, agree with the
+  // slices of the tensors registered as tensor-parallel (Python models' weights and their
+  // optimizer state), as parse_manifest checks for ShardedModules' state.
+  for (const auto& e : entries_) {
+    if (!e.slice || !e.slice->tensor_parallel) continue;
+    auto it = context.manifest.tensors.find("extra/" + e.name);
+    if (it == context.manifest.tensors.end()) continue;  // reported above
+    if (auto contradiction = tensor_parallel_ranks_contradict(context.manifest, it->first, it->second))
+      problems.push_back(*contradiction);
   }
 }
 

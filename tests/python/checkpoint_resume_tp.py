@@ -11,6 +11,7 @@ fresh scheduler, trains the remaining steps on the same data, and compares every
 DIR/final.pt. The runs reduce their row-parallel partial products in different orders, so the
 comparison allows float32 rounding (rtol 1e-5); with the optimizer's state, the learning-rate
 schedule or a slice missed, the weights differ by far more (each was checked to fail this test).
+Before it, the same checkpoint with its tp_ranks forged (resealed) is refused, changing nothing.
 """
 import argparse
 import os
@@ -98,6 +99,41 @@ def check_consolidated(work_dir, ckpt_dir, model, opt):
     print(f"consolidated {len(tensors)} tensors from the TP 2 checkpoint: equal to the TP 1 load", flush=True)
 
 
+def check_forged_tp_ranks_refused(work_dir, ckpt_dir, ckpt, model, opt, comm):
+    """The checkpoint with its world's tp_ranks flipped (resealed, as a tool would): the shards'
+    slices contradict them (rank 1 holds slice 1, TP rank 1's), and a load at another layout would
+    follow them to give ranks the RNG streams of the wrong TP rank. Refused on every rank, the
+    fresh model and optimizer unchanged."""
+    import json
+    import xxhash
+    latest = torchloom.Checkpointer.find_latest(ckpt_dir)
+    forged = os.path.join(work_dir, f"forged_tp_ranks_{comm.size}", os.path.basename(latest))
+    if comm.rank == 0:
+        shutil.rmtree(os.path.dirname(forged), ignore_errors=True)
+        shutil.copytree(latest, forged)
+        path = os.path.join(forged, "manifest.json")
+        with open(path) as f:
+            manifest = json.load(f)
+        assert manifest["world"]["tp_ranks"] == [0, 1, 0, 1], manifest["world"]
+        manifest["world"]["tp_ranks"] = [1, 0, 1, 0]
+        manifest.pop("manifest_xxh3_64")
+        compact = json.dumps(manifest, separators=(",", ":"), ensure_ascii=False).encode()
+        manifest["manifest_xxh3_64"] = xxhash.xxh3_64_hexdigest(compact)
+        with open(path, "w") as f:
+            json.dump(manifest, f, indent=1)
+    comm.barrier().wait()
+    before = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    try:
+        ckpt.load(forged)
+        raise AssertionError(f"rank {comm.rank}: the checkpoint with forged tp_ranks loaded")
+    except torchloom.CheckpointError as e:
+        assert '"tp_ranks" makes rank ' in str(e), str(e)
+    assert not opt.state, "a refused load created optimizer state"
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), f"a refused load changed {k}"
+    print(f"rank {comm.rank}: forged tp_ranks refused, nothing changed", flush=True)
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--phase", choices=["save", "resume"], required=True)
@@ -135,6 +171,7 @@ def main():
         return 0
 
     assert not opt.state, "the fresh optimizer has no state before the load"
+    check_forged_tp_ranks_refused(args.dir, ckpt_dir, ckpt, model, opt, comm)
     info = ckpt.load_latest()
     assert info is not None and info.progress.step == SAVE_AT, info
     assert sched.last_epoch == SAVE_AT, sched.state_dict()

@@ -152,6 +152,10 @@ class Checkpointer {
     std::vector<int64_t> global_shape;
     int dim = -1;        // the split dimension
     int64_t offset = 0;  // where this rank's slice starts along `dim`
+    // A tensor-parallel slice: split tensor_parallel() ways, slice i (by offset) is TP rank i's.
+    // A load then refuses a checkpoint whose recorded TP ranks (which pick each rank's RNG streams
+    // at another layout) contradict the slices its shards hold, as it does for ShardedModules'.
+    bool tensor_parallel = false;
   };
   Checkpointer& tensor(const std::string& name, at::Tensor tensor, const Slice& slice);
   // Forgets a tensor registered with tensor() (state that no longer exists); false when none is.

@@ -161,7 +161,7 @@ class Checkpointer:
             if s is None:
                 self._impl.tensor(prefix + name, t.detach())
             else:
-                self._impl.tensor_slice(prefix + name, t.detach(), s[0], s[1], s[2])
+                self._impl.tensor_slice(prefix + name, t.detach(), s[0], s[1], s[2], tensor_parallel=True)
             self._params[id(t)] = _Param(prefix + name, t, s)
         return self
 
@@ -266,7 +266,8 @@ class Checkpointer:
         if slice_ is None:
             self._impl.tensor(key, t)
         else:
-            self._impl.tensor_slice(key, t, slice_[0], slice_[1], slice_[2])
+            # Every slice here follows a tensor-parallel layer's parameter (its optimizer state).
+            self._impl.tensor_slice(key, t, slice_[0], slice_[1], slice_[2], tensor_parallel=True)
         self._dynamic.append(key)
 
     def _forget_dynamic(self) -> None:
