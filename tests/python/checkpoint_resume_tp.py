@@ -104,23 +104,17 @@ def check_forged_tp_ranks_refused(work_dir, ckpt_dir, ckpt, model, opt, comm):
     slices contradict them (rank 1 holds slice 1, TP rank 1's), and a load at another layout would
     follow them to give ranks the RNG streams of the wrong TP rank. Refused on every rank, the
     fresh model and optimizer unchanged."""
-    import json
-    import xxhash
+    from manifest_seal import reseal
     latest = torchloom.Checkpointer.find_latest(ckpt_dir)
     forged = os.path.join(work_dir, f"forged_tp_ranks_{comm.size}", os.path.basename(latest))
     if comm.rank == 0:
         shutil.rmtree(os.path.dirname(forged), ignore_errors=True)
         shutil.copytree(latest, forged)
-        path = os.path.join(forged, "manifest.json")
-        with open(path) as f:
-            manifest = json.load(f)
-        assert manifest["world"]["tp_ranks"] == [0, 1, 0, 1], manifest["world"]
-        manifest["world"]["tp_ranks"] = [1, 0, 1, 0]
-        manifest.pop("manifest_xxh3_64")
-        compact = json.dumps(manifest, separators=(",", ":"), ensure_ascii=False).encode()
-        manifest["manifest_xxh3_64"] = xxhash.xxh3_64_hexdigest(compact)
-        with open(path, "w") as f:
-            json.dump(manifest, f, indent=1)
+
+        def flip(manifest):
+            assert manifest["world"]["tp_ranks"] == [0, 1, 0, 1], manifest["world"]
+            manifest["world"]["tp_ranks"] = [1, 0, 1, 0]
+        reseal(os.path.join(forged, "manifest.json"), flip)
     comm.barrier().wait()
     before = {k: v.detach().clone() for k, v in model.state_dict().items()}
     try:

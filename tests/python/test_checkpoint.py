@@ -1,10 +1,9 @@
 """Python checkpoints in one process (CTest runs it under mpirun -np 1): a run resumed from a
 checkpoint continues exactly as the uninterrupted run (model, any torch.optim optimizer with lazy
 state, an LR scheduler, the GradScaler); a load that fails changes nothing; an edited manifest is
-refused. The manifest is read and resealed here with the `xxhash` package, independently of the
+refused. The manifest is resealed by manifest_seal (the `xxhash` package), independently of the
 C++ writer."""
 import copy
-import json
 import os
 import re
 import shutil
@@ -12,9 +11,9 @@ import shutil
 import pytest
 import torch
 import torch.nn as nn
-import xxhash
 
 import torchloom
+from manifest_seal import reseal
 
 
 @pytest.fixture()
@@ -47,18 +46,6 @@ def steps(model, opt, sched, scaler, first, last):
         scaler.step(opt)
         scaler.update()
         sched.step()
-
-
-def reseal(path, change):
-    """Applies change(manifest) and recomputes the manifest's own checksum, as a tool would."""
-    with open(path) as f:
-        manifest = json.load(f)
-    change(manifest)
-    manifest.pop("manifest_xxh3_64", None)
-    compact = json.dumps(manifest, separators=(",", ":"), ensure_ascii=False).encode()
-    manifest["manifest_xxh3_64"] = xxhash.xxh3_64_hexdigest(compact)
-    with open(path, "w") as f:
-        json.dump(manifest, f, indent=1)
 
 
 @pytest.mark.parametrize("optimizer_kind", ["adamw", "sgd", "rmsprop"])
