@@ -77,6 +77,12 @@ run() {  # name, command...
   reports=$(grep -c -E "ERROR: (AddressSanitizer|LeakSanitizer)|runtime error:|WARNING: ThreadSanitizer" "$DIR/sanitize_$name.log" || true)
   printf '%-28s %-6s %3d s  %s sanitizer report(s)  (%s)\n' "$name" "$result" $((SECONDS - start)) "$reports" "$DIR/sanitize_$name.log"
   [[ "$reports" == 0 ]] || status=1
+  # What failed, where only this script's output is kept (CI): the failing tests, their messages and
+  # the fuzz seeds that replay them (LOOM_FUZZ_SEED), the first sanitizer report's opening lines.
+  if [[ "$result" == FAILED || "$reports" != 0 ]]; then
+    grep -E "\[  FAILED  \]|Failure|LOOM_FUZZ_SEED|^iteration|ERROR: (AddressSanitizer|LeakSanitizer)|runtime error:|WARNING: ThreadSanitizer" \
+      "$DIR/sanitize_$name.log" | head -40 | sed 's/^/    /' || true
+  fi
 }
 run metrics_server "$DIR/tests/loom_metrics_server_tests"
 if [[ "$SANITIZE" == thread ]]; then
