@@ -162,6 +162,9 @@ def _forge_optimizer_state_tensor(m):
      "the saved options are not valid for AdamW: Invalid learning rate"),
     (lambda m: m["objects"]["torch.optim/optimizer"]["param_groups"][0]["options"].update(betas="x"),
      "the saved options are not valid for AdamW"),
+    # One the constructor takes but float32 parameters cannot: the first step after it would fail.
+    (lambda m: m["objects"]["torch.optim/optimizer"]["param_groups"][0]["options"].update(weight_decay=1e308),
+     "option 'weight_decay' is 1e+308, which the parameters' dtype torch.float32 cannot hold"),
     # A tensor the checkpoint does not hold (the load used to fail on it after the model changed).
     (_forge_optimizer_state_tensor, "refers to tensor 'optim/nowhere/exp_avg', which the checkpoint does not hold"),
     # A scheduler value of the wrong kind.

@@ -532,6 +532,19 @@ def _check_options_on_scratch(optimizer: torch.optim.Optimizer, options: Dict[st
     except Exception as e:  # whatever the constructor raises for a bad value
         raise ValueError(f"optimizer parameter group {group}: the saved options are not valid for {cls.__name__}: "
                          f"{e}") from None
+    # A step hands each number to its parameters' kernels in their dtype: a value the dtype cannot
+    # hold (weight_decay 1e308 with float32 parameters) makes Adam's step raise and AdamW's turn
+    # every weight to -inf. Refused now, as the C++ loader refuses it.
+    dtypes = {p.dtype for p in optimizer.param_groups[group]["params"] if p.is_floating_point()}
+    for key, value in kwargs.items():
+        values = value if isinstance(value, (tuple, list)) else (value,)
+        for v in values:
+            if isinstance(v, bool) or not isinstance(v, (int, float)):
+                continue
+            for dtype in dtypes:
+                if abs(v) > torch.finfo(dtype).max:
+                    raise ValueError(f"optimizer parameter group {group}: option {key!r} is {v}, which the parameters' "
+                                     f"dtype {dtype} cannot hold (its steps would fail)")
 
 
 __all__ = ["Checkpointer", "CheckpointInfo", "SaveHandle", "TrainingProgress"]
