@@ -299,28 +299,23 @@ TEST(CheckpointDist, ShardsRecordTheirSlicesSoASwappedManifestIsRefused) {
   Checkpointer ca(world, {.directory = dir, .async = false});
   a.attach(ca);
   ca.save({.step = 2});
-  const std::string path = dir + "/step_000002/manifest.json";
-  const std::string original = ckpt::read_small_file(path, 1 << 24, "test");
+  test::SharedFile manifest_file(*world, dir + "/step_000002/manifest.json");
   for (bool whole_manifest : {false, true}) {
-    if (world->rank() == 0) {
-      auto manifest = nlohmann::ordered_json::parse(original);
-      for (auto& [name, record] : manifest["tensors"].items()) {
-        if (!(name == "model/head.weight" || (whole_manifest && record["slices"].size() == 2))) continue;
-        auto& slices = record["slices"];
-        EXPECT_EQ(slices.size(), 2u) << name;  // (not ASSERT: rank 0 alone here, the others wait below)
-        if (slices.size() == 2) std::swap(slices[0]["shard"], slices[1]["shard"]);
-      }
-      if (whole_manifest)
-        for (auto& tp_rank : manifest["world"]["tp_ranks"]) tp_rank = 1 - tp_rank.get<int>();
-      std::ofstream(path, std::ios::trunc) << ckpt::reseal_manifest(manifest.dump(1));
+    auto manifest = nlohmann::ordered_json::parse(manifest_file.original());
+    for (auto& [name, record] : manifest["tensors"].items()) {
+      if (!(name == "model/head.weight" || (whole_manifest && record["slices"].size() == 2))) continue;
+      auto& slices = record["slices"];
+      EXPECT_EQ(slices.size(), 2u) << name;
+      if (slices.size() == 2) std::swap(slices[0]["shard"], slices[1]["shard"]);
     }
-    world->barrier()->wait();
+    if (whole_manifest)
+      for (auto& tp_rank : manifest["world"]["tp_ranks"]) tp_rank = 1 - tp_rank.get<int>();
+    manifest_file.rewrite(ckpt::reseal_manifest(manifest.dump(1)));
     const std::string message = refused_load(ps, dir, 77);
     EXPECT_NE(message.find(whole_manifest ? "holds the slice at offset"
                                           : "of 2 of \"model/head.weight\" (tensor-parallel rank"),
               std::string::npos)
         << message;
-    world->barrier()->wait();  // every rank read the manifest before rank 0 writes the next one
   }
   cleanup(dir);
 }
@@ -337,16 +332,15 @@ TEST(CheckpointDist, TensorParallelRanksThatContradictTheShardsAreRefused) {
   Checkpointer ca(world, {.directory = dir, .async = false});
   a.attach(ca);
   ca.save({.step = 2});
-  if (world->rank() == 0) {
-    const std::string path = dir + "/step_000002/manifest.json";
-    auto manifest = nlohmann::ordered_json::parse(ckpt::read_small_file(path, 1 << 24, "test"));
+  {
+    test::SharedFile manifest_file(*world, dir + "/step_000002/manifest.json");
+    auto manifest = nlohmann::ordered_json::parse(manifest_file.original());
     auto& tp_ranks = manifest["world"]["tp_ranks"];
-    EXPECT_EQ(tp_ranks[0], 0);  // (not ASSERT: rank 0 alone here, the others wait below)
+    EXPECT_EQ(tp_ranks[0], 0);
     EXPECT_EQ(tp_ranks[1], 1);
     std::swap(tp_ranks[0], tp_ranks[1]);
-    std::ofstream(path, std::ios::trunc) << ckpt::reseal_manifest(manifest.dump(1));
+    manifest_file.rewrite(ckpt::reseal_manifest(manifest.dump(1)));
   }
-  world->barrier()->wait();
   for (int tp : {2, 1}) {
     const std::string message = refused_load(state(tp), dir, 78);
     // (Which rank's shard is named first depends on how the save spread the writes.)
@@ -410,8 +404,8 @@ TEST(CheckpointDist, HostileTrainingStateIsRefusedOnEveryRankChangingNothing) {
   a.attach(ca);
   const auto saved = snapshot(a);
   ca.save({.step = 2, .epoch = 1, .sample = 16});
-  const std::string path = dir + "/step_000002/manifest.json";
-  const std::string original = ckpt::read_small_file(path, 1 << 24, "test");
+  test::SharedFile manifest_file(*world, dir + "/step_000002/manifest.json");
+  const std::string& original = manifest_file.original();
 
   const uint64_t seed = test::fuzz_seed(*world, "training state forgery");
   SCOPED_TRACE("LOOM_FUZZ_SEED=" + std::to_string(seed));
@@ -428,8 +422,7 @@ TEST(CheckpointDist, HostileTrainingStateIsRefusedOnEveryRankChangingNothing) {
     nlohmann::ordered_json doc = nlohmann::ordered_json::parse(original);
     const std::string section = sections[rng() % std::size(sections)];
     test::replace_random_leaf(section == "accumulation" ? doc["progress"]["accumulation"] : doc[section], rng);
-    if (world->rank() == 0) std::ofstream(path, std::ios::trunc) << ckpt::reseal_manifest(doc.dump(1));
-    world->barrier()->wait();
+    manifest_file.rewrite(ckpt::reseal_manifest(doc.dump(1)));
     const auto before = snapshot(b);
     std::string refusal;
     try {
@@ -480,7 +473,6 @@ TEST(CheckpointDist, HostileTrainingStateIsRefusedOnEveryRankChangingNothing) {
       b.train(1, 100 + iterations);
       { auto half = b.accumulate->next(); }  // position 1 -> 0: differs from the checkpoint's
     }
-    world->barrier()->wait();  // every rank read the manifest before rank 0 writes the next one
     // At least 50 forgeries however slow the build (a sanitizer's), so that the share refused is
     // a share; then until the deadline.
     go = iterations + 1 < 50 ||

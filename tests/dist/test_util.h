@@ -9,6 +9,8 @@
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
+#include <fstream>
+#include <iterator>
 #include <random>
 #include <string>
 #include <unistd.h>
@@ -20,6 +22,7 @@
 #include "loom/comm/mpi.h"
 #include "loom/error.h"
 #include "loom/runtime.h"
+#include "../time_scale.h"
 
 namespace loom::test {
 
@@ -127,6 +130,58 @@ inline void cleanup(const std::string& dir) {
   world()->barrier()->wait();
   if (world()->rank() == 0) std::filesystem::remove_all(dir);
 }
+
+// A file that every rank reads and one rank rewrites, in the only safe order. Rank 0 reads it and
+// hands its bytes to every rank (`original()`); `rewrite` waits until every rank is done with what
+// it read before (a barrier), writes on rank 0 alone, and returns on every rank once the new bytes
+// are in place (a second barrier). A test that edits a file others read goes through this, never
+// through a write of its own: a rank rewriting a manifest while another still reads it made
+// CheckpointDist fail with "manifest.json is truncated" (tests/dist/check_shared_file_writes.py
+// refuses any other way of writing a file in these tests).
+//
+//   test::SharedFile manifest(*world, dir + "/step_000002/manifest.json");   // collective
+//   auto doc = nlohmann::ordered_json::parse(manifest.original());
+//   manifest.rewrite(ckpt::reseal_manifest(doc.dump(1)));                   // collective
+class SharedFile {
+ public:
+  SharedFile(Communicator& comm, std::string path) : comm_(comm), path_(std::move(path)) {
+    std::string bytes;
+    int64_t size = -1;
+    if (comm_.rank() == 0) {
+      std::ifstream in(path_, std::ios::binary);
+      if (in) {
+        bytes.assign(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+        size = static_cast<int64_t>(bytes.size());
+      }
+    }
+    size = broadcast_values(comm_, std::vector<int64_t>{size}, 0, {"shared file size"})[0];
+    if (size < 0) throw Error("test::SharedFile: rank 0 could not read " + path_);
+    at::Tensor data = at::empty({size}, at::kByte);
+    if (comm_.rank() == 0) std::copy(bytes.begin(), bytes.end(), data.data_ptr<uint8_t>());
+    comm_.broadcast(data, {0})->wait();
+    original_.assign(reinterpret_cast<const char*>(data.data_ptr<uint8_t>()), static_cast<size_t>(size));
+  }
+
+  const std::string& original() const { return original_; }
+  const std::string& path() const { return path_; }
+
+  // Collective: every rank's reads of the file are over, rank 0 writes `content`, every rank sees it.
+  void rewrite(const std::string& content) {
+    comm_.barrier()->wait();
+    if (comm_.rank() == 0) {
+      std::ofstream out(path_, std::ios::binary | std::ios::trunc);
+      out << content;
+      out.close();
+      EXPECT_TRUE(out.good()) << "writing " << path_;
+    }
+    comm_.barrier()->wait();
+  }
+
+ private:
+  Communicator& comm_;
+  std::string path_;
+  std::string original_;
+};
 
 // The seed of a fuzz test, the same on every rank: LOOM_FUZZ_SEED's if set (a replay), otherwise
 // rank 0's fresh one. Rank 0 prints it under `what`. Collective.

@@ -12,6 +12,9 @@ import sys
 
 import pytest
 
+# tests/time_scale.py (wall-clock bounds scaled to the machine) for the tests of this directory.
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
 RENDEZVOUS_TIMEOUT = datetime.timedelta(seconds=60)  # as LOOM_TIMEOUT in CTest: torch's default is 30 minutes
 
 

@@ -9,6 +9,7 @@ import torch.nn as nn
 
 import torchloom
 from conftest import RENDEZVOUS_TIMEOUT
+from time_scale import time_scale
 
 STEPS = 6
 MICRO = 2
@@ -355,7 +356,8 @@ def test_blocking_calls_release_the_gil(loom):
     comm.barrier().wait()
     during = [x for x in samples if start + 0.05 < x < end - 0.05]
     assert end - start > 0.5, end - start
-    assert len(during) > 0.3 * (end - start - 0.1) / 0.005, (len(during), end - start)
+    # (A share of the ticks the sampler would get alone: less where the cores are busy.)
+    assert len(during) > 0.3 / time_scale() * (end - start - 0.1) / 0.005, (len(during), end - start, time_scale())
 
 
 def test_checkpoint_round_trip(loom):

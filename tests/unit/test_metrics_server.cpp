@@ -18,6 +18,7 @@
 
 #include "loom/error.h"
 #include "train/metrics_server.h"
+#include "../time_scale.h"
 
 namespace {
 
@@ -139,7 +140,7 @@ TEST(MetricsServer, AnswersTheScrapeAndRefusesWhatIsNotOne) {
   const auto start = Clock::now();
   const std::string huge = request(server.port(), "GET /metrics HTTP/1.1\r\nX: " + std::string(100000, 'a'));
   EXPECT_EQ(status_line(huge), "HTTP/1.1 431 Request Header Fields Too Large");
-  EXPECT_LT(seconds_since(start), 1.0);
+  EXPECT_LT(seconds_since(start), loom::test::time_bound(1.0)) << loom::test::time_scale_note();
   // The server still answers afterwards.
   EXPECT_EQ(status_line(request(server.port(), "GET /metrics HTTP/1.1\r\n\r\n")), "HTTP/1.1 200 OK");
 }
@@ -151,13 +152,13 @@ TEST(MetricsServer, ASilentClientDelaysNoOtherScrapeAndIsClosedAtItsDeadline) {
   const auto start = Clock::now();
   for (int i = 0; i < 5; ++i)
     EXPECT_EQ(status_line(request(server.port(), "GET /metrics HTTP/1.1\r\n\r\n")), "HTTP/1.1 200 OK");
-  EXPECT_LT(seconds_since(start), 0.5) << "five scrapes behind a silent client";
+  EXPECT_LT(seconds_since(start), loom::test::time_bound(0.5)) << "five scrapes behind a silent client" << loom::test::time_scale_note();
   // The silent client is answered 408 and closed at the 1.5 s request deadline.
   const std::string reply = read_all(silent);
   const double closed_after = seconds_since(start);
   EXPECT_EQ(status_line(reply), "HTTP/1.1 408 Request Timeout");
   EXPECT_GT(closed_after, 1.0);
-  EXPECT_LT(closed_after, 3.0);
+  EXPECT_LT(closed_after, 1.5 + loom::test::time_bound(1.5)) << loom::test::time_scale_note();
   ::close(silent);
 }
 
@@ -186,13 +187,13 @@ TEST(MetricsServer, ASlowClientSendingAByteASecondIsCutOffAndDelaysNoOne) {
   for (int i = 0; i < 4; ++i) {
     const auto t = Clock::now();
     EXPECT_EQ(status_line(request(server.port(), "GET /metrics HTTP/1.1\r\n\r\n")), "HTTP/1.1 200 OK");
-    EXPECT_LT(seconds_since(t), 0.2) << "a scrape behind a slow client";
+    EXPECT_LT(seconds_since(t), loom::test::time_bound(0.2)) << "a scrape behind a slow client" << loom::test::time_scale_note();
     std::this_thread::sleep_for(std::chrono::milliseconds(300));
   }
   slowloris.join();
   EXPECT_TRUE(cut.load());
   EXPECT_LE(bytes_sent.load(), 3) << "the request deadline (1.5 s) should cut a byte-a-second client";
-  EXPECT_LT(seconds_since(start), 4.0);
+  EXPECT_LT(seconds_since(start), 1.5 + loom::test::time_bound(2.5)) << loom::test::time_scale_note();
   ::close(slow);
 }
 
@@ -216,7 +217,7 @@ TEST(MetricsServer, HundredConcurrentScrapesAllAnswered) {
   for (auto& t : clients) t.join();
   EXPECT_EQ(ok.load(), kClients);
   EXPECT_EQ(renders.load(), kClients);
-  EXPECT_LT(seconds_since(start), 5.0);
+  EXPECT_LT(seconds_since(start), loom::test::time_bound(5.0)) << loom::test::time_scale_note();
 }
 
 TEST(MetricsServer, StopsAtOnceWhateverTheClientsDo) {
@@ -233,11 +234,11 @@ TEST(MetricsServer, StopsAtOnceWhateverTheClientsDo) {
   std::this_thread::sleep_for(std::chrono::milliseconds(200));
   const auto start = Clock::now();
   server.reset();
-  EXPECT_LT(seconds_since(start), 0.1) << "the destructor waited on a client";
+  EXPECT_LT(seconds_since(start), loom::test::time_bound(0.1)) << "the destructor waited on a client" << loom::test::time_scale_note();
   // Every connection is closed: the silent one reads EOF (or a reset) at once.
   const auto t = Clock::now();
   read_all(silent);
-  EXPECT_LT(seconds_since(t), 1.0);
+  EXPECT_LT(seconds_since(t), loom::test::time_bound(1.0)) << loom::test::time_scale_note();
   for (int fd : {silent, slow, deaf}) ::close(fd);
 }
 

@@ -5,6 +5,8 @@
 #include <string>
 #include <vector>
 
+#include "../time_scale.h"
+
 #include "loom/topology/topology.h"
 
 namespace loom::topo::testing {
@@ -26,14 +28,8 @@ std::string parse_error_of(const std::function<void()>& f);
 // A simulated cluster: `nodes` copies of a fixture's node (hostnames node0..), as JSON text.
 std::string replicated_json(const std::string& fixture, int nodes);
 
-// The wall-clock bounds of these tests are the optimised build's; a sanitizer build (scripts/
-// sanitize.sh) runs the same code several times slower, so it gets three times the time.
-inline double time_bound(double seconds) {
-#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
-  return 3 * seconds;
-#else
-  return seconds;
-#endif
-}
+// The wall-clock bounds of these tests are the reference machine's, scaled to this one now and to
+// the build (tests/time_scale.h).
+using loom::test::time_bound;
 
 }  // namespace loom::topo::testing
