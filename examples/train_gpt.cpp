@@ -19,7 +19,8 @@
 // reported over fixed contiguous windows, beside what unigram, bigram and trigram count models
 // (Kneser-Ney) reach on the same bytes.
 //
-// Precision: bf16 autocast on the CPU; on a GPU fp16 autocast with loom::GradScaler (which skips
+// Precision (--precision auto): on a CPU bf16 autocast where the CPU does bf16 arithmetic (AVX512-BF16,
+// AMX), else fp32, as loom::cpu_bf16_support() finds and the first lines say; on a GPU fp16 autocast with loom::GradScaler (which skips
 // steps whose gradients overflow). Checkpoints (loom::Checkpointer): every --save-every steps and
 // at the end, written in the background; --resume continues from the newest complete one, and the
 // losses continue bit for bit as if the run had not stopped. The timeline (--timeline PREFIX, or
@@ -274,11 +275,24 @@ int train(Options o) {
   auto comm = rt->device_comm() ? rt->device_comm() : world;
   const c10::Device device = comm->device();
   const bool on_gpu = device.is_cuda();
-  if (o.precision == "auto") o.precision = on_gpu ? "fp16" : "bf16";
+  // The precision: fp16 with the scaler on a GPU; on a CPU bf16 only where the hardware does bf16
+  // arithmetic (elsewhere bf16 autocast converts through fp32 and runs several times slower).
+  const loom::CpuBf16Support cpu_bf16 = loom::cpu_bf16_support();
+  std::string precision_why;
+  if (o.precision == "auto") {
+    o.precision = on_gpu ? "fp16" : cpu_bf16.native ? "bf16" : "fp32";
+    precision_why = on_gpu ? "on a GPU: fp16 autocast with the grad scaler"
+                           : (cpu_bf16.native ? "bf16: " : "fp32, not bf16: ") + cpu_bf16.reason;
+  } else if (o.precision == "bf16" && !on_gpu && !cpu_bf16.native) {
+    precision_why = "bf16 as asked, but " + cpu_bf16.reason +
+                    "; expect it to run 3-5x slower than --precision fp32 (see README)";
+  }
   const bool use_scaler = o.scaler || o.precision == "fp16";
   const bool log = rank == 0 || o.all_ranks;
 
   // Data: bytes of real text; the held-out tail is never trained on.
+  // (The default corpus is named as the project names it, not by this machine's absolute path.)
+  const std::string data_name = o.data.empty() ? "examples/data/licenses.txt" : o.data;
   if (o.data.empty()) o.data = LOOM_EXAMPLE_DATA;
   const std::string text = read_text(o.data, o.data_bytes);
   const int64_t held_out_bytes = static_cast<int64_t>(o.held_out * static_cast<double>(text.size()));
@@ -362,8 +376,11 @@ int train(Options o) {
   if (log) {
     std::printf("train_gpt: %d ranks = TP %d x DP %d on %s; %s, %lld parameters on this rank\n", world->size(),
                 ps.tp_degree(), ps.dp_degree(), device.str().c_str(), o.precision.c_str(), (long long)parameters);
+    if (!precision_why.empty())
+      std::printf("  precision %s%s\n", precision_why.rfind("bf16 as asked", 0) == 0 ? "WARNING: " : "",
+                  precision_why.c_str());
     std::printf("  data: %s, %zu bytes (%lld held out); %lld layers, hidden %lld, %lld heads, vocabulary %lld\n",
-                o.data.c_str(), text.size(), (long long)held_out_bytes, (long long)o.layers, (long long)o.hidden,
+                data_name.c_str(), text.size(), (long long)held_out_bytes, (long long)o.layers, (long long)o.hidden,
                 (long long)o.heads, (long long)vocab);
     std::printf("  batch %lld x %lld bytes (%lld micro-batches per replica)%s%s\n", (long long)o.batch,
                 (long long)o.seq, (long long)o.accumulate, o.sequence_parallel ? ", sequence-parallel" : "",
@@ -727,7 +744,9 @@ int main(int argc, char** argv) {
   app.add_option("--seed", o.seed, "seed of the batches, the weights and dropout");
   app.add_option("--accumulate", o.accumulate, "micro-batches per step (gradient accumulation)")
       ->check(CLI::PositiveNumber);
-  app.add_option("--precision", o.precision, "auto (bf16 on CPU, fp16 + GradScaler on GPU), fp32, bf16 or fp16")
+  app.add_option("--precision", o.precision,
+                 "auto (fp16 + GradScaler on a GPU; on a CPU bf16 where it has bf16 arithmetic, else fp32), fp32, bf16 "
+                 "or fp16")
       ->check(CLI::IsMember({"auto", "fp32", "bf16", "fp16"}));
   app.add_flag("--scaler", o.scaler, "scale the loss with loom::GradScaler whatever the precision");
   app.add_option("--zero", o.zero, "ZeRO over the data-parallel group: 1 shards the optimizer state, 2 the gradients too")

@@ -1,10 +1,37 @@
 #include "loom/amp/autocast.h"
 
+#include <ATen/Version.h>
 #include <ATen/autocast_mode.h>
 
 #include "loom/error.h"
 
 namespace loom {
+
+CpuBf16Support cpu_bf16_support() {
+  CpuBf16Support s;
+  // LibTorch's dispatch level, as torch.backends.cpu.get_cpu_capability() reports it: the CPU's
+  // best, or lower where ATEN_CPU_CAPABILITY says so. Its bfloat16 kernels use the hardware's
+  // bfloat16 instructions only at AVX512 and above.
+  s.capability = at::get_cpu_capability();
+  const bool avx512_kernels = s.capability.rfind("AVX512", 0) == 0;
+#if defined(__x86_64__) || defined(__i386__)
+  // AMX-BF16 CPUs (Sapphire Rapids and later) have AVX512-BF16 too.
+  const bool bf16_instructions = __builtin_cpu_supports("avx512bf16");
+#else
+  const bool bf16_instructions = false;  // not detected on this architecture: the safe choice is fp32
+#endif
+  s.native = avx512_kernels && bf16_instructions;
+  if (s.native)
+    s.reason = "LibTorch's CPU kernels are " + s.capability + " and the CPU has AVX512-BF16";
+  else if (!bf16_instructions)
+    s.reason = "the CPU has no bfloat16 arithmetic (no AVX512-BF16 or AMX; LibTorch's kernels are " + s.capability +
+               "): bf16 is emulated through fp32";
+  else
+    s.reason = "LibTorch's CPU kernels are " + s.capability +
+               " (ATEN_CPU_CAPABILITY), below the AVX512 kernels that use the CPU's AVX512-BF16: bf16 is emulated "
+               "through fp32";
+  return s;
+}
 
 AutocastGuard::AutocastGuard(c10::DeviceType device, c10::ScalarType dtype, bool enabled)
     : device_(device),
