@@ -502,6 +502,23 @@ void Communicator::on_timeout(const std::shared_ptr<Work>& work) {
   fail(work, std::make_exception_ptr(TimeoutError(message)), message);
 }
 
+void Communicator::on_early_check(const std::shared_ptr<Work>& work, double elapsed_seconds) {
+  const OpInfo& info = work->info();
+  if (work->is_completed() || size_ == 1 || is_p2p(info.type)) return;
+  const auto words = recorder_->find(info.internal, info.seq);
+  const uint64_t fingerprint = words ? static_cast<uint64_t>((*words)[7]) : 0;
+  const auto bound = std::clamp<Timeout>(info.timeout / 4, Timeout(100), Timeout(1000));
+  auto answers = detail::peers::ask(members_, {peer_key_, info.internal, info.seq}, Work::Clock::now() + bound);
+  if (!answers) return;
+  const std::string conflicts = detail::peers::conflicting_calls(members_, rank_, info, fingerprint, *answers);
+  if (conflicts.empty() || work->is_completed()) return;
+  const std::string message = info.describe() + ": collective mismatch: this rank called " + info.signature() +
+                              " but " + conflicts + " (found by asking the other ranks after " +
+                              detail::seconds_text(elapsed_seconds) + " s; the timeout of " +
+                              detail::seconds_text(info.timeout) + " s cannot resolve it)";
+  fail(work, std::make_exception_ptr(MismatchError(message)), message);
+}
+
 void Communicator::on_stall(const std::shared_ptr<Work>& work, double elapsed_seconds) {
   if (work->is_completed()) return;
   const std::string why = diagnose(work->info());

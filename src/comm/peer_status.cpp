@@ -79,6 +79,22 @@ std::optional<std::vector<std::optional<Answer>>> ask(const std::vector<int>& ra
   return transport(ranks, query, deadline);
 }
 
+std::string conflicting_calls(const std::vector<int>& members, int self, const OpInfo& mine, uint64_t my_fingerprint,
+                              const std::vector<std::optional<Answer>>& answers) {
+  const SignatureWords own = signature_words(mine, my_fingerprint);
+  std::ostringstream different;
+  for (size_t r = 0; r < members.size() && r < answers.size(); ++r) {
+    if (static_cast<int>(r) == self) continue;
+    const auto& a = answers[r];
+    if (!a || !a->known || a->last_called < static_cast<int64_t>(mine.seq) || !a->called) continue;
+    // All but the rolling fingerprint: a different history with the same call still completes.
+    if (std::equal(own.begin(), own.end() - 1, a->called->begin())) continue;
+    different << (different.tellp() == 0 ? "" : ", ") << "rank " << members[r] << " called "
+              << info_from_words(*a->called).signature();
+  }
+  return different.str();
+}
+
 std::string describe_laggards(const std::vector<int>& members, int self, const OpInfo& mine, uint64_t my_fingerprint,
                               const std::vector<std::optional<Answer>>& answers) {
   const SignatureWords own = signature_words(mine, my_fingerprint);
@@ -100,9 +116,7 @@ std::string describe_laggards(const std::vector<int>& members, int self, const O
       add(behind, who + (a->last_called < 0 ? std::string(" (called nothing on it yet)")
                                             : " (last called " + numbering + std::to_string(a->last_called) + ")"));
       ++behind_count;
-    } else if (a->called && !std::equal(own.begin(), own.end() - 1, a->called->begin())) {
-      add(different, "rank " + who + " called " + info_from_words(*a->called).signature());
-    } else if (a->called && (*a->called)[7] != own[7]) {
+    } else if (a->called && (*a->called)[7] != own[7] && std::equal(own.begin(), own.end() - 1, a->called->begin())) {
       add(different, "rank " + who + " made the same call after different earlier ones (fingerprints differ)");
     }
   }
@@ -111,9 +125,10 @@ std::string describe_laggards(const std::vector<int>& members, int self, const O
   if (silent_count > 0)
     text += (text.empty() ? "" : "; ") + std::string(silent_count == 1 ? "no answer from rank " : "no answer from ranks ") +
             silent.str() + " (stopped, dead, or not running torchloom)";
-  if (different.tellp() > 0)
+  const std::string conflicts = conflicting_calls(members, self, mine, my_fingerprint, answers);
+  if (!conflicts.empty() || different.tellp() > 0)
     text += (text.empty() ? "" : "; ") + std::string("mismatch: this rank called ") + mine.signature() + " but " +
-            different.str();
+            conflicts + (conflicts.empty() || different.tellp() == 0 ? "" : ", ") + different.str();
   if (text.empty()) text = "every rank has called it (the operation itself is slow or stuck in the network)";
   return text;
 }

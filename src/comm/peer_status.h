@@ -58,6 +58,12 @@ void clear_transport();
 std::optional<std::vector<std::optional<Answer>>> ask(const std::vector<int>& ranks, const Query& query,
                                                       Clock::time_point deadline);
 
+// The peers that called another operation at `mine`'s sequence number, as "rank 3 called
+// barrier(seq=7), rank 5 called ..."; empty when none did. Such a call can never be matched:
+// waiting for the timeout cannot resolve it.
+std::string conflicting_calls(const std::vector<int>& members, int self, const OpInfo& mine, uint64_t my_fingerprint,
+                              const std::vector<std::optional<Answer>>& answers);
+
 // "ranks not arrived: 1 (last called seq=76), 3 (no answer: stopped, dead or not in torchloom)";
 // "rank 2 called broadcast(...) at seq=77" for a rank that called something else. `members` are
 // job ranks by group rank; `self` is this process's group rank; `mine` is the stuck call.

@@ -8,6 +8,14 @@
 #include "loom/log.h"
 
 namespace loom::detail {
+namespace {
+
+// The first check for a mismatch, after an operation started: long enough that a collective whose
+// ranks merely arrive at different times costs no question, short enough that diverged ranks
+// fail within a second or two.
+constexpr double kFirstEarlyCheckSeconds = 0.5;
+
+}  // namespace
 
 Watchdog& Watchdog::instance() {
   // Never destroyed: works may still be registered while static destructors run at exit.
@@ -59,7 +67,7 @@ void Watchdog::run() {
       std::weak_ptr<Communicator> comm;
       std::shared_ptr<Work> work;
       double elapsed;
-      bool expired;
+      enum { kExpired, kStalled, kEarlyCheck } what;
     };
     std::vector<Due> due;
     // Drop the communicators that are gone; the others' unfinished works are read unlocked.
@@ -71,6 +79,7 @@ void Watchdog::run() {
 
     // is_completed() may poll a device event or take the work's own lock; never ours.
     std::map<std::pair<const Work*, uint64_t>, int> warned;  // stall warnings of works still unfinished
+    std::map<std::pair<const Work*, uint64_t>, int> checked;  // early mismatch checks of works still unfinished
     const auto now = Clock::now();
     for (const auto& weak : comms) {
       std::vector<std::shared_ptr<Work>> unfinished;
@@ -82,7 +91,7 @@ void Watchdog::run() {
         const double elapsed = std::chrono::duration<double>(now - *started).count();
         const double timeout = std::chrono::duration<double>(work->info().timeout).count();
         if (elapsed >= timeout) {
-          due.push_back({weak, work, elapsed, true});
+          due.push_back({weak, work, elapsed, Due::kExpired});
           continue;
         }
         // The key has the sequence number too: a finished work's address may be reused.
@@ -91,18 +100,28 @@ void Watchdog::run() {
         int warnings = it == warnings_.end() ? 0 : it->second;
         if (stall_fraction > 0 && warnings < 3 && elapsed >= stall_fraction * timeout * (warnings + 1)) {
           ++warnings;
-          due.push_back({weak, work, elapsed, false});
+          due.push_back({weak, work, elapsed, Due::kStalled});
         }
         if (warnings > 0) warned[key] = warnings;
+        // Mismatch checks at 0.5 s, 1, 2, 4, ... s: a handful per long wait, none for a quick one.
+        auto c = early_checks_.find(key);
+        int checks = c == early_checks_.end() ? 0 : c->second;
+        if (checks < 16 && elapsed >= kFirstEarlyCheckSeconds * static_cast<double>(1 << checks)) {
+          ++checks;
+          due.push_back({weak, work, elapsed, Due::kEarlyCheck});
+        }
+        if (checks > 0) checked[key] = checks;
       }
     }
     warnings_.swap(warned);
+    early_checks_.swap(checked);
     for (auto& d : due) {
       auto comm = d.comm.lock();
       if (!comm) continue;
       try {
-        if (d.expired) comm->on_timeout(d.work);
-        else comm->on_stall(d.work, d.elapsed);
+        if (d.what == Due::kExpired) comm->on_timeout(d.work);
+        else if (d.what == Due::kStalled) comm->on_stall(d.work, d.elapsed);
+        else comm->on_early_check(d.work, d.elapsed);
       } catch (const std::exception& e) {
         LOOM_LOG(error, "watchdog: handling " << d.work->info().describe() << " failed: " << e.what());
       }

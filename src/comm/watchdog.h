@@ -2,7 +2,10 @@
 // anyone waits on it. The comm core registers each operation at submission; its deadline runs
 // from when it starts (an operation queued behind a slow one is not charged for the wait). On
 // expiry the watchdog hands the operation back to its communicator (which reports and applies
-// the error policy); at fractions of the timeout (LOOM_STALL_WARNING) it asks for a warning.
+// the error policy); at fractions of the timeout (LOOM_STALL_WARNING) it asks for a warning; and
+// 0.5 s after the start, then at 1, 2, 4, ... s, it has the communicator ask the other members what
+// they called at that sequence number, so that ranks whose code paths diverged (one in all_reduce,
+// another in barrier) fail at once with the mismatch instead of waiting for the timeout.
 // The watchdog only detects; ending the job is the job aborter's (abort.h), on its own thread.
 #pragma once
 
@@ -54,6 +57,7 @@ class Watchdog {
   std::condition_variable wake_;
   std::vector<std::weak_ptr<Communicator>> watched_;
   std::map<std::pair<const Work*, uint64_t>, int> warnings_;  // stall warnings given (watchdog thread only)
+  std::map<std::pair<const Work*, uint64_t>, int> early_checks_;  // mismatch checks made (watchdog thread only)
   std::vector<std::function<bool()>> periodic_;
   std::thread thread_;
 };

@@ -15,6 +15,9 @@ import subprocess
 import sys
 import time
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from time_scale import time_bound, time_scale_note  # noqa: E402  (tests/time_scale.py)
+
 T = 2.0  # LOOM_TIMEOUT for the scenarios: short, so the suite stays fast
 CRASHES = ["Segmentation fault", "signal 11", "double free", "corruption", "munmap_chunk", "terminate called",
            "signal 6 (Aborted)"]
@@ -67,6 +70,18 @@ SCENARIOS = {
         victim=lambda v, n: expect("MismatchError", 0, 1.0,
                                    "collective mismatch: this rank called broadcast(seq=0, dtype=Double, numel=12, "
                                    "root=0) but rank 0 called all_reduce(seq=0, dtype=Float, numel=24, op=sum)")),
+    # Diverged code paths (barrier on some ranks, all_reduce on another, at seq 1) under the default
+    # configuration (600 s timeout, abort on error): every rank learns it by asking the others
+    # (0.5 s after the call), fails within 2 s with both calls named, and the job ends.
+    "diverged_collectives": dict(
+        env={}, keep_default_timeout=True, success=False,
+        survivors=lambda r, n: expect("MismatchError", 0, 2.0,
+                                      "collective mismatch: this rank called barrier(seq=1)",
+                                      f"but rank {n - 1} called all_reduce(seq=1, dtype=Float, numel=24, op=sum)",
+                                      "the timeout of 600.0 s cannot resolve it"),
+        victim=lambda v, n: expect("MismatchError", 0, 2.0,
+                                   "collective mismatch: this rank called all_reduce(seq=1, dtype=Float, numel=24, "
+                                   "op=sum) but rank 0 called barrier(seq=1)")),
     # Without LOOM_CHECK_COLLECTIVES: the always-on check before host collectives of >= 256 bytes.
     "size_mismatch": size_mismatch(1024, 2048),
     "dtype_mismatch": dict(
@@ -309,9 +324,9 @@ def main():
         # line is timestamped as it arrives.
         if leaving_at is None:
             failures.append("the victim never reached its departure")
-        elif ended_at - leaving_at > spec["ends_within"]:
+        elif ended_at - leaving_at > time_bound(spec["ends_within"]):
             failures.append(f"the job ended {ended_at - leaving_at:.1f} s after the victim left, expected at most "
-                            f"{spec['ends_within']} s")
+                            f"{time_bound(spec['ends_within']):.1f} s{time_scale_note()}")
         else:
             print(f"the job ended {ended_at - leaving_at:.2f} s after the victim left")
     for r in range(n - 1):
@@ -335,15 +350,17 @@ def main():
         if make:
             expected[r] = make(r, n)
     for rank, e in expected.items():
-        if rank not in results and e["kind"] == "TimeoutError" and spec["env"].get("LOOM_ON_ERROR") == "abort":
+        aborts = spec["env"].get("LOOM_ON_ERROR", "abort") == "abort"  # (abort is the default)
+        if rank not in results and e["kind"] in ("TimeoutError", "MismatchError") and aborts:
             # With LOOM_ON_ERROR=abort a waiter may itself be running the collective (the
             # submit-then-wait fast path) and so cannot raise: the watchdog's logged error and
             # the job's end are the report, as with c10d's asynchronous error handling.
+            found_after = r"(?:timed out after|found by asking the other ranks after) ([\d.]+) s"
             logged = [line for line in output.splitlines()
-                      if f"[rank {rank}/" in line and "[error]" in line and "timed out after" in line]
+                      if f"[rank {rank}/" in line and "[error]" in line and re.search(found_after, line)]
             if logged:
-                m = re.search(r"timed out after ([\d.]+) s", logged[0])
-                results[rank] = ("TimeoutError", float(m.group(1)), logged[0])
+                m = re.search(found_after, logged[0])
+                results[rank] = (e["kind"], float(m.group(1)), logged[0])
         if rank not in results:
             failures.append(f"rank {rank} reported nothing (expected {e['kind']})")
             continue
@@ -351,8 +368,12 @@ def main():
         kinds = e["kind"] if isinstance(e["kind"], tuple) else (e["kind"],)
         if got_kind not in kinds:
             failures.append(f"rank {rank}: expected {' or '.join(kinds)}, found {got_kind}: {message}")
-        if not (e["low"] <= elapsed <= e["high"]):
-            failures.append(f"rank {rank}: reported after {elapsed:.3f} s, expected between {e['low']} and {e['high']} s")
+        # The upper bound is the reference machine's: what lies beyond the lower one (the timeout
+        # itself, for a TimeoutError) is scaled to this machine now (tests/time_scale.py).
+        high = e["low"] + time_bound(e["high"] - e["low"])
+        if not (e["low"] <= elapsed <= high):
+            failures.append(f"rank {rank}: reported after {elapsed:.3f} s, expected between {e['low']} and "
+                            f"{high:.2f} s{time_scale_note()}")
         for part in e["parts"]:
             if part not in message:
                 failures.append(f"rank {rank}: message lacks '{part}': {message}")

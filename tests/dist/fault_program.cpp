@@ -175,6 +175,14 @@ int main(int argc, char** argv) {
       at::Tensor other = at::ones({12}, at::kDouble);
       run_and_report(rank, [&] { comm->broadcast(other, {0})->wait(); });
     }
+  } else if (scenario == "diverged_collectives") {
+    // A code path that diverged: the victim calls all_reduce where the others call barrier, at the
+    // same sequence number, under the default timeout. No in-band check compares the two; asking
+    // the other ranks shows it, and every rank fails within a second or two instead of 600 s.
+    comm->barrier()->wait();  // a healthy collective first (seq 0)
+    if (rank == victim) run_and_report(rank, [&] { comm->all_reduce(t)->wait(); });
+    else run_and_report(rank, [&] { comm->barrier()->wait(); });
+    std::this_thread::sleep_for(std::chrono::seconds(60));  // the abort (LOOM_ON_ERROR's default) ends the job first
   } else if (scenario == "size_mismatch" || scenario == "small_size_mismatch" || scenario == "dtype_mismatch" ||
              scenario == "op_mismatch") {
     // No LOOM_CHECK_COLLECTIVES: the always-on check (host collectives of 256 bytes and more, and

@@ -170,6 +170,9 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
   std::vector<std::shared_ptr<Work>> unfinished_works();
   void on_timeout(const std::shared_ptr<Work>& work);
   void on_stall(const std::shared_ptr<Work>& work, double elapsed_seconds);
+  // Soon after an operation starts waiting, and at doubling intervals: when a member has called
+  // another operation at its sequence number, no wait can resolve it; fail it now (MismatchError).
+  void on_early_check(const std::shared_ptr<Work>& work, double elapsed_seconds);
 
   int rank_;
   int size_;
