@@ -13,6 +13,9 @@
 #include <ATen/ops/empty.h>
 #include <ATen/ops/tensor.h>
 
+#include <netdb.h>
+#include <sys/socket.h>
+
 #include <algorithm>
 #include <condition_variable>
 #include <cstdlib>
@@ -23,6 +26,7 @@
 #include <thread>
 
 #include "comm/abort.h"
+#include "comm/durations.h"
 #include "comm/fingerprint.h"
 #include "comm/op.h"
 #include "comm/store_status_channel.h"
@@ -468,6 +472,46 @@ int integer(const char* name, long lo, long hi) {
   return static_cast<int>(value);
 }
 
+// The first line of a library's message, at most 200 bytes (c10d's carry a backtrace).
+std::string first_line(const std::string& text) {
+  std::string line = text.substr(0, text.find('\n'));
+  return line.size() > 200 ? line.substr(0, 200) + "..." : line;
+}
+
+// Every rank checks in under its own key; each waits until all have, up to the connect timeout,
+// then names the ranks that never came (Gloo's own wait would only list its key names).
+void wait_for_every_rank(c10d::Store& store, const Rendezvous& r, const std::string& where) {
+  const auto start = std::chrono::steady_clock::now();
+  const auto deadline = start + r.connect_timeout;
+  try {
+    store.set("arrived/" + std::to_string(r.rank), std::vector<uint8_t>{1});
+    if (store.add("arrivals", 1) >= r.size) return;
+    auto pause = std::chrono::milliseconds(1);
+    while (std::chrono::steady_clock::now() < deadline) {
+      std::this_thread::sleep_for(pause);
+      pause = std::min(pause * 2, std::chrono::milliseconds(100));
+      if (store.add("arrivals", 0) >= r.size) return;
+    }
+  } catch (const std::exception& e) {
+    throw CommError(ErrorContext("init")("the env:// rendezvous at " + where + " failed while waiting for the " +
+                                         std::to_string(r.size) + " ranks: " + first_line(e.what())));
+  }
+  // Who is missing: the first few, by rank.
+  std::string missing;
+  int count = 0;
+  for (int rank = 0; rank < r.size; ++rank) {
+    if (store.check({"arrived/" + std::to_string(rank)})) continue;
+    if (++count <= 16) missing += (missing.empty() ? "" : ", ") + std::to_string(rank);
+  }
+  if (count > 16) missing += ", ... (" + std::to_string(count) + " in all)";
+  const std::string seconds = detail::seconds_text(std::chrono::steady_clock::now() - start);
+  throw TimeoutError(ErrorContext("init")(
+      "the env:// rendezvous at " + where + " (attempt " + std::to_string(r.generation) + ") timed out after " +
+      seconds + " s (LOOM_TIMEOUT): " + (count == 1 ? "rank " : "ranks ") + missing + " of WORLD_SIZE=" +
+      std::to_string(r.size) + " never arrived (not started, or started with another MASTER_ADDR, MASTER_PORT or "
+      "WORLD_SIZE)"));
+}
+
 }  // namespace
 
 bool compiled() { return true; }
@@ -481,6 +525,22 @@ Rendezvous rendezvous_from_environment() {
   const char* agent = std::getenv("TORCHELASTIC_USE_AGENT_STORE");
   r.agent_store = agent != nullptr && std::string(agent) == "True";
   if (const char* ifname = std::getenv("GLOO_SOCKET_IFNAME"); ifname != nullptr) r.interface = ifname;
+  // torchrun numbers its attempts; loomrun's restarts set both.
+  for (const char* name : {"TORCHELASTIC_RESTART_COUNT", "LOOM_RESTART_COUNT"})
+    if (std::getenv(name) != nullptr) {
+      r.generation = integer(name, 0, 1 << 20);
+      break;
+    }
+  // A name that does not resolve never will: say so now rather than after the connect timeout.
+  addrinfo hints{};
+  hints.ai_socktype = SOCK_STREAM;
+  addrinfo* found = nullptr;
+  const int error = ::getaddrinfo(r.master_addr.c_str(), nullptr, &hints, &found);
+  if (found != nullptr) ::freeaddrinfo(found);
+  if (error == EAI_NONAME || error == EAI_FAIL)
+    throw ConfigError(ErrorContext("init")("MASTER_ADDR='" + r.master_addr.substr(0, 64) +
+                                           "' does not resolve to an address (" + ::gai_strerror(error) +
+                                           "): expected the host name or address of rank 0's machine"));
   return r;
 }
 
@@ -495,15 +555,21 @@ std::shared_ptr<Communicator> world_communicator(const Rendezvous& r, const Comm
     o.waitWorkers = false;
     o.timeout = r.connect_timeout;
     o.multiTenant = !r.agent_store;
+    const std::string where = r.master_addr + ":" + std::to_string(r.master_port);
     try {
       state.tcp = c10::make_intrusive<c10d::TCPStore>(r.master_addr, o);
     } catch (const std::exception& e) {
-      throw CommError(ErrorContext("init")("the env:// rendezvous at " + r.master_addr + ":" +
-                                           std::to_string(r.master_port) + " failed (" +
-                                           (o.isServer ? "serving" : "connecting") + "): " + e.what()));
+      const std::string who = r.agent_store ? "torchrun's agent (TORCHELASTIC_USE_AGENT_STORE=True)" : "rank 0";
+      throw CommError(ErrorContext("init")(
+          "the env:// rendezvous at " + where + " failed (" + (o.isServer ? "serving" : "connecting") + ", timeout " +
+          detail::seconds_text(r.connect_timeout) + " s): no store answered; expected " +
+          who + " to serve it there (" + first_line(e.what()) + ")"));
     }
-    // torchrun's agent store also holds its own keys; a prefix keeps torchloom's apart.
-    state.store = c10::make_intrusive<c10d::PrefixStore>("torchloom/", state.tcp);
+    // torchrun's agent store also holds its own keys, and keeps them across restarts: a prefix
+    // keeps torchloom's apart, and the attempt in it keeps each attempt's apart.
+    const std::string prefix = "torchloom/" + std::to_string(r.generation) + "/";
+    state.store = c10::make_intrusive<c10d::PrefixStore>(prefix, state.tcp);
+    wait_for_every_rank(*state.store, r, where);
     state.rendezvous = r;
     // The side channel (peer questions, departure notices) on a connection of its own whose
     // requests give up after 2 s, so a stopped store server cannot hold a watchdog poll for long.
@@ -513,7 +579,7 @@ std::shared_ptr<Communicator> world_communicator(const Rendezvous& r, const Comm
       channel.isServer = false;
       channel.timeout = std::chrono::seconds(2);
       auto channel_store = c10::make_intrusive<c10d::TCPStore>(r.master_addr, channel);
-      detail::store_status::start(c10::make_intrusive<c10d::PrefixStore>("torchloom/status/", channel_store), r.rank,
+      detail::store_status::start(c10::make_intrusive<c10d::PrefixStore>(prefix + "status/", channel_store), r.rank,
                                   r.size);
     } catch (const std::exception& e) {
       LOOM_LOG(warn, "no side channel (timeouts will not name the ranks not arrived): " << e.what());

@@ -7,6 +7,7 @@
 #include <chrono>
 #include <cstdlib>
 #include <exception>
+#include <map>
 #include <mutex>
 #include <set>
 
@@ -79,6 +80,20 @@ bool env_rendezvous(const World& world, const Environment& env) {
 // did say is checked against them.
 void complete_from_hostnames(World& world, Communicator& comm) {
   const std::vector<std::string> hosts = all_gather_strings(comm, world.hostname, {"layout from host names"});
+  // Two ranks of one host with the same LOCAL_RANK would share a GPU and a CPU share: refused by
+  // name on every rank (each one sees the same gathered values).
+  if (world.local_known) {
+    const auto locals = all_gather_values(comm, std::vector<int64_t>{world.local_rank}, {"local ranks"});
+    std::map<std::pair<std::string, int64_t>, size_t> first_with;
+    for (size_t b = 0; b < hosts.size(); ++b) {
+      const auto [first, fresh] = first_with.emplace(std::make_pair(hosts[b], locals[b]), b);
+      if (fresh) continue;
+      throw ConfigError(ErrorContext("init")(
+          "ranks " + std::to_string(first->second) + " and " + std::to_string(b) + " both run on host '" +
+          hosts[b].substr(0, 64) + "' with LOCAL_RANK=" + std::to_string(locals[b]) +
+          ": expected each rank of a host to have its own LOCAL_RANK, from 0 to LOCAL_WORLD_SIZE-1"));
+    }
+  }
   std::vector<std::string> order;
   int local_rank = 0, local_size = 0;
   for (int r = 0; r < static_cast<int>(hosts.size()); ++r) {
@@ -323,7 +338,9 @@ std::shared_ptr<Runtime> init(const InitOptions& options) {
   if (env_rendezvous(runtime->world_, env)) {
     // torchrun, PyTorchJob, any env:// launcher: no MPI; Gloo through LibTorch's TCPStore.
     log::set_rank(runtime->world_.rank, runtime->world_.size);
-    runtime->world_comm_ = gloo::world_communicator(gloo::rendezvous_from_environment(), options.comm);
+    gloo::Rendezvous rendezvous = gloo::rendezvous_from_environment();
+    if (config_problem.empty()) rendezvous.connect_timeout = runtime->config_.timeout;  // LOOM_TIMEOUT
+    runtime->world_comm_ = gloo::world_communicator(rendezvous, options.comm);
     complete_from_hostnames(runtime->world_, *runtime->world_comm_);
   } else {
     mpi::initialize();

@@ -1,8 +1,12 @@
 #!/usr/bin/env python3
-"""loomrun --max-restarts with a real training job: a rank of train_gpt is killed (SIGKILL) mid-run,
-loomrun starts the job again, train_gpt resumes from its newest complete checkpoint
-(--checkpoint-dir ... --resume) and ends with the same final loss, to the last digit, as the same
-run uninterrupted (--deterministic).
+"""loomrun --max-restarts (or torchrun --max-restarts, with --torchrun) with a real training job: a
+rank of train_gpt is killed (SIGKILL) mid-run, the launcher starts the job again, train_gpt resumes
+from its newest complete checkpoint (--checkpoint-dir ... --resume) and ends with the same final
+loss, to the last digit, as the same run uninterrupted under the same launcher (--deterministic).
+
+Under torchrun the restarted workers meet in the agent's store, which still holds the keys of the
+attempt that died: each attempt's keys are its own (TORCHELASTIC_RESTART_COUNT), or the new
+attempt's ranks connect to the dead one's Gloo addresses ("Connection refused") or wait for them.
 
 Measured per run, from the merged output's lines as they arrive:
   failure -> restart   the kill to loomrun's "starting it again" (mpirun noticing the dead rank and
@@ -11,7 +15,7 @@ Measured per run, from the merged output's lines as they arrive:
   resumed -> step      to the first step line after the restart
   failure -> step      the total: what --max-restarts costs on this machine
 
-Usage: check_restart.py --loomrun PATH --train-gpt PATH --work DIR [--runs N]
+Usage: check_restart.py (--loomrun PATH | --torchrun) --train-gpt PATH --work DIR [--runs N]
 Exit 0: every run passed; 1: a run failed.
 """
 import argparse
@@ -36,6 +40,7 @@ def environment():
     env.setdefault("OMP_NUM_THREADS", "1")
     env.setdefault("OMPI_MCA_btl", "self,vader,tcp")
     env.setdefault("OMPI_MCA_pml", "ob1")
+    env["LOGLEVEL"] = "INFO"  # torchrun's agent says at INFO that it restarts the worker group
     return env
 
 
@@ -49,16 +54,33 @@ def parent_of(pid):
         return int(f.read().rsplit(")", 1)[1].split()[1])
 
 
+def launch(args, *arguments):
+    """The command that starts train_gpt on 2 ranks with the launcher under test."""
+    if args.torchrun:
+        return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                *arguments, "--no-python", args.train_gpt]
+    return [args.loomrun, "-np", "2", *arguments, "--", args.train_gpt]
+
+
+# The launcher's line saying it starts the job again after the kill.
+RESTART_LINE = {
+    "loomrun": r"^loomrun: the job failed \(exit status 137 \(128 \+ signal 9\) after [\d.]+ s\); starting it again: "
+               r"restart 1 of 2, LOOM_RESTART_COUNT=1",
+    "torchrun": r"Worker group FAILED\. 2/2 attempts left; will restart worker group",
+}
+
+
 def rank_pid(train_gpt, rank, ancestor):
-    """The pid of train_gpt's rank `rank` (from its OMPI_COMM_WORLD_RANK) among `ancestor`'s
-    descendants: never a process of another job on this machine."""
+    """The pid of train_gpt's rank `rank` (from its OMPI_COMM_WORLD_RANK, or torchrun's RANK) among
+    `ancestor`'s descendants: never a process of another job on this machine."""
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
             with open(f"/proc/{pid}/cmdline", "rb") as f:
                 if f.read().split(b"\0")[0] != train_gpt.encode():
                     continue
             with open(f"/proc/{pid}/environ", "rb") as f:
-                if f"OMPI_COMM_WORLD_RANK={rank}".encode() not in f.read().split(b"\0"):
+                variables = f.read().split(b"\0")
+                if f"OMPI_COMM_WORLD_RANK={rank}".encode() not in variables and f"RANK={rank}".encode() not in variables:
                     continue
             up = int(pid)
             while up > 1 and up != ancestor:
@@ -72,8 +94,8 @@ def rank_pid(train_gpt, rank, ancestor):
 
 def one_run(args, ckpt):
     shutil.rmtree(ckpt, ignore_errors=True)
-    command = [args.loomrun, "-np", "2", "--max-restarts", "2", "--", args.train_gpt, "--steps", str(STEPS),
-               "--save-every", "20", "--checkpoint-dir", ckpt, "--resume"] + SMALL
+    command = launch(args, "--max-restarts", "2") + ["--steps", str(STEPS), "--save-every", "20", "--checkpoint-dir",
+                                                     ckpt, "--resume"] + SMALL
     job = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=environment())
     lines = []  # (arrival time, line)
     reader = threading.Thread(target=lambda: [lines.append((time.monotonic(), l)) for l in iter(job.stdout.readline, "")],
@@ -104,14 +126,14 @@ def one_run(args, ckpt):
     def first(pattern, after):
         return next(((t, l) for t, l in lines if t >= after and re.search(pattern, l)), (None, None))
 
-    restart_t, restart_line = first(r"^loomrun: the job failed \(exit status 137 \(128 \+ signal 9\) after [\d.]+ s\); starting it again: "
-                                    r"restart 1 of 2, LOOM_RESTART_COUNT=1", killed_at or 0)
+    launcher = "torchrun" if args.torchrun else "loomrun"
+    restart_t, restart_line = first(RESTART_LINE[launcher], killed_at or 0)
     resumed_t, resumed_line = first(r"^resumed from .*step_0*(\d+) at step (\d+)", restart_t or float("inf"))
     step_t, step_line = first(r"^step +\d+/", resumed_t or float("inf"))
     resumed_step = int(re.search(r"at step (\d+)", resumed_line).group(1)) if resumed_line else None
     first_step = int(re.match(r"step +(\d+)/", step_line).group(1)) if step_line else None
     ok = (killed_at is not None and restart_t is not None and resumed_step is not None and resumed_step >= 20 and
-          first_step == resumed_step + 1 and text.count("starting it again") == 1 and
+          first_step == resumed_step + 1 and len(re.findall(RESTART_LINE[launcher], text, re.M)) == 1 and
           (job.returncode == 0 or (job.returncode == 1 and "FAILED, the loss did not fall" in text)))
     if not ok:
         print("FAIL:", f"killed {'at ' + str(killed_at) if killed_at else 'nothing'}, exit {job.returncode}, restart line {restart_line!r}, resumed {resumed_line!r}, "
@@ -125,7 +147,9 @@ def one_run(args, ckpt):
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--loomrun", required=True)
+    which = parser.add_mutually_exclusive_group(required=True)
+    which.add_argument("--loomrun", help="loomrun's path: restart with loomrun --max-restarts")
+    which.add_argument("--torchrun", action="store_true", help="restart with torchrun --max-restarts")
     parser.add_argument("--train-gpt", required=True)
     parser.add_argument("--work", required=True)
     parser.add_argument("--runs", type=int, default=1)
@@ -134,7 +158,7 @@ def main():
     os.makedirs(args.work, exist_ok=True)
     ckpt = os.path.join(args.work, "restart_ckpt")
 
-    reference = subprocess.run([args.loomrun, "-np", "2", "--", args.train_gpt, "--steps", str(STEPS)] + SMALL,
+    reference = subprocess.run(launch(args) + ["--steps", str(STEPS)] + SMALL,
                                capture_output=True, text=True, timeout=240, env=environment())
     expected = final_loss(reference.stdout)
     print(f"uninterrupted: final loss {expected}")

@@ -43,10 +43,18 @@ struct Rendezvous {
   bool agent_store = false;
   // Gloo's network interface (GLOO_SOCKET_IFNAME); empty: the address the host name resolves to.
   std::string interface;
+  // How long connecting to the store and waiting for every rank may take (loom::init() passes
+  // LOOM_TIMEOUT); a rank that has not arrived by then is named.
   std::chrono::milliseconds connect_timeout{std::chrono::seconds(300)};
+  // The attempt of the job this process belongs to (TORCHELASTIC_RESTART_COUNT under torchrun,
+  // LOOM_RESTART_COUNT under loomrun; 0 otherwise). Every store key of torchloom's is under it, so a
+  // restarted job never reads the keys (Gloo addresses, arrivals) of an attempt that died, which
+  // torchrun's agent store keeps.
+  int generation = 0;
 };
 
-// From the environment. ConfigError naming the variable when one is missing or malformed.
+// From the environment. ConfigError naming the variable when one is missing or malformed, or when
+// MASTER_ADDR does not resolve.
 Rendezvous rendezvous_from_environment();
 
 // A communicator over every process of the job (collective: every rank calls it).
