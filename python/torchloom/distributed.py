@@ -15,8 +15,11 @@ What it does with torch's arguments:
 
 - The world is torchloom's: the creator starts torchloom (``torchloom.init()``) if the program did
   not, and refuses (``torchloom.ConfigError``) a rank or world size other than the launcher's.
-  torch.distributed still needs its own store (``MASTER_ADDR``/``MASTER_PORT`` or ``init_method``),
-  which torchloom does not use under mpirun.
+- The launch: under torchrun the env:// variables are there. Under ``mpirun`` or ``loomrun`` (Open
+  MPI, PMIx or Slurm's variables, and no ``RANK``/``MASTER_ADDR``), torch's default ``env://`` needs
+  nothing either: torchloom answers it, starting itself over MPI, taking the rank and world size
+  from it, and serving torch.distributed's store from rank 0 on a free port whose address it hands
+  to the others over MPI. ``init_method=`` and ``store=`` work as in torch.
 - Timeouts: torch's default (30 minutes) means torchloom's (``LOOM_TIMEOUT``); any other
   ``timeout=`` given to ``init_process_group``/``new_group`` applies to every operation of that
   group, and a per-call timeout to that call.
@@ -35,6 +38,8 @@ What it does with torch's arguments:
 from __future__ import annotations
 
 import datetime
+import os
+import socket
 
 import torch
 import torch.distributed as _dist
@@ -96,6 +101,65 @@ def _create_backend(opts, backend_options=None):
         "in) and new_group(use_local_synchronization=False)")
 
 
+# Variables a rank started by mpirun/loomrun (Open MPI, PMIx) or srun has, and torchrun's never has.
+_MPI_LAUNCH_VARIABLES = ("OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK", "SLURM_PROCID")
+
+
+def _launched_without_env_rendezvous() -> bool:
+    """An MPI (or Slurm) launch that set none of env://'s variables: torchloom serves env://."""
+    return (not any(os.environ.get(v) for v in ("RANK", "MASTER_ADDR")) and
+            any(os.environ.get(v) for v in _MPI_LAUNCH_VARIABLES))
+
+
+def _mpi_store(timeout: datetime.timedelta):
+    """torch.distributed's store for a job that MPI started: rank 0 serves a TCPStore on a free port
+    of its host, the others learn host and port from it over torchloom's world communicator."""
+    import torchloom
+    if not torchloom.is_initialized():
+        torchloom.init()
+    world = torchloom.world_comm()
+    server = None
+    address = torch.zeros(258, dtype=torch.uint8)  # port (2 bytes) and host name (up to 256 bytes)
+    if world.rank == 0:
+        host = socket.gethostname()
+        server = _dist.TCPStore(host, 0, world.size, True, timeout=timeout, wait_for_workers=False)
+        encoded = host.encode()[:256]
+        address[0], address[1] = server.port >> 8, server.port & 0xFF
+        address[2:2 + len(encoded)] = torch.tensor(list(encoded), dtype=torch.uint8)
+    world.broadcast(address, src=0)
+    if server is not None:
+        return server, world.rank, world.size
+    port = int(address[0]) << 8 | int(address[1])
+    host = bytes(address[2:][address[2:].nonzero().flatten()].tolist()).decode()
+    if host == socket.gethostname():
+        host = "127.0.0.1"  # the server listens on every interface; on rank 0's host, loopback reaches it
+    return _dist.TCPStore(host, port, world.size, False, timeout=timeout), world.rank, world.size
+
+
+def _env_rendezvous_or_mpi(torch_env_handler):
+    """env://, answered by torchloom under an MPI launch, by torch's own handler otherwise."""
+    def handler(url: str, timeout: datetime.timedelta = datetime.timedelta(minutes=30), **kwargs):
+        if not _launched_without_env_rendezvous():
+            yield from torch_env_handler(url, timeout=timeout, **kwargs)
+            return
+        yield _mpi_store(timeout)
+        raise RuntimeError("Unable to perform re-rendezvous using env:// method")
+    handler.torchloom_mpi = True
+    return handler
+
+
+def _serve_env_rendezvous_under_mpi() -> None:
+    # torch's register_rendezvous_handler refuses a scheme twice, and env:// is the default
+    # init_method: torchloom's handler takes env:// over, deferring to torch's unless MPI launched
+    # the job without env://'s variables.
+    import importlib
+    # (The module: torch.distributed's attribute of that name is its rendezvous() function.)
+    handlers = getattr(importlib.import_module("torch.distributed.rendezvous"), "_rendezvous_handlers", None)
+    if not isinstance(handlers, dict) or "env" not in handlers or getattr(handlers["env"], "torchloom_mpi", False):
+        return
+    handlers["env"] = _env_rendezvous_or_mpi(handlers["env"])
+
+
 def is_registered() -> bool:
     """True when torch.distributed knows the "loom" backend."""
     return _dist.is_available() and BACKEND_NAME in _dist.Backend.backend_list
@@ -105,6 +169,7 @@ def _register() -> None:
     if not _dist.is_available() or is_registered():
         return
     _dist.Backend.register_backend(BACKEND_NAME, _create_backend, extended_api=True, devices=["cpu", "cuda"])
+    _serve_env_rendezvous_under_mpi()
 
 
 _register()
