@@ -3,6 +3,7 @@
 #include <hwloc.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cctype>
 #include <cerrno>
 #include <charconv>
@@ -12,6 +13,7 @@
 #include <sstream>
 
 #include "launcher/launcher_args.h"
+#include "loom/topology/topology.h"
 
 namespace loom::launcher {
 
@@ -136,6 +138,16 @@ int local_core_count() {
   }
   if (cores <= 0) cores = static_cast<int>(sysconf(_SC_NPROCESSORS_ONLN));
   return cores > 0 ? cores : 1;
+}
+
+std::vector<int> local_cpu_ids() {
+  std::ifstream online("/sys/devices/system/cpu/online");
+  std::string text;
+  if (!std::getline(online, text)) return {};
+  auto cpus = topo::parse_cpu_list(text);
+  if (!cpus) return {};
+  std::sort(cpus->begin(), cpus->end());
+  return *cpus;
 }
 
 }  // namespace loom::launcher

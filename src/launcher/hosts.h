@@ -32,5 +32,7 @@ std::vector<Host> parse_hostfile(const std::string& path);
 // Physical cores of this machine (what mpirun counts as slots when no host is given); hwloc, with
 // the online CPU count as a fallback.
 int local_core_count();
+// This machine's online CPU ids, sorted (/sys/devices/system/cpu/online); empty when unknown.
+std::vector<int> local_cpu_ids();
 
 }  // namespace loom::launcher

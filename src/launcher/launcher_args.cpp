@@ -2,9 +2,12 @@
 
 #include <CLI/CLI.hpp>
 #include <cctype>
+#include <cerrno>
 #include <climits>
 #include <cmath>
 #include <cstdlib>
+#include <cstring>
+#include <filesystem>
 #include <set>
 #include <unistd.h>
 
@@ -32,6 +35,35 @@ std::string absolute_lexically(const std::string& path) {
 }
 
 // A value as shown in a message: its start, control characters as '?'.
+// --output-dir before anything starts: mpirun given a file, a dangling link or a directory it cannot
+// write complains and hangs. It must be a writable directory, or not exist under one.
+void check_output_dir(const std::string& dir) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  const fs::path path(dir);
+  const auto link = fs::symlink_status(path, ec);
+  if (!ec && fs::exists(link)) {
+    const auto target = fs::status(path, ec);
+    if (fs::is_symlink(link) && (ec || !fs::exists(target)))
+      throw UsageError("--output-dir " + dir + ": a symbolic link to nothing; expected a directory");
+    if (!fs::is_directory(target))
+      throw UsageError("--output-dir " + dir + ": exists and is not a directory; expected a directory (or a new path)");
+    if (::access(dir.c_str(), W_OK | X_OK) != 0)
+      throw UsageError("--output-dir " + dir + ": cannot write there (" + std::strerror(errno) + ")");
+    return;
+  }
+  // A new directory: mpirun creates it (and its missing parents) under the nearest existing one.
+  fs::path parent = path.parent_path();
+  while (!parent.empty() && !fs::exists(fs::symlink_status(parent, ec)) && parent != parent.parent_path())
+    parent = parent.parent_path();
+  if (parent.empty()) parent = ".";
+  if (!fs::is_directory(parent, ec))
+    throw UsageError("--output-dir " + dir + ": " + parent.string() + " is not a directory; expected a path under one");
+  if (::access(parent.c_str(), W_OK | X_OK) != 0)
+    throw UsageError("--output-dir " + dir + ": cannot create it in " + parent.string() + " (" +
+                     std::strerror(errno) + ")");
+}
+
 std::string shown(const std::string& text) {
   std::string out;
   for (char c : text.substr(0, 60)) out += (static_cast<unsigned char>(c) < 0x20 || c == 0x7f) ? '?' : c;
@@ -136,10 +168,13 @@ Parsed parse_arguments(const std::vector<std::string>& raw, const std::string& e
   CLI::App app{"loomrun: starts a torchloom job through mpirun (see docs/launcher.md)", "loomrun"};
   app.footer("Example: loomrun -np 16 -H node1:8,node2:8 --tp 2 -- ./train --epochs 3");
   std::string host_list;
-  app.add_option("-n,--np", o.np, "number of ranks (also -np)");
+  // CLI11 converts an empty word to 0 for a number: `--max-restarts ''` must not mean 0.
+  const CLI::Validator a_number(
+      [](std::string& text) { return text.empty() ? std::string("'': expected an integer") : std::string(); }, "INT");
+  app.add_option("-n,--np", o.np, "number of ranks (also -np)")->check(a_number);
   app.add_option("-H,--host", host_list, "hosts and slots: host1:8,host2:8");
   app.add_option("--hostfile", o.hostfile, "Open MPI hostfile (host slots=N per line)");
-  app.add_option("--tp", o.tp, "tensor-parallel degree (LOOM_TP)");
+  app.add_option("--tp", o.tp, "tensor-parallel degree (LOOM_TP)")->check(a_number);
   app.add_option("--topology", o.topology, "topology file: JSON, nvidia-smi topo -m text or NCCL XML (LOOM_TOPOLOGY)");
   app.add_option("--timeline", o.timeline, "timeline path prefix (LOOM_TIMELINE)");
   app.add_option("--timeout", o.timeout, "operation timeout in seconds (LOOM_TIMEOUT)");
@@ -150,7 +185,8 @@ Parsed parse_arguments(const std::vector<std::string>& raw, const std::string& e
   bool no_oversubscribe = false;
   app.add_flag("--no-oversubscribe", no_oversubscribe, "more ranks than slots is an error (default: --oversubscribe)");
   app.add_option("--mpirun", o.mpirun, "the mpirun to run (default: mpirun from PATH)");
-  app.add_option("--message-bytes", o.message_bytes, "with --plan: message size of the modelled all-reduce");
+  app.add_option("--message-bytes", o.message_bytes, "with --plan: message size of the modelled all-reduce")
+      ->check(a_number);
   // Listed for --help only: parse_arguments takes their values itself (above).
   std::vector<std::string> listed_only;
   app.add_option("-x", listed_only, "NAME or NAME=VALUE: set or forward a variable to every rank (repeatable)");
@@ -160,7 +196,8 @@ Parsed parse_arguments(const std::vector<std::string>& raw, const std::string& e
                  "one stdout and stderr file per rank under DIR/attempt_K/ (mpirun --output-filename)");
   app.add_flag("--tag-output", o.tag_output, "prefix each output line with its rank (mpirun --tag-output)");
   app.add_option("--max-restarts", o.max_restarts,
-                 "start the job again when it fails, up to N times (LOOM_RESTART_COUNT tells the ranks)");
+                 "start the job again when it fails, up to N times (LOOM_RESTART_COUNT tells the ranks)")
+      ->check(a_number);
   app.add_flag("--drop-dead-hosts", o.drop_dead_hosts,
                "with --max-restarts: before a restart, leave out the hosts that no longer answer (mpirun cannot start "
                "`true` there within 15 s) and run at the ranks the others hold, a multiple of --tp");
@@ -227,6 +264,7 @@ Parsed parse_arguments(const std::vector<std::string>& raw, const std::string& e
       throw UsageError("--output-dir " + shown(o.output_dir) +
                        ": a ':' in the path would be read by mpirun as directives (DIR:nocopy); choose another path");
     o.output_dir = absolute_lexically(o.output_dir);
+    if (!o.plan && !o.dry_run) check_output_dir(o.output_dir);
   }
   if ((o.json || !o.svg.empty()) && !o.plan)
     throw UsageError(std::string(o.json ? "--json" : "--svg") + " needs --plan");

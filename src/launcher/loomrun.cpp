@@ -112,6 +112,7 @@ int run(int argc, char** argv) {
     ctx.is_root = geteuid() == 0;
     ctx.local_slots = local_core_count();
     ctx.local_hostname = hostname();
+    ctx.local_cpus = local_cpu_ids();
     for (char** e = environ; *e; ++e) {
       std::string kv = *e;
       size_t eq = kv.find('=');

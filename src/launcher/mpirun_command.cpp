@@ -121,6 +121,17 @@ Launch build_launch(const Options& o, const LaunchContext& ctx) {
       if (!user.empty())
         throw UsageError("--mpi-arg " + user + " contradicts the rankfile loomrun writes from --topology's plan: "
                          "drop one of them");
+      // A rankfile naming CPUs the host lacks makes mpirun fail with nothing said: the CPUs of
+      // this machine's ranks are checked here (other hosts' are not known before the launch).
+      for (const auto& r : ranks) {
+        if (ctx.local_cpus.empty() || hosts[r.node].name != ctx.local_hostname) continue;
+        for (int cpu : r.cpus)
+          if (!std::binary_search(ctx.local_cpus.begin(), ctx.local_cpus.end(), cpu))
+            throw UsageError("--topology " + o.topology + " places rank " + std::to_string(r.rank) + " on CPUs " +
+                             topo::format_cpu_list(r.cpus).substr(0, 64) + " of host " + ctx.local_hostname +
+                             ", which has CPUs " + topo::format_cpu_list(ctx.local_cpus).substr(0, 64) +
+                             ": expected a topology file describing this machine (or drop --topology)");
+      }
       for (const auto& r : ranks)
         launch.rankfile += "rank " + std::to_string(r.rank) + "=" + hosts[r.node].name +
                            " slot=" + topo::format_cpu_list(r.cpus) + "\n";

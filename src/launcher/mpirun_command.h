@@ -21,6 +21,7 @@ struct LaunchContext {
   std::string local_hostname;                      // the rankfile names hosts; for a local job, this one
   std::map<std::string, std::string> environment;  // loomrun's: forwarded with -x, Slurm's allocation
   int attempt = 0;                                 // 0, then 1, 2... for each --max-restarts restart
+  std::vector<int> local_cpus;                     // this machine's online CPUs (empty: unknown, unchecked)
 };
 
 struct Launch {

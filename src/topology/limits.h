@@ -32,4 +32,19 @@ inline std::string exceeded(long long value, const std::string& what) {
   return "exceeds the limit of " + std::to_string(value) + " " + what + " (docs/limits.md)";
 }
 
+// A value read from the input, as a message quotes it: at most 40 bytes, control bytes as '?', and
+// its length when longer ("0000ffff,ffffffff,... (62914560 bytes)"), so a hostile file cannot make
+// an error message as large as itself.
+inline std::string quoted(const std::string& value, size_t at_most = 40) {
+  std::string shown;
+  for (size_t i = 0; i < value.size() && i < at_most; ++i)
+    shown += static_cast<unsigned char>(value[i]) < 0x20 ? '?' : value[i];
+  if (value.size() > at_most) shown += "... (" + std::to_string(value.size()) + " bytes)";
+  return shown;
+}
+
+// The longest message a ParseError carries; past it the message is cut (a safety net behind
+// quoted(): every parser's message stays bounded whatever it quotes).
+inline constexpr size_t kMessageBytes = 1024;
+
 }  // namespace loom::topo::limits

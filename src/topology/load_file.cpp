@@ -1,5 +1,6 @@
 #include <cerrno>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <sstream>
 
@@ -14,6 +15,11 @@ constexpr std::streamoff kMaxFileBytes = 64LL * 1024 * 1024;
 }  // namespace
 
 Topology load_topology_file(const std::string& path) {
+  // (An ifstream opens a directory, and its size reads as the largest offset.)
+  std::error_code ec;
+  const auto status = std::filesystem::status(path, ec);
+  if (!ec && std::filesystem::is_directory(status))
+    throw ParseError(path, 0, 0, "the topology file is a directory: expected a JSON, nvidia-smi topo -m or NCCL XML file");
   std::ifstream in(path, std::ios::binary);
   if (!in) throw ParseError(path, 0, 0, std::string("cannot open the topology file: ") + std::strerror(errno));
   in.seekg(0, std::ios::end);

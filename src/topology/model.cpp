@@ -4,6 +4,7 @@
 #include <stdexcept>
 
 #include "loom/topology/topology.h"
+#include "topology/limits.h"
 
 namespace loom::topo {
 
@@ -54,7 +55,13 @@ std::optional<Link> parse_link(std::string_view text) {
 }
 
 ParseError::ParseError(std::string source, int line, int column, const std::string& message)
-    : std::runtime_error(source + ":" + std::to_string(line) + ":" + std::to_string(column) + ": " + message),
+    : std::runtime_error(limits::quoted(source, 256) + ":" + std::to_string(line) + ":" + std::to_string(column) +
+                         ": " +
+                         (message.size() <= limits::kMessageBytes
+                              ? message
+                              : message.substr(0, limits::kMessageBytes) + "... (message cut at " +
+                                    std::to_string(limits::kMessageBytes) + " of its " +
+                                    std::to_string(message.size()) + " bytes)")),
       source_(std::move(source)),
       line_(line),
       column_(column) {}

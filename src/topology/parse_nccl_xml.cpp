@@ -67,14 +67,15 @@ class NcclXmlParser {
 
   int int_attribute(const XmlElement& e, std::string_view key, int base) const {
     const std::string* v = e.attribute(key);
-    if (!v) fail(e, "<" + e.name + "> has no '" + std::string(key) + "' attribute");
+    if (!v) fail(e, "<" + limits::quoted(e.name) + "> has no '" + std::string(key) + "' attribute");
     try {
       size_t used = 0;
       long value = std::stol(*v, &used, base);
       if (used != v->size() || value < 0 || value > 1000000) throw std::invalid_argument("range");
       return static_cast<int>(value);
     } catch (const std::exception&) {
-      fail(e, "<" + e.name + "> " + std::string(key) + "=\"" + *v + "\": expected a non-negative integer");
+      fail(e, "<" + limits::quoted(e.name) + "> " + std::string(key) + "=\"" + limits::quoted(*v) +
+                 "\": expected a non-negative integer");
     }
   }
 
@@ -94,7 +95,7 @@ class NcclXmlParser {
     for (size_t w = 0; w < words.size(); ++w) {
       const std::string& word = words[words.size() - 1 - w];
       if (word.empty() || word.size() > 8 || word.find_first_not_of("0123456789abcdefABCDEF") != std::string::npos)
-        fail(e, "<cpu> affinity=\"" + mask + "\": expected comma-separated 32-bit hex words such as 0000ffff,ffffffff");
+        fail(e, "<cpu> affinity=\"" + limits::quoted(mask) + "\": expected comma-separated 32-bit hex words such as 0000ffff,ffffffff");
       unsigned long bits = std::stoul(word, nullptr, 16);
       for (int b = 0; b < 32; ++b)
         if (bits & (1ul << b)) cpus.push_back(static_cast<int>(w * 32 + b));

@@ -28,6 +28,9 @@ import tempfile
 import time
 import uuid
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from time_scale import time_bound  # noqa: E402  (tests/time_scale.py)
+
 FAILURES = []
 
 
@@ -302,6 +305,46 @@ def case_hostile(loomrun, tmp):
               f"hostile: {args[:2]} gave {out.returncode} in {took:.1f} s: {out.stderr[:300]!r}")
 
 
+def case_user_input(loomrun, tmp):
+    """Input a new user gets wrong, one at a time: each refused by loomrun itself (exit 2) with a
+    message saying what is wrong, before mpirun starts, in bounded time and size."""
+    a_file = os.path.join(tmp, "a_file")
+    with open(a_file, "w") as f:
+        f.write("x")
+    dangling = os.path.join(tmp, "dangling")
+    os.symlink(os.path.join(tmp, "nowhere"), dangling)
+    locked = os.path.join(tmp, "locked")
+    os.makedirs(locked)
+    os.chmod(locked, 0o500)
+    as_root = os.geteuid() == 0  # root writes anywhere: the unwritable directory is not one for root
+    foreign = os.path.join(tmp, "foreign_cpus.json")
+    with open(foreign, "w") as f:
+        json.dump({"nodes": [{"numa_nodes": [{"id": 0, "cpus": "4000-4007"}],
+                              "gpus": [{"numa": 0, "cpus": "4000-4003"}, {"numa": 0, "cpus": "4004-4007"}],
+                              "links": {"default": "PIX"}}]}, f)
+    huge = os.path.join(tmp, "huge_attribute.xml")
+    with open(huge, "w") as f:
+        f.write('<system version="1"><cpu numaid="0" affinity="' + "f" * (60 << 20) + '"/></system>\n')
+    cases = [(["--output-dir", a_file, "--", "true"], "exists and is not a directory"),
+             (["--output-dir", dangling, "--", "true"], "a symbolic link to nothing"),
+             (["--output-dir", os.path.join(a_file, "sub"), "--", "true"], "is not a directory"),
+             (["--max-restarts", "", "--", "true"], "--max-restarts: '': expected an integer"),
+             (["--topology", foreign, "--", "true"], "places rank 0 on CPUs 4000-4003"),
+             (["--topology", tmp, "--plan"], "the topology file is a directory"),
+             (["--topology", huge, "--plan"], "bytes)")]
+    if not as_root:
+        cases.append((["--output-dir", locked, "--", "true"], "cannot write there"))
+    for args, message in cases:
+        start = time.monotonic()
+        out = subprocess.run([loomrun, "-np", "2"] + args, env=env_with(), capture_output=True, text=True, timeout=60)
+        took = time.monotonic() - start
+        shown = [a if len(a) < 80 else a[:20] + "..." for a in args]
+        check(out.returncode == 2 and message in out.stderr and took < time_bound(10) and len(out.stderr) < 2000,
+              f"user input: {shown} gave {out.returncode} in {took:.1f} s ({len(out.stderr)} bytes of stderr): "
+              f"{out.stderr[:400]!r}")
+    os.chmod(locked, 0o700)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--loomrun", required=True)
@@ -325,6 +368,7 @@ def main():
             "plan": lambda: case_plan(args.loomrun, tmp, fixtures),
             "errors": lambda: case_errors(args.loomrun),
             "hostile": lambda: case_hostile(args.loomrun, tmp),
+            "user_input": lambda: case_user_input(args.loomrun, tmp),
         }
         for name, run in cases.items():
             if args.only and name != args.only:
