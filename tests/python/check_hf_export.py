@@ -55,6 +55,19 @@ def main():
     assert export.returncode == 0, export.stderr
     print(export.stdout.strip())
 
+    # An existing file as the model directory: refused with a message (exit 2), not a traceback,
+    # and the file left as it was.
+    a_file = os.path.join(args.work, "not_a_directory")
+    with open(a_file, "w") as f:
+        f.write("keep me")
+    refused = subprocess.run([sys.executable, "-m", "torchloom.checkpoint", "export", "--format", "hf-gpt2", ckpt,
+                              a_file], capture_output=True, text=True, timeout=120)
+    assert refused.returncode == 2 and "exists and is not a directory" in refused.stderr and \
+        "Traceback" not in refused.stderr, (refused.returncode, refused.stderr)
+    with open(a_file) as f:
+        assert f.read() == "keep me"
+    print("export to an existing file: refused,", refused.stderr.strip())
+
     from transformers import GPT2LMHeadModel
     model = GPT2LMHeadModel.from_pretrained(out, torch_dtype=torch.float32).eval()
     with open(held_out, "rb") as f:

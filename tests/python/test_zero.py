@@ -325,3 +325,69 @@ def test_checkpoint_of_shards_that_stepped_differently_is_refused_on_every_rank_
             torchloom.TrainingProgress(step=2)).wait()
     assert time.monotonic() - started < 10, "refused at once, not after the group's timeout"
 
+
+
+def shorten_by_one_row(step_dir, name):
+    """Rewrites the shard holding tensor `name` with that tensor one row short, and the manifest
+    to match (shape, the shard's size and checksum), resealed as a tool would: every check of the
+    file's integrity passes, and what is left is a tensor that does not fit its parameter."""
+    import xxhash
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from manifest_seal import reseal
+    with open(os.path.join(step_dir, "manifest.json")) as f:
+        manifest = json.load(f)
+    shard = manifest["shards"][manifest["tensors"][name]["slices"][0]["shard"]]
+    path = os.path.join(step_dir, shard["file"])
+    with safe_open(path, framework="pt") as f:
+        metadata = f.metadata()
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    tensors[name] = tensors[name][:-1].clone()
+    save_file(tensors, path, metadata=metadata)
+    with open(path, "rb") as f:
+        data = f.read()
+
+    def change(m):
+        m["tensors"][name]["shape"][0] -= 1
+        for s in m["shards"]:
+            if s["file"] == shard["file"]:
+                s["bytes"], s["xxh3_64"] = len(data), xxhash.xxh3_64_hexdigest(data)
+    reseal(os.path.join(step_dir, "manifest.json"), change)
+
+
+def test_checkpoint_with_a_master_weight_one_row_short_is_refused_changing_nothing(loom):
+    """A ZeRO stage-2 checkpoint of bf16 parameters whose fp32 master of one parameter is one row
+    short (shard and manifest rewritten and resealed): refused with CheckpointError on every rank
+    before anything changes. It once replaced the model, the masters and the optimizer state and
+    then failed copying the short master (a RuntimeError)."""
+    comm = loom.world_comm()
+    directory = shared_dir(comm)
+    model = fresh(3, torch.bfloat16)
+    zero = zero_over(model, comm, 2)
+    zero_steps(model, zero, comm, 0, 2, torch.bfloat16)
+    torchloom.Checkpointer(comm, directory, async_=False).model(model).optimizer(zero).save(
+        torchloom.TrainingProgress(step=2))
+    step_dir = os.path.join(directory, "step_000002")
+    with open(os.path.join(step_dir, "manifest.json")) as f:
+        victim = sorted(k for k in json.load(f)["tensors"] if k.startswith("extra/master/") and k.endswith("0.weight"))[0]
+    comm.barrier().wait()  # every rank read the manifest before rank 0 rewrites it
+    if comm.rank == 0:
+        shorten_by_one_row(step_dir, victim)
+    comm.barrier().wait()
+
+    live = fresh(99, torch.bfloat16)
+    live_zero = zero_over(live, comm, 2)
+    zero_steps(live, live_zero, comm, 0, 1, torch.bfloat16)  # optimizer state and masters of its own
+
+    def state():
+        shards = live_zero.optim.param_groups[0]["params"]
+        return ([p.detach().clone() for p in live.parameters()] + [s.detach().clone() for s in shards] +
+                [v.clone() for s in shards for v in live_zero.optim.state[s].values() if torch.is_tensor(v)])
+    before = state()
+    with pytest.raises(torchloom.CheckpointError, match=f"master weights {victim[len('extra/'):]} have shape"):
+        torchloom.Checkpointer(comm, directory).model(live).optimizer(live_zero).load_latest()
+    after = state()
+    assert len(after) == len(before)
+    for i, (a, b) in enumerate(zip(before, after)):
+        assert torch.equal(a, b), f"a refused load changed state tensor {i}"

@@ -416,6 +416,7 @@ class Checkpointer:
             zero = self._zero()
             if zero is not None:
                 self._zero_state_dict(zero, encoded, zeros, check=True)
+                zero_state.check_masters(zero, encoded, self._zero_names(zero)[0], zeros)
             else:
                 self._optimizer_state_dict(encoded, zeros, check=True)
             return

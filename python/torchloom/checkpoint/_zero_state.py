@@ -160,6 +160,26 @@ def shard_state_dict(zero: Any, encoded: Dict[str, Any], names: List[str], optio
     return {"state": state, "param_groups": [dict(options, params=list(range(len(layout.shards))))]}
 
 
+def check_masters(zero: Any, encoded: Dict[str, Any], names: List[str], tensors: Dict[str, torch.Tensor]) -> None:
+    """Before anything changes: every saved master weight this rank will read has its parameter's
+    number of elements (a forged or truncated one would fail half-way through load_masters, after
+    the model and the optimizer state were replaced). ValueError naming the parameter."""
+    layout = ZeroLayout(zero)
+    saved = encoded.get("master") or {}
+    if not isinstance(saved, dict):
+        raise ValueError(f"the checkpoint's ZeRO master weights are a {type(saved).__name__}, expected an object")
+    for i, name in enumerate(names):
+        b, _, numel = layout.placements[i]
+        begin, end = layout.overlap(i)
+        key = saved.get(name)
+        if not layout.masters[b] or end <= begin or key not in tensors:
+            continue
+        found = tensors[key]
+        if found.numel() != numel:
+            raise ValueError(f"the master weights {key} have shape {list(found.shape)} ({found.numel()} elements); "
+                             f"the parameter {name} has shape {list(layout.params[i].shape)} ({numel} elements)")
+
+
 def load_masters(zero: Any, encoded: Dict[str, Any], names: List[str], tensors: Dict[str, torch.Tensor]) -> None:
     """The masters take the (already loaded) parameters' values, then the saved masters' where the
     checkpoint has them."""

@@ -31,8 +31,13 @@ def _user_values(checkpoint: str) -> Dict[str, str]:
 
 
 def export_hf_gpt2(checkpoint: str, out_dir: str) -> Dict[str, int]:
-    """Writes out_dir/config.json and out_dir/model.safetensors; returns the config's shape."""
+    """Writes out_dir/config.json and out_dir/model.safetensors; returns the config's shape.
+    ValueError, before anything is read or written, when out_dir exists and is not a directory."""
     from safetensors.torch import load_file, save_file
+
+    if os.path.lexists(out_dir) and not os.path.isdir(out_dir):
+        raise ValueError(f"{out_dir} exists and is not a directory: expected a model directory to write "
+                         "(a new path, or an existing directory)")
 
     user = _user_values(checkpoint)
     missing = [k for k in ("gpt.layers", "gpt.hidden", "gpt.heads", "gpt.seq", "gpt.vocab") if k not in user]
