@@ -41,6 +41,15 @@ def _run(cmd):
         return ""
 
 
+def shown_path(path):
+    """A path as the report prints it: relative to the project inside it, else its last component
+    (the report names no directory of the machine it ran on)."""
+    full = os.path.abspath(path)
+    if full == ROOT or full.startswith(ROOT + os.sep):
+        return os.path.relpath(full, ROOT)
+    return os.path.basename(full.rstrip(os.sep)) + " (outside the project)"
+
+
 def machine_info(settings):
     cpu = ""
     try:
@@ -893,11 +902,11 @@ class Report:
                      f"| run started | {m.get('date_utc', '?')} |",
                      f"| commit | {m.get('git_commit') or '?'} ({m.get('git_branch') or '?'}) |",
                      f"| torch, MPI, Python | {m.get('torch', '?')}; {m.get('mpi', '?')}; {m.get('python', '?')} |"]
-            head += [f"| {k} | {v} |" for k, v in s.items() if k != "note"]
+            head += [f"| {k} | {shown_path(v) if k == 'results' else v} |" for k, v in s.items() if k != "note"]
             head.append("")
         else:
             head += ["(No machine.json in the results directory: the machine and run are unknown.)", ""]
-        head.append(f"Results directory: `{os.path.relpath(self.results, ROOT) if self.results.startswith(ROOT) else self.results}`; "
+        head.append(f"Results directory: `{shown_path(self.results)}`; "
                     f"sections: " + (", ".join(f"[{p.splitlines()[0][3:]}](#{anchor(p.splitlines()[0][3:])})"
                                                for p in self.parts) or "none") + ".")
         head.append("")
