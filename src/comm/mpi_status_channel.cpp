@@ -7,6 +7,7 @@
 #include <list>
 #include <mutex>
 #include <thread>
+#include <vector>
 
 #include "comm/departure.h"
 #include "comm/peer_status.h"
@@ -48,6 +49,10 @@ struct Channel {
   MPI_Request leaving = MPI_REQUEST_NULL;  // the next departure notice from any rank
   LeavingWords notice{};
   std::list<std::pair<MPI_Request, int64_t>> acks;  // acknowledgements being sent
+  // The requests of the question being asked (ask() sleeps with the mutex released): stop() ends
+  // them, since after it the communicator is freed and MPI finalized, and an answer arriving later
+  // would land in the asker's returned stack frame.
+  std::vector<MPI_Request*> asking_receives, asking_sends;
 };
 
 Channel& channel() {
@@ -154,6 +159,18 @@ std::vector<std::optional<peers::Answer>> ask(const std::vector<int>& ranks, con
     MPI_Irecv(p.answer.data(), 12, MPI_INT64_T, ranks[i], kAnswerTag, c.comm, &p.recv);
     MPI_Isend(words.data(), 4, MPI_INT64_T, ranks[i], kQueryTag, c.comm, &p.send);
   }
+  // (`pending` does not grow any more: the addresses stay valid until this function returns.)
+  for (auto& p : pending) {
+    c.asking_receives.push_back(&p.recv);
+    c.asking_sends.push_back(&p.send);
+  }
+  struct Forget {  // whichever way this returns, stop() no longer sees this question's requests
+    Channel& c;
+    ~Forget() {
+      c.asking_receives.clear();
+      c.asking_sends.clear();
+    }
+  } forget{c};
   size_t open = pending.size();
   while (open > 0 && peers::Clock::now() < deadline) {
     serve_locked(c);  // a rank asking us at the same time must not wait for our answer
@@ -173,7 +190,7 @@ std::vector<std::optional<peers::Answer>> ask(const std::vector<int>& ranks, con
       lock.unlock();
       std::this_thread::sleep_for(std::chrono::microseconds(500));
       lock.lock();
-      if (!c.running) return answers;
+      if (!c.running) return answers;  // stop() ended this question's requests
     }
   }
   for (auto& p : pending) {
@@ -304,6 +321,16 @@ void stop() {
   c.outgoing.clear();
   for (auto& ack : c.acks) MPI_Request_free(&ack.first);
   c.acks.clear();
+  // A question in flight (its asker waits for the mutex): its receives cancelled, its sends freed.
+  for (MPI_Request* request : c.asking_receives)
+    if (*request != MPI_REQUEST_NULL) {
+      MPI_Cancel(request);
+      MPI_Wait(request, MPI_STATUS_IGNORE);
+    }
+  for (MPI_Request* request : c.asking_sends)
+    if (*request != MPI_REQUEST_NULL) MPI_Request_free(request);
+  c.asking_receives.clear();
+  c.asking_sends.clear();
   MPI_Comm_free(&c.comm);
 }
 
