@@ -12,7 +12,7 @@ copied into the shard state; the masters take the loaded parameters' values, the
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, Optional, Set, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Set, Tuple
 
 import torch
 
@@ -160,21 +160,27 @@ def shard_state_dict(zero: Any, encoded: Dict[str, Any], names: List[str], optio
     return {"state": state, "param_groups": [dict(options, params=list(range(len(layout.shards))))]}
 
 
+def _masters_read_here(layout: ZeroLayout, encoded: Dict[str, Any], names: List[str],
+                       tensors: Dict[str, torch.Tensor]) -> Iterator[Tuple[int, str, str]]:
+    """(parameter index, name, saved key) of each saved master weight this rank reads: those of
+    parameters with fp32 masters overlapping its shards. ValueError when "master" is not an object."""
+    saved = encoded.get("master") or {}
+    if not isinstance(saved, dict):
+        raise ValueError(f"the checkpoint's ZeRO master weights are a {type(saved).__name__}, expected an object")
+    for i, name in enumerate(names):
+        begin, end = layout.overlap(i)
+        key = saved.get(name)
+        if layout.masters[layout.placements[i][0]] and begin < end and key in tensors:
+            yield i, name, key
+
+
 def check_masters(zero: Any, encoded: Dict[str, Any], names: List[str], tensors: Dict[str, torch.Tensor]) -> None:
     """Before anything changes: every saved master weight this rank will read has its parameter's
     number of elements (a forged or truncated one would fail half-way through load_masters, after
     the model and the optimizer state were replaced). ValueError naming the parameter."""
     layout = ZeroLayout(zero)
-    saved = encoded.get("master") or {}
-    if not isinstance(saved, dict):
-        raise ValueError(f"the checkpoint's ZeRO master weights are a {type(saved).__name__}, expected an object")
-    for i, name in enumerate(names):
-        b, _, numel = layout.placements[i]
-        begin, end = layout.overlap(i)
-        key = saved.get(name)
-        if not layout.masters[b] or end <= begin or key not in tensors:
-            continue
-        found = tensors[key]
+    for i, name, key in _masters_read_here(layout, encoded, names, tensors):
+        numel, found = layout.placements[i][2], tensors[key]
         if found.numel() != numel:
             raise ValueError(f"the master weights {key} have shape {list(found.shape)} ({found.numel()} elements); "
                              f"the parameter {name} has shape {list(layout.params[i].shape)} ({numel} elements)")
@@ -185,14 +191,10 @@ def load_masters(zero: Any, encoded: Dict[str, Any], names: List[str], tensors: 
     checkpoint has them."""
     layout = ZeroLayout(zero)
     zero._zero.refresh_master_weights()
-    saved = encoded.get("master") or {}
     with torch.no_grad():
-        for i, name in enumerate(names):
+        for i, _, key in _masters_read_here(layout, encoded, names, tensors):
             b, offset, _ = layout.placements[i]
             begin, end = layout.overlap(i)
-            key = saved.get(name)
-            if not layout.masters[b] or end <= begin or key not in tensors:
-                continue
             s = layout.shard_numel[b]
             layout.shards[b][begin - layout.rank * s:end - layout.rank * s].copy_(
                 tensors[key].reshape(-1)[begin - offset:end - offset])
