@@ -54,6 +54,64 @@ void Watchdog::fail_members_of(int job_rank, const std::string& message) {
   }
 }
 
+std::vector<Watchdog::Due> Watchdog::due_now(const std::vector<std::weak_ptr<Communicator>>& comms,
+                                            double stall_fraction) {
+  std::vector<Due> due;
+  // is_completed() may poll a device event or take the work's own lock; never ours.
+  std::map<WorkKey, int> warned;   // stall warnings of works still unfinished
+  std::map<WorkKey, int> checked;  // early mismatch checks of works still unfinished
+  const auto now = Clock::now();
+  for (const auto& weak : comms) {
+    std::vector<std::shared_ptr<Work>> unfinished;
+    if (auto comm = weak.lock()) unfinished = comm->unfinished_works();  // not held longer: its
+    else continue;                                                      // owner may be dropping it
+    for (auto& work : unfinished) {
+      const auto started = work->started_at_time();
+      if (!started) continue;  // the deadline runs from the start
+      const double elapsed = std::chrono::duration<double>(now - *started).count();
+      const double timeout = std::chrono::duration<double>(work->info().timeout).count();
+      if (elapsed >= timeout) {
+        due.push_back({weak, work, elapsed, Due::kExpired});
+        continue;
+      }
+      // The key has the sequence number too: a finished work's address may be reused.
+      const WorkKey key{work.get(), work->info().seq};
+      auto it = warnings_.find(key);
+      int warnings = it == warnings_.end() ? 0 : it->second;
+      if (stall_fraction > 0 && warnings < 3 && elapsed >= stall_fraction * timeout * (warnings + 1)) {
+        ++warnings;
+        due.push_back({weak, work, elapsed, Due::kStalled});
+      }
+      if (warnings > 0) warned[key] = warnings;
+      // Mismatch checks at 0.5 s, 1, 2, 4, ... s: a handful per long wait, none for a quick one.
+      auto c = early_checks_.find(key);
+      int checks = c == early_checks_.end() ? 0 : c->second;
+      if (checks < 16 && elapsed >= kFirstEarlyCheckSeconds * static_cast<double>(1 << checks)) {
+        ++checks;
+        due.push_back({weak, work, elapsed, Due::kEarlyCheck});
+      }
+      if (checks > 0) checked[key] = checks;
+    }
+  }
+  warnings_.swap(warned);
+  early_checks_.swap(checked);
+  return due;
+}
+
+std::vector<size_t> Watchdog::run_periodic(const std::vector<std::function<bool()>>& periodic) {
+  std::vector<size_t> finished;
+  for (size_t i = 0; i < periodic.size(); ++i) {
+    bool again = false;
+    try {
+      again = periodic[i]();
+    } catch (const std::exception& e) {
+      LOOM_LOG(error, "watchdog: periodic check failed: " << e.what());
+    }
+    if (!again) finished.push_back(i);
+  }
+  return finished;
+}
+
 void Watchdog::run() {
   std::unique_lock<std::mutex> lock(mutex_);
   for (;;) {
@@ -63,13 +121,6 @@ void Watchdog::run() {
       stall_fraction = config().stall_warning;
     } catch (const std::exception&) {  // malformed before init(): init() reports it
     }
-    struct Due {
-      std::weak_ptr<Communicator> comm;
-      std::shared_ptr<Work> work;
-      double elapsed;
-      enum { kExpired, kStalled, kEarlyCheck } what;
-    };
-    std::vector<Due> due;
     // Drop the communicators that are gone; the others' unfinished works are read unlocked.
     watched_.erase(std::remove_if(watched_.begin(), watched_.end(), [](const auto& c) { return c.expired(); }),
                    watched_.end());
@@ -77,45 +128,7 @@ void Watchdog::run() {
     auto periodic = periodic_;
     lock.unlock();
 
-    // is_completed() may poll a device event or take the work's own lock; never ours.
-    std::map<std::pair<const Work*, uint64_t>, int> warned;  // stall warnings of works still unfinished
-    std::map<std::pair<const Work*, uint64_t>, int> checked;  // early mismatch checks of works still unfinished
-    const auto now = Clock::now();
-    for (const auto& weak : comms) {
-      std::vector<std::shared_ptr<Work>> unfinished;
-      if (auto comm = weak.lock()) unfinished = comm->unfinished_works();  // not held longer: its
-      else continue;                                                      // owner may be dropping it
-      for (auto& work : unfinished) {
-        const auto started = work->started_at_time();
-        if (!started) continue;  // the deadline runs from the start
-        const double elapsed = std::chrono::duration<double>(now - *started).count();
-        const double timeout = std::chrono::duration<double>(work->info().timeout).count();
-        if (elapsed >= timeout) {
-          due.push_back({weak, work, elapsed, Due::kExpired});
-          continue;
-        }
-        // The key has the sequence number too: a finished work's address may be reused.
-        const std::pair<const Work*, uint64_t> key{work.get(), work->info().seq};
-        auto it = warnings_.find(key);
-        int warnings = it == warnings_.end() ? 0 : it->second;
-        if (stall_fraction > 0 && warnings < 3 && elapsed >= stall_fraction * timeout * (warnings + 1)) {
-          ++warnings;
-          due.push_back({weak, work, elapsed, Due::kStalled});
-        }
-        if (warnings > 0) warned[key] = warnings;
-        // Mismatch checks at 0.5 s, 1, 2, 4, ... s: a handful per long wait, none for a quick one.
-        auto c = early_checks_.find(key);
-        int checks = c == early_checks_.end() ? 0 : c->second;
-        if (checks < 16 && elapsed >= kFirstEarlyCheckSeconds * static_cast<double>(1 << checks)) {
-          ++checks;
-          due.push_back({weak, work, elapsed, Due::kEarlyCheck});
-        }
-        if (checks > 0) checked[key] = checks;
-      }
-    }
-    warnings_.swap(warned);
-    early_checks_.swap(checked);
-    for (auto& d : due) {
+    for (auto& d : due_now(comms, stall_fraction)) {
       auto comm = d.comm.lock();
       if (!comm) continue;
       try {
@@ -126,16 +139,7 @@ void Watchdog::run() {
         LOOM_LOG(error, "watchdog: handling " << d.work->info().describe() << " failed: " << e.what());
       }
     }
-    std::vector<size_t> finished_checks;
-    for (size_t i = 0; i < periodic.size(); ++i) {
-      bool again = false;
-      try {
-        again = periodic[i]();
-      } catch (const std::exception& e) {
-        LOOM_LOG(error, "watchdog: periodic check failed: " << e.what());
-      }
-      if (!again) finished_checks.push_back(i);
-    }
+    const std::vector<size_t> finished_checks = run_periodic(periodic);
     lock.lock();
     // Periodic checks are only appended, so indices of the copy are still valid.
     for (auto it = finished_checks.rbegin(); it != finished_checks.rend(); ++it)

@@ -49,15 +49,29 @@ class Watchdog {
   bool on_watchdog_thread() const { return std::this_thread::get_id() == thread_.get_id(); }
 
  private:
+  using WorkKey = std::pair<const Work*, uint64_t>;
+  // What an unfinished work is due for at this poll.
+  struct Due {
+    std::weak_ptr<Communicator> comm;
+    std::shared_ptr<Work> work;
+    double elapsed;
+    enum { kExpired, kStalled, kEarlyCheck } what;
+  };
+
   Watchdog();
   void run();
+  // The works whose timeout passed, or that are due a stall warning or an early mismatch check
+  // (watchdog thread; updates warnings_ and early_checks_).
+  std::vector<Due> due_now(const std::vector<std::weak_ptr<Communicator>>& comms, double stall_fraction);
+  // Runs each periodic check once; the indices of those that asked not to run again.
+  static std::vector<size_t> run_periodic(const std::vector<std::function<bool()>>& periodic);
 
   std::chrono::milliseconds poll_interval_{50};
   std::mutex mutex_;
   std::condition_variable wake_;
   std::vector<std::weak_ptr<Communicator>> watched_;
-  std::map<std::pair<const Work*, uint64_t>, int> warnings_;  // stall warnings given (watchdog thread only)
-  std::map<std::pair<const Work*, uint64_t>, int> early_checks_;  // mismatch checks made (watchdog thread only)
+  std::map<WorkKey, int> warnings_;      // stall warnings given (watchdog thread only)
+  std::map<WorkKey, int> early_checks_;  // mismatch checks made (watchdog thread only)
   std::vector<std::function<bool()>> periodic_;
   std::thread thread_;
 };
