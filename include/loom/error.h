@@ -34,6 +34,13 @@ class InvalidArgumentError : public Error {
   using Error::Error;
 };
 
+// An operation the communicator's backend cannot run (or not now, as a collective inside a CUDA
+// graph capture on NCCL): refused by name before it is numbered, so the sequence is untouched.
+class UnsupportedError : public InvalidArgumentError {
+ public:
+  using InvalidArgumentError::InvalidArgumentError;
+};
+
 // The launch environment (rank/size variables, LOOM_* variables, MPI) is missing, malformed or
 // inconsistent across ranks.
 class ConfigError : public Error {

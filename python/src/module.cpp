@@ -13,6 +13,7 @@ namespace {
 // The Python classes, created once at import (strong references kept for the process's life).
 PyObject* g_error = nullptr;
 PyObject* g_invalid_argument = nullptr;
+PyObject* g_unsupported = nullptr;
 PyObject* g_config = nullptr;
 PyObject* g_comm = nullptr;
 PyObject* g_timeout = nullptr;
@@ -38,6 +39,8 @@ std::pair<PyObject*, std::string> classify(std::exception_ptr error) {
     return {g_timeout, e.what()};
   } catch (const loom::CommError& e) {
     return {g_comm, e.what()};
+  } catch (const loom::UnsupportedError& e) {
+    return {g_unsupported, e.what()};
   } catch (const loom::InvalidArgumentError& e) {
     return {g_invalid_argument, e.what()};
   } catch (const loom::ConfigError& e) {
@@ -103,6 +106,9 @@ void bind_errors(py::module_& m) {
   g_invalid_argument = make_exception(m, "InvalidArgumentError", {g_error, PyExc_ValueError},
                                       "An argument or tensor an operation cannot accept (loom::InvalidArgumentError); "
                                       "rejected before anything is sent.");
+  g_unsupported = make_exception(m, "UnsupportedError", {g_invalid_argument},
+                                 "An operation the communicator's backend cannot run, refused by name before it is "
+                                 "numbered (loom::UnsupportedError).");
   g_config = make_exception(m, "ConfigError", {g_error},
                             "The launch environment or a LOOM_* variable is missing, malformed or inconsistent "
                             "across ranks (loom::ConfigError).");

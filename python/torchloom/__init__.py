@@ -12,7 +12,7 @@ GradScaler, tensor-parallel layers, checkpoints); this package only shapes them 
     ...
     torchloom.finalize()
 
-Errors are torchloom.Error and its subclasses (InvalidArgumentError, ConfigError, CommError,
+Errors are torchloom.Error and its subclasses (InvalidArgumentError, UnsupportedError, ConfigError, CommError,
 TimeoutError, MismatchError, CheckpointError), carrying the C++ messages.
 """
 from __future__ import annotations
@@ -24,7 +24,8 @@ import torch as _torch  # loads LibTorch and torch's Python bindings before the 
 
 from . import _C
 from ._C import (CheckpointError, CommError, Communicator, ConfigError, Error, InvalidArgumentError,
-                 MismatchError, ParallelGroups, ParallelState, ReduceOp, Runtime, TimeoutError, Work, World,
+                 MismatchError, ParallelGroups, ParallelState, ReduceOp, Runtime, TimeoutError, UnsupportedError, Work,
+                 World,
                  make_parallel_groups, planned_dp_rings)
 
 __version__: str = _C.__version__
@@ -117,7 +118,7 @@ from . import distributed  # noqa: E402  (registers torch.distributed's backend 
 
 __all__ = [
     "init", "is_initialized", "runtime", "world", "world_comm", "device_comm", "finalize", "placement_plan",
-    "explain_placement", "planned_dp_rings", "Error", "InvalidArgumentError", "ConfigError", "CommError", "TimeoutError",
+    "explain_placement", "planned_dp_rings", "Error", "InvalidArgumentError", "UnsupportedError", "ConfigError", "CommError", "TimeoutError",
     "MismatchError", "CheckpointError", "Communicator", "Work", "World", "Runtime", "ReduceOp", "ParallelGroups",
     "ParallelState", "make_parallel_groups", "DistributedDataParallel", "GradScaler", "comm_hooks",
     "tensor_parallel", "checkpoint", "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding",

@@ -278,6 +278,8 @@ WorkPtr Communicator::enqueue_checked(detail::Op& op) {
                                                                 std::to_string(op.info.timeout.count()) + " ms"));
   // Validation comes before numbering: a rejected call must not shift this rank's sequence.
   detail::validate(op, device_);
+  if (const std::string why = unsupported(op.info); !why.empty())
+    throw UnsupportedError(context(to_string(op.info.type))(std::string("the ") + backend() + " backend cannot run it: " + why));
   // The communicator's threads and work keep only the data: a tensor with autograd history is held
   // as a detached alias (same storage). Otherwise the last reference to a graph -- and through an
   // autograd function's saved group, to a communicator -- could be dropped on that communicator's
@@ -285,15 +287,20 @@ WorkPtr Communicator::enqueue_checked(detail::Op& op) {
   for (auto* tensors : {&op.inputs, &op.outputs})
     for (auto& t : *tensors)
       if (t.defined() && t.requires_grad()) t = t.detach();
-  if (is_broken())
-    throw CommError(context(to_string(op.info.type))("communicator is broken by an earlier error: " +
-                                                     broken_reason()));
+  // Refused on a broken communicator: named by the sequence number the call would have had, as the
+  // same failure is when it comes while the call is pending ("all_reduce seq=5").
+  const auto refused = [&](const std::string& why) {
+    std::lock_guard<std::recursive_mutex> lock(submit_mutex_);
+    const uint64_t next = op.info.internal ? internal_seq_ : is_p2p(op.info.type) ? p2p_seq_ : collective_seq_;
+    return CommError(context(std::string(to_string(op.info.type)) + " seq=" + std::to_string(next))(why));
+  };
+  if (is_broken()) throw refused("communicator is broken by an earlier error: " + broken_reason());
   if (auto gone = detail::departures::find(members_)) {
     // A member left before this communicator's watchdog pass could fail it (or it was never used).
     const std::string text = detail::departures::describe(*gone);
     mark_broken(text);
     apply_policy(text);
-    throw CommError(context(to_string(op.info.type))(text));
+    throw refused(text);
   }
 
   std::lock_guard<std::recursive_mutex> lock(submit_mutex_);
@@ -452,13 +459,29 @@ void Communicator::break_after(const std::shared_ptr<Work>& work, const std::str
   apply_policy(message);
 }
 
-void Communicator::fail_all(const std::string& message) {
+void Communicator::fail_all(const std::string& message) { fail_departed(message, -1, -1); }
+
+// How long a survivor waits for the operations a leaver had completed: their data from it has
+// arrived, so what is left is this rank's own share of the work (a reduction, a copy), which takes
+// milliseconds. Bounded because the watchdog's thread waits: past it they fail like the rest.
+constexpr auto kEndedByLeaverBound = std::chrono::seconds(2);
+
+void Communicator::fail_departed(const std::string& message, int64_t collectives_ended, int64_t internal_ended) {
   mark_broken(message);
   std::vector<std::shared_ptr<Work>> pending;
   {
     std::lock_guard<std::mutex> lock(inflight_mutex_);
     for (const auto& w : inflight_)
       if (auto p = w.lock()) pending.push_back(std::move(p));
+  }
+  const auto give_up = Work::Clock::now() + kEndedByLeaverBound;
+  for (auto& w : pending) {
+    const OpInfo& info = w->info();
+    if (is_p2p(info.type)) continue;
+    const int64_t ended = info.internal ? internal_ended : collectives_ended;
+    if (static_cast<int64_t>(info.seq) > ended) continue;
+    while (!w->finished_quietly() && Work::Clock::now() < give_up)
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
   }
   std::string first_failed;
   for (auto& w : pending)

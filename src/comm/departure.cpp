@@ -58,11 +58,13 @@ void announce(int status, const std::string& reason, std::chrono::milliseconds b
     if (!r.announcer || r.announced) return;
     r.announced = true;
     announcer = r.announcer;
-    notice = {r.job_rank, status, reason.substr(0, kMaxReasonBytes)};
+    notice = {r.job_rank, status, reason.substr(0, kMaxReasonBytes), {}};
     for (int rank = 0; rank < r.job_size; ++rank)
       if (rank != r.job_rank && !r.departed.count(rank)) ranks.push_back(rank);
   }
   if (ranks.empty()) return;
+  notice.reached = peers::reached_by_communicator();
+  if (notice.reached.size() > kMaxReached) notice.reached.resize(kMaxReached);
   try {
     announcer(ranks, notice, Clock::now() + bound);
   } catch (const std::exception& e) {
@@ -77,7 +79,7 @@ void record(const Departure& departure) {
     if (!r.departed.emplace(departure.rank, departure).second) return;  // told twice
     r.any.store(true, std::memory_order_release);
   }
-  Watchdog::instance().fail_members_of(departure.rank, describe(departure));
+  Watchdog::instance().fail_members_of(departure.rank, describe(departure), departure.reached);
 }
 
 std::optional<Departure> find(const std::vector<int>& job_ranks) {

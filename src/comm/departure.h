@@ -5,6 +5,11 @@
 // one peer_status.h uses), served by the watchdog thread, so a rank busy computing or blocked in
 // a collective still takes note of it within one watchdog poll.
 //
+// The notice also says how far the leaver's operations had ended, per communicator: an operation
+// it completed has delivered its part to every other member, so there it completes too (a
+// survivor still finishing the reduction of the collective the leaver finished last must not be
+// told that collective failed). Only the operations after those fail.
+//
 //   // in the exit path of a process that failed (runtime.cpp):
 //   detail::departures::announce(status, "RuntimeError: boom", std::chrono::seconds(2));
 //   // on every other rank, pending and later operations of a communicator with that rank:
@@ -17,6 +22,7 @@
 #include <string>
 #include <vector>
 
+#include "comm/peer_status.h"
 #include "loom/comm/leaving.h"  // kUncaughtException, set_exit_reason, exit_reason, announce
 
 namespace loom::detail::departures {
@@ -28,9 +34,14 @@ struct Departure {
   int rank = -1;
   int status = 0;
   std::string reason;  // the exception's text when known; may be empty
+  // How far its operations had ended, by communicator key; a communicator not listed spares none.
+  std::vector<peers::Reached> reached;
 };
 // Longest reason carried to the other ranks (longer ones are cut).
 inline constexpr size_t kMaxReasonBytes = 480;
+// Most communicators whose progress a notice carries (a job has a handful: world, device, TP, DP,
+// their splits); past it the rest spare nothing, as before progress was sent at all.
+inline constexpr size_t kMaxReached = 32;
 
 // "rank 1 exited with status 1 (RuntimeError: boom)", "rank 1 ended by an uncaught exception (...)".
 std::string describe(const Departure& departure);

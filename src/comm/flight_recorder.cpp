@@ -23,6 +23,25 @@ FlightRecorder::Progress FlightRecorder::progress() const {
   return progress_;
 }
 
+FlightRecorder::Progress FlightRecorder::completed() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  Progress done;
+  bool found_collective = false, found_internal = false, found_p2p = false;
+  for (auto e = entries_.rbegin(); e != entries_.rend(); ++e) {
+    const auto type = static_cast<OpType>(e->signature[0]);
+    const bool p2p = type == OpType::Send || type == OpType::Recv || type == OpType::SendRecvBatch;
+    const bool internal = e->signature[2] != 0;
+    bool& found = internal ? found_internal : p2p ? found_p2p : found_collective;
+    if (found) continue;
+    auto work = e->work.lock();
+    // Not state(): a look at a queued operation would hand it to its backend's thread.
+    if (work && !work->finished_at_time()) continue;  // queued, running or failed
+    found = true;
+    (internal ? done.internal : p2p ? done.p2p : done.collective) = e->signature[1];
+  }
+  return done;
+}
+
 std::optional<SignatureWords> FlightRecorder::find(bool internal, uint64_t seq) const {
   std::lock_guard<std::mutex> lock(mutex_);
   for (const auto& e : entries_) {

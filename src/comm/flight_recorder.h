@@ -30,6 +30,11 @@ class FlightRecorder {
     int64_t p2p = -1;
   };
   Progress progress() const;
+  // The last sequence number whose operation has ended here, per numbering (-1: none remembered).
+  // The operations of one numbering end in submission order, so it is the newest remembered entry
+  // that is done or released (its backend holds a work until it ends, so a released one has ended).
+  // A leaving rank sends it with its departure notice (departure.h).
+  Progress completed() const;
   // What this rank called at that sequence number (collectives, user or internal), if remembered.
   std::optional<SignatureWords> find(bool internal, uint64_t seq) const;
   // One line per remembered operation, oldest first: "seq=3 all_reduce shape=[4] dtype=Float: done in 1.2 ms".

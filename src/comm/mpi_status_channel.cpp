@@ -20,11 +20,13 @@ constexpr int kQueryTag = 1;
 constexpr int kAnswerTag = 2;
 constexpr int kLeavingTag = 3;     // a rank leaves the job (departure.h)
 constexpr int kLeavingAckTag = 4;  // ... and a rank has taken note
-// {status, reason length, reason bytes}: small enough to be sent eagerly (it completes even when
-// the receiver never looks).
+// {status, reason length, reached count, {key, collective, internal} per communicator, reason
+// bytes}: 1.3 KB, small enough to be sent eagerly (it completes even when the receiver never looks).
 struct LeavingWords {
   int64_t status = 0;
   int64_t length = 0;
+  int64_t reached_count = 0;
+  int64_t reached[departures::kMaxReached][3] = {};
   char reason[departures::kMaxReasonBytes] = {};
 };
 constexpr int kLeavingBytes = static_cast<int>(sizeof(LeavingWords));
@@ -104,7 +106,11 @@ void serve_departures_locked(Channel& c) {
     c.leaving = MPI_REQUEST_NULL;
     const size_t length = std::min<size_t>(static_cast<size_t>(std::max<int64_t>(c.notice.length, 0)),
                                            sizeof(c.notice.reason));
-    departures::record({status.MPI_SOURCE, static_cast<int>(c.notice.status), std::string(c.notice.reason, length)});
+    departures::Departure d{status.MPI_SOURCE, static_cast<int>(c.notice.status), std::string(c.notice.reason, length), {}};
+    const auto count = std::clamp<int64_t>(c.notice.reached_count, 0, static_cast<int64_t>(departures::kMaxReached));
+    for (int64_t i = 0; i < count; ++i)
+      d.reached.push_back({static_cast<uint64_t>(c.notice.reached[i][0]), c.notice.reached[i][1], c.notice.reached[i][2]});
+    departures::record(d);
     // Acknowledged only now, with the communicators failed and logged: the leaver may exit next.
     c.acks.push_back({MPI_REQUEST_NULL, 1});
     MPI_Isend(&c.acks.back().second, 1, MPI_INT64_T, status.MPI_SOURCE, kLeavingAckTag, c.comm, &c.acks.back().first);
@@ -228,6 +234,13 @@ void announce(const std::vector<int>& ranks, const departures::Departure& depart
   notice.status = departure.status;
   notice.length = static_cast<int64_t>(std::min(departure.reason.size(), sizeof(notice.reason)));
   std::copy_n(departure.reason.data(), notice.length, notice.reason);
+  notice.reached_count = static_cast<int64_t>(std::min(departure.reached.size(), departures::kMaxReached));
+  for (int64_t i = 0; i < notice.reached_count; ++i) {
+    const auto& r = departure.reached[static_cast<size_t>(i)];
+    notice.reached[i][0] = static_cast<int64_t>(r.key);
+    notice.reached[i][1] = r.collective;
+    notice.reached[i][2] = r.internal;
+  }
   std::vector<Pending>& pending = out->pending;
   pending.resize(ranks.size());
   for (size_t i = 0; i < ranks.size(); ++i) {
@@ -251,7 +264,7 @@ void announce(const std::vector<int>& ranks, const departures::Departure& depart
     if (!c.running) return;  // `out` stays allocated: its requests may still be live
   }
   // Unacknowledged notices are withdrawn. Neither the cancel nor the send's completion is waited
-  // for without a bound: a 496-byte send is eager, but to a stopped rank it can stay queued
+  // for without a bound: a 1.3 KB send is eager, but to a stopped rank it can stay queued
   // (Open MPI does not cancel sends), and this runs in exit handlers that must not hang.
   for (auto& p : pending)
     if (p.ack != MPI_REQUEST_NULL) MPI_Cancel(&p.ack);

@@ -59,6 +59,22 @@ Answer answer(const Query& query) {
   return a;
 }
 
+std::vector<Reached> reached_by_communicator() {
+  std::vector<std::pair<uint64_t, std::shared_ptr<FlightRecorder>>> recorders;
+  {
+    auto& r = registry();
+    std::lock_guard<std::mutex> lock(r.mutex);
+    for (const auto& [key, weak] : r.recorders)
+      if (auto recorder = weak.lock()) recorders.emplace_back(key, std::move(recorder));
+  }
+  std::vector<Reached> reached;
+  for (const auto& [key, recorder] : recorders) {
+    const auto done = recorder->completed();
+    reached.push_back({key, done.collective, done.internal});
+  }
+  return reached;
+}
+
 void set_transport(Transport transport) {
   auto& r = registry();
   std::lock_guard<std::mutex> lock(r.mutex);

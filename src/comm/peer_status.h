@@ -48,6 +48,15 @@ void unregister_communicator(uint64_t key);
 // What this process answers.
 Answer answer(const Query& query);
 
+// How far one communicator's operations have ended on this rank (FlightRecorder::completed()).
+struct Reached {
+  uint64_t key = 0;
+  int64_t collective = -1;
+  int64_t internal = -1;
+};
+// Every live communicator's, for the departure notice this rank sends when it leaves.
+std::vector<Reached> reached_by_communicator();
+
 // The side channel: asks every job rank in `ranks` (this process answers itself locally); an
 // answer missing at the deadline is nullopt. Installed by the host backend at start-up.
 using Transport =

@@ -70,6 +70,31 @@ std::optional<peers::Answer> decode_answer(const std::string& s) {
   return a;
 }
 
+// "<status>\n<key>:<collective>:<internal> ...\n<reason>" (the reason last: it may hold newlines).
+std::string encode_departure(const departures::Departure& d) {
+  std::ostringstream out;
+  out << d.status << "\n";
+  for (const auto& r : d.reached) out << r.key << ":" << r.collective << ":" << r.internal << " ";
+  out << "\n" << d.reason;
+  return out.str();
+}
+
+departures::Departure decode_departure(int rank, const std::string& notice) {
+  departures::Departure d;
+  d.rank = rank;
+  const size_t first = notice.find('\n');
+  const size_t second = first == std::string::npos ? std::string::npos : notice.find('\n', first + 1);
+  d.status = std::atoi(notice.substr(0, first).c_str());
+  if (second == std::string::npos) return d;
+  std::istringstream items(notice.substr(first + 1, second - first - 1));
+  peers::Reached r;
+  char colon1 = 0, colon2 = 0;
+  while (d.reached.size() < departures::kMaxReached && items >> r.key >> colon1 >> r.collective >> colon2 >> r.internal)
+    d.reached.push_back(r);
+  d.reason = notice.substr(second + 1);
+  return d;
+}
+
 // The watchdog's poll: new departures are recorded and acknowledged, new questions answered.
 void serve_locked(Channel& c) {
   const int64_t events = c.store->add("events", 0);
@@ -77,14 +102,8 @@ void serve_locked(Channel& c) {
   c.seen_events = events;
   for (int r = 0; r < c.size; ++r) {
     if (r == c.rank || c.seen_left[r] || !c.store->check({key("left/", r)})) continue;
-    const std::string notice = text(c.store->get(key("left/", r)));
-    const size_t newline = notice.find('\n');
-    departures::Departure d;
-    d.rank = r;
-    d.status = std::atoi(notice.substr(0, newline).c_str());
-    d.reason = newline == std::string::npos ? "" : notice.substr(newline + 1);
     c.seen_left[r] = true;
-    departures::record(d);
+    departures::record(decode_departure(r, text(c.store->get(key("left/", r)))));
     c.store->add(key("left/", r) + "/acks", 1);
   }
   const int64_t last = c.store->add("q/next", 0);
@@ -136,7 +155,7 @@ void announce(const std::vector<int>& ranks, const departures::Departure& d, dep
   std::unique_lock<std::mutex> lock(c.mutex);
   if (!c.running) return;
   try {
-    c.store->set(key("left/", c.rank), bytes(std::to_string(d.status) + "\n" + d.reason));
+    c.store->set(key("left/", c.rank), bytes(encode_departure(d)));
     c.store->add("events", 1);
     while (departures::Clock::now() < deadline &&
            c.store->add(key("left/", c.rank) + "/acks", 0) < static_cast<int64_t>(ranks.size())) {

@@ -35,7 +35,8 @@ void Watchdog::add_periodic(std::function<bool()> check) {
   periodic_.push_back(std::move(check));
 }
 
-void Watchdog::fail_members_of(int job_rank, const std::string& message) {
+void Watchdog::fail_members_of(int job_rank, const std::string& message,
+                               const std::vector<peers::Reached>& reached) {
   std::vector<std::weak_ptr<Communicator>> comms;
   {
     std::lock_guard<std::mutex> lock(mutex_);
@@ -46,8 +47,11 @@ void Watchdog::fail_members_of(int job_rank, const std::string& message) {
     if (!comm || comm->is_broken()) continue;
     const auto& members = comm->members();
     if (std::find(members.begin(), members.end(), job_rank) == members.end()) continue;
+    const auto ended = std::find_if(reached.begin(), reached.end(),
+                                    [&](const peers::Reached& r) { return r.key == comm->peer_key_; });
     try {
-      comm->fail_all(message);
+      if (ended == reached.end()) comm->fail_all(message);
+      else comm->fail_departed(message, ended->collective, ended->internal);
     } catch (const std::exception& e) {
       LOOM_LOG(error, "watchdog: failing group " << comm->name() << " failed: " << e.what());
     }

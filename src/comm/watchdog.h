@@ -19,6 +19,7 @@
 #include <thread>
 #include <vector>
 
+#include "comm/peer_status.h"
 #include "loom/comm/work.h"
 
 namespace loom {
@@ -42,8 +43,9 @@ class Watchdog {
   // device communicators' asynchronous-error polls).
   void add_periodic(std::function<bool()> check);
   // Fails at once every watched communicator that has `job_rank` as a member and is not broken
-  // yet (Communicator::fail_all with `message`): that rank has left the job (departure.h).
-  void fail_members_of(int job_rank, const std::string& message);
+  // yet, with `message`: that rank has left the job (departure.h). The operations it had completed
+  // by `reached` (its notice's) are left to complete first (Communicator::fail_departed).
+  void fail_members_of(int job_rank, const std::string& message, const std::vector<peers::Reached>& reached);
 
   std::chrono::milliseconds poll_interval() const { return poll_interval_; }
   bool on_watchdog_thread() const { return std::this_thread::get_id() == thread_.get_id(); }

@@ -155,6 +155,14 @@ SCENARIOS = {
         output=[lambda n: f"rank {n - 1} ended by an uncaught exception (the data loader found a corrupt record)"],
         survivor_logs=lambda r, n: ["all_reduce seq=5", f"rank {n - 1} ended by an uncaught exception "
                                     "(the data loader found a corrupt record)"]),
+    # The victim leaves right after completing a broadcast the others have called but not yet
+    # waited for: that broadcast completes there with its values (the departure notice says how far
+    # the victim got), and the next call fails naming it, one sequence number later.
+    "leaves_after_completing": dict(
+        env={}, keep_default_timeout=True, success=False, ends_within=5.0,
+        expected_crashes=["terminate called", "signal 6 (Aborted)"],
+        survivors=lambda r, n: expect("CommError", 0, 1.0, f"[rank {r}] all_reduce seq=5 group=world",
+                                      f"rank {n - 1} ended by an uncaught exception (left right after its broadcast)")),
     "rank_returns_error": dict(
         env={}, keep_default_timeout=True, success=False, ends_within=5.0,
         survivor_logs=lambda r, n: ["all_reduce seq=5", f"rank {n - 1} exited with status 3"]),

@@ -278,6 +278,27 @@ int main(int argc, char** argv) {
     }
     run_and_report(rank, [&] { comm->all_reduce(t)->wait(); });
     std::this_thread::sleep_for(std::chrono::seconds(60));  // the job must end before this does
+  } else if (scenario == "leaves_after_completing") {
+    // The victim completes a broadcast it roots (its send is eager: done at once) and then leaves
+    // with an uncaught exception; the others called that broadcast but wait for it only a second
+    // later, after the departure notice came. The victim completed it, so its data is here: the
+    // broadcast completes with the victim's values, and only the next collective fails, naming it.
+    for (int i = 0; i < 4; ++i) comm->all_reduce(t)->wait();
+    at::Tensor mine = at::full({4, 6}, static_cast<float>(rank == victim ? 7 : -1));
+    auto work = comm->broadcast(mine, {victim});
+    if (rank == victim) {
+      work->wait();
+      std::printf("RANK %d LEAVING\n", rank);
+      std::fflush(stdout);
+      throw std::runtime_error("left right after its broadcast");
+    }
+    std::this_thread::sleep_for(std::chrono::seconds(1));
+    run_and_report(rank, [&] {
+      work->wait();
+      if (!mine.eq(7).all().item<bool>()) throw loom::Error("the broadcast completed without the victim's values");
+      comm->all_reduce(t)->wait();
+    });
+    std::this_thread::sleep_for(std::chrono::seconds(60));  // the job must end before this does
   } else if (scenario == "stall_warning") {
     // The victim comes 2 s late to a collective with a 4 s timeout: the others log a warning
     // naming it at 1 s, and the call then completes.

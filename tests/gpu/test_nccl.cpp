@@ -491,6 +491,31 @@ TEST_F(Nccl, RejectsTensorsOnAnotherDevice) {
   }
 }
 
+// A collective inside a CUDA graph capture is refused by name before it is numbered (its events
+// may not be queried while captured): the capture still ends cleanly, the communicator is not
+// broken, and the next collective runs on every rank at the same sequence number.
+TEST_F(Nccl, CudaGraphCaptureIsRefusedByName) {
+  at::Tensor t = at::ones({4}, on_gpu(at::kFloat));
+  c10::cuda::CUDAStream side = c10::cuda::getStreamFromPool(false, device_index());
+  {
+    c10::cuda::CUDAStreamGuard on_side(side);
+    ASSERT_EQ(cudaStreamBeginCapture(side.stream(), cudaStreamCaptureModeThreadLocal), cudaSuccess);
+    try {
+      (void)comm->all_reduce(t);
+      ADD_FAILURE() << "a collective inside a CUDA graph capture was accepted";
+    } catch (const loom::UnsupportedError& e) {
+      expect_contains(e.what(), "the nccl backend cannot run it");
+      expect_contains(e.what(), "capturing a CUDA graph");
+    }
+    cudaGraph_t graph = nullptr;
+    ASSERT_EQ(cudaStreamEndCapture(side.stream(), &graph), cudaSuccess);
+    if (graph != nullptr) cudaGraphDestroy(graph);
+  }
+  EXPECT_FALSE(comm->is_broken());
+  comm->all_reduce(t)->wait();
+  EXPECT_EQ(t.sum().item<float>(), 4.0f * static_cast<float>(comm->size()));
+}
+
 TEST_F(Nccl, RejectsADeviceIndexOutOfRange) {
   try {
     loom::nccl::make_communicator(g_runtime->world_comm(), 1000, "gpu-bad", test_options());

@@ -121,6 +121,10 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
   // thread or the device stream runs it): calls start() when it begins, finish() when done, and
   // fail() on an error. Split operations fill op.split->result.
   virtual void issue(detail::Op& op, const std::shared_ptr<Work>& work) = 0;
+  // Why this backend cannot run the operation `info` describes (now), or "" when it can. Asked
+  // after validation and before numbering: a refusal is a loom::UnsupportedError naming the
+  // backend, and leaves the sequence as if the call had not been made.
+  virtual std::string unsupported(const OpInfo& info) const { return {}; }
   // Releases what is in flight after a failure (ncclCommAbort), so waiters and streams are freed.
   // Never called on the watchdog thread, and at most once.
   virtual void abort_backend(const std::string& reason) {}
@@ -162,6 +166,10 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
   void check_fingerprint(detail::Op& op);
   void mark_broken(const std::string& reason);
   void apply_policy(const std::string& message);
+  // fail_all() for a member that left the job: its collectives up to `collectives_ended` and
+  // internal ones up to `internal_ended` (sequence numbers) had completed there, so they complete
+  // here too and are waited for (briefly) before the rest fail.
+  void fail_departed(const std::string& message, int64_t collectives_ended, int64_t internal_ended);
   // fail() once `work` has failed: break, fail what was submitted after it, log, policy.
   void break_after(const std::shared_ptr<Work>& work, const std::string& message);
   void run_deferred_failures();  // never with inflight_mutex_ held

@@ -232,6 +232,21 @@ std::shared_ptr<Work> NcclCommunicator::make_work(const loom::detail::Op& op) {
                                     timing_events_ ? timing_events_->get() : nullptr, clock_);
 }
 
+// A collective captured into a CUDA graph would be replayed without this communicator knowing of
+// it, and its watchdog and waiters query the operation's CUDA events, which a capture forbids (the
+// query invalidates the capture, or reads as a device error that breaks the communicator).
+// PyTorch's ProcessGroupNCCL keeps captured works away from its watchdog; here they are refused by
+// name before they are numbered, and the capture can still end cleanly.
+std::string NcclCommunicator::unsupported(const OpInfo& info) const {
+  if (info.type == OpType::Split) return {};
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  const cudaStream_t caller = c10::cuda::getCurrentCUDAStream(device_index_).stream();
+  if (cudaStreamIsCapturing(caller, &capture) != cudaSuccess || capture == cudaStreamCaptureStatusNone) return {};
+  return "the caller's CUDA stream is capturing a CUDA graph, and torchloom's NCCL operations cannot be captured "
+         "(the watchdog and waiters query their CUDA events, which a capture forbids; torch.compile's "
+         "mode='reduce-overhead' captures too): issue the collective outside the captured region";
+}
+
 void NcclCommunicator::issue(loom::detail::Op& op, const std::shared_ptr<Work>& base) {
   if (op.info.type == OpType::Split) {
     issue_split(op, base);

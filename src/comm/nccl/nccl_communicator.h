@@ -41,6 +41,7 @@ class NcclCommunicator final : public Communicator {
  protected:
   std::shared_ptr<Work> make_work(const loom::detail::Op& op) override;
   void issue(loom::detail::Op& op, const std::shared_ptr<Work>& work) override;
+  std::string unsupported(const OpInfo& info) const override;
   void abort_backend(const std::string& reason) override;
 
  private:
