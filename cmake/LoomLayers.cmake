@@ -1,14 +1,19 @@
 # The library's layers, and the build that holds them to their order:
 #
-#   core <- topology <- comm <- (runtime, parallel) ; parallel <- amp ; (comm, parallel, amp, topology) <- train
-#   (amp sees parallel for ZeRO: the scaler unscales a ZeroOptimizer's gradient shards)
+#   core <- topology <- comm <- (runtime, parallel, amp) ; (topology, comm, parallel, amp) <- train
+#   (the scaler takes ZeRO's gradient shards through a concept, loom::ShardedOptimizer: amp sees no
+#   header of parallel)
 #
 # Each layer is an object library compiled against an include directory of its own,
 # build/layers/<layer>/, holding symbolic links to only what it may use: the public headers
 # (include/loom/...) of itself and the layers below, and its own private headers (src/<module>/).
 # An include of a layer above, or of another module's private header, is then "No such file" at
-# compile time instead of a convention to remember; tests/layering/ checks that it stays so.
-# libtorchloom is the objects of every layer.
+# compile time instead of a convention to remember. The third-party libraries follow the same rule:
+# MPI and NCCL are comm's (the only layer given their include directories and definitions), spdlog
+# is core's. tests/layering/check_layer_symbols.py holds the objects to it too: no layer's objects
+# call a function only a layer it may not use defines (a hand-written declaration would get past
+# the include directories), nor MPI, NCCL or CUDA outside comm, nor spdlog outside core.
+# libtorchloom is the objects of every layer; the launcher (loomrun) has a directory of its own.
 
 # The public headers of core, used by every layer.
 set(LOOM_CORE_PUBLIC loom/config.h loom/env.h loom/error.h loom/log.h loom/trace.h loom/world.h)
@@ -66,8 +71,9 @@ loom_layer_include_dir(topology ${LOOM_CORE_PUBLIC} loom/topology src:topology)
 loom_layer_include_dir(comm ${LOOM_CORE_PUBLIC} loom/topology loom/comm src:comm)
 loom_layer_include_dir(runtime ${LOOM_CORE_PUBLIC} loom/topology loom/comm loom/runtime.h src:runtime)
 loom_layer_include_dir(parallel ${LOOM_CORE_PUBLIC} loom/comm loom/parallel src:parallel)
-loom_layer_include_dir(amp ${LOOM_CORE_PUBLIC} loom/comm loom/parallel loom/amp src:amp)
+loom_layer_include_dir(amp ${LOOM_CORE_PUBLIC} loom/comm loom/amp src:amp)
 loom_layer_include_dir(train ${LOOM_CORE_PUBLIC} loom/topology loom/comm loom/parallel loom/amp loom/train src:train)
+loom_layer_include_dir(launcher ${LOOM_CORE_PUBLIC} loom/topology src:launcher)
 
 # loom_layer(<layer> <source>...): the layer's object library, loom_<layer>, with the settings every
 # LibTorch-facing layer shares (third-party include directories are the same for all: the layering
@@ -79,11 +85,18 @@ endfunction()
 
 function(loom_layer_settings target layer)
   target_include_directories(${target} PRIVATE ${LOOM_LAYER_INCLUDE_DIR_${layer}} ${LOOM_XXHASH_INCLUDE_DIR})
-  target_link_libraries(${target} PRIVATE ${TORCH_LIBRARIES} MPI::MPI_CXX spdlog::spdlog nlohmann_json::nlohmann_json)
+  target_link_libraries(${target} PRIVATE ${TORCH_LIBRARIES} nlohmann_json::nlohmann_json)
   target_compile_features(${target} PRIVATE cxx_std_20)
   target_compile_options(${target} PRIVATE -Wall -Wextra -Wno-unused-parameter)
-  target_compile_definitions(${target} PRIVATE OMPI_SKIP_MPICXX=1)
   set_target_properties(${target} PROPERTIES POSITION_INDEPENDENT_CODE ON)
+  # MPI and NCCL are the communication layer's alone. (LibTorch's CUDA build puts the CUDA
+  # toolkit's include directory, which may hold an nccl.h, on every layer's path: there the symbol
+  # check is what holds NCCL and CUDA to comm.)
+  if(NOT layer STREQUAL "comm")
+    return()
+  endif()
+  target_link_libraries(${target} PRIVATE MPI::MPI_CXX)
+  target_compile_definitions(${target} PRIVATE OMPI_SKIP_MPICXX=1)
   if(LOOM_NCCL_ENABLED)
     target_compile_definitions(${target} PRIVATE LOOM_WITH_NCCL=1)
     target_include_directories(${target} PRIVATE ${LOOM_NCCL_INCLUDE_DIR})

@@ -68,7 +68,8 @@ add_library(loom_launcher STATIC
   ${LOOM_TOPOLOGY_DIR}/src/launcher/host_probe.cpp
 )
 target_compile_features(loom_launcher PUBLIC cxx_std_20)
-target_include_directories(loom_launcher PUBLIC ${LOOM_TOPOLOGY_DIR}/src)
+# The launcher's own private headers and the topology's public ones (cmake/LoomLayers.cmake).
+target_include_directories(loom_launcher PUBLIC ${LOOM_LAYER_INCLUDE_DIR_launcher})
 target_link_libraries(loom_launcher PUBLIC loom_topology PRIVATE CLI11::CLI11)
 target_compile_options(loom_launcher PRIVATE ${LOOM_TOPOLOGY_WARNINGS})
 

@@ -41,7 +41,7 @@ void bind_amp(py::module_& m) {
            }, py::arg("optimizer_id"), py::arg("grads"), py::arg("optimizer_step"),
            "Unscales (unless done), agrees on found-inf, calls optimizer_step() unless a gradient is inf/NaN on any "
            "rank of the sync groups; returns whether it stepped.")
-      .def("unscale_zero", py::overload_cast<loom::ZeroOptimizer&>(&loom::GradScaler::unscale_), py::arg("zero"),
+      .def("unscale_zero", [](loom::GradScaler& s, loom::ZeroOptimizer& zero) { s.unscale_(zero); }, py::arg("zero"),
            release_gil())
       .def("step_zero", [](loom::GradScaler& s, loom::ZeroOptimizer& zero, const py::function& step_shards) {
              py::gil_scoped_release release;

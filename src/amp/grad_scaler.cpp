@@ -15,7 +15,6 @@
 #include <tuple>
 
 #include "loom/error.h"
-#include "loom/parallel/zero.h"
 
 namespace loom {
 
@@ -100,23 +99,8 @@ void GradScaler::unscale_(torch::optim::Optimizer& optimizer) {
   unscale_(&optimizer, defined_grads(optimizer));
 }
 
-void GradScaler::unscale_(const void* optimizer, const std::vector<at::Tensor>& gradients) {
-  unscale_agreed(optimizer, gradients, nullptr);
-}
-
-void GradScaler::unscale_(ZeroOptimizer& zero) {
-  unscale_agreed(&zero, zero.shard_gradients(), &zero.group());
-}
-
-bool GradScaler::step(ZeroOptimizer& zero) { return step(zero, [&] { zero.step(); }); }
-
-bool GradScaler::step(ZeroOptimizer& zero, const std::function<void()>& step_shards) {
-  if (options_.enabled && state_of(&zero).stage == Stage::Ready) unscale_(zero);
-  return step(&zero, {}, step_shards);
-}
-
-void GradScaler::unscale_agreed(const void* optimizer, const std::vector<at::Tensor>& gradients,
-                                Communicator* also_over) {
+void GradScaler::unscale_(const void* optimizer, const std::vector<at::Tensor>& gradients,
+                          Communicator* shard_group) {
   if (!options_.enabled) return;
   PerOptimizer& state = state_of(optimizer);
   if (state.stage == Stage::Unscaled)
@@ -163,7 +147,7 @@ void GradScaler::unscale_agreed(const void* optimizer, const std::vector<at::Ten
   // travels on each group's own device (a device communicator takes only its GPU's tensors).
   std::vector<Communicator*> agree_over;
   for (const auto& group : options_.sync_groups) agree_over.push_back(group.get());
-  if (also_over) agree_over.push_back(also_over);
+  if (shard_group) agree_over.push_back(shard_group);
   for (Communicator* group : agree_over) {
     if (!group || group->size() == 1) continue;
     const bool same_device = group->device() == found.device();
@@ -181,7 +165,7 @@ bool GradScaler::step(torch::optim::Optimizer& optimizer) {
 }
 
 bool GradScaler::step(const void* optimizer, const std::vector<at::Tensor>& grads,
-                      const std::function<void()>& optimizer_step) {
+                      const std::function<void()>& optimizer_step, Communicator* shard_group) {
   if (!options_.enabled) {
     optimizer_step();
     return true;
@@ -189,7 +173,7 @@ bool GradScaler::step(const void* optimizer, const std::vector<at::Tensor>& grad
   PerOptimizer& state = state_of(optimizer);
   if (state.stage == Stage::Stepped)
     throw InvalidArgumentError(where("step") + ": step() has already been called since the last update()");
-  if (state.stage == Stage::Ready) unscale_(optimizer, grads);
+  if (state.stage == Stage::Ready) unscale_(optimizer, grads, shard_group);
   // The step's one host synchronisation: whether to run the optimizer at all.
   const bool skip = state.found_inf.item<float>() != 0.0f;
   if (!skip) optimizer_step();

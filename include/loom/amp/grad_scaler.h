@@ -22,6 +22,7 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <concepts>
 #include <functional>
 #include <map>
 #include <optional>
@@ -38,7 +39,16 @@ class Optimizer;
 
 namespace loom {
 
-class ZeroOptimizer;
+// An optimizer whose gradients are sharded over a group (loom::ZeroOptimizer, loom/parallel/zero.h):
+// shard_gradients() are this rank's shards, group() the communicator they are sharded over. The
+// scaler knows it by these calls only, as PyTorch keeps its sharded scaler with FSDP: amp sees no
+// optimizer wrapper of the layers above it.
+template <typename T>
+concept ShardedOptimizer = requires(T& optimizer) {
+  { optimizer.shard_gradients() } -> std::convertible_to<std::vector<at::Tensor>>;
+  { optimizer.group() } -> std::convertible_to<Communicator&>;
+  optimizer.step();
+};
 
 struct GradScalerOptions {
   double init_scale = 65536.0;
@@ -66,16 +76,27 @@ class GradScaler {
   bool step(torch::optim::Optimizer& optimizer);
   // The same two calls for an optimizer LibTorch does not know (a Python one): `optimizer` only
   // identifies it, `grads` are its parameters' defined gradients, `optimizer_step` runs its step.
-  void unscale_(const void* optimizer, const std::vector<at::Tensor>& grads);
-  bool step(const void* optimizer, const std::vector<at::Tensor>& grads, const std::function<void()>& optimizer_step);
+  // Gradients sharded over a group name it as `shard_group`: found-inf is agreed over it too.
+  void unscale_(const void* optimizer, const std::vector<at::Tensor>& grads, Communicator* shard_group = nullptr);
+  bool step(const void* optimizer, const std::vector<at::Tensor>& grads, const std::function<void()>& optimizer_step,
+            Communicator* shard_group = nullptr);
   // The same for ZeRO (loom/parallel/zero.h): its gradients are this rank's shards, so found-inf is
   // agreed over its group as well as the sync groups, and a skipped step skips every shard.
   //   scaler.unscale_(zero); zero.clip_grad_norm(1.0); scaler.step(zero); scaler.update();
-  void unscale_(ZeroOptimizer& zero);
-  bool step(ZeroOptimizer& zero);
+  template <ShardedOptimizer Sharded>
+  void unscale_(Sharded& optimizer) {
+    unscale_(&optimizer, optimizer.shard_gradients(), &optimizer.group());
+  }
+  template <ShardedOptimizer Sharded>
+  bool step(Sharded& optimizer) {
+    return step(optimizer, [&optimizer] { optimizer.step(); });
+  }
   // For a ZeroOptimizer without an optimizer of its own: `step_shards` steps it (begin_step(), the
   // held optimizer's step, gather_parameters()).
-  bool step(ZeroOptimizer& zero, const std::function<void()>& step_shards);
+  template <ShardedOptimizer Sharded>
+  bool step(Sharded& optimizer, const std::function<void()>& step_shards) {
+    return step(&optimizer, optimizer.shard_gradients(), step_shards, &optimizer.group());
+  }
   // Adjusts the scale from this step's found-inf flags (back off, or grow after growth_interval
   // clean steps) and starts the next step.
   void update();
@@ -106,8 +127,6 @@ class GradScaler {
   };
 
   void lazy_init(const at::Device& device);
-  // Unscales and agrees on found-inf over the sync groups and `also_over` (when given).
-  void unscale_agreed(const void* optimizer, const std::vector<at::Tensor>& gradients, Communicator* also_over);
   // Sets the scale and growth tracker, now or (before the first scale()) when they are created.
   void set_state(double scale, int64_t growth_tracker);
   PerOptimizer& state_of(const void* optimizer);
