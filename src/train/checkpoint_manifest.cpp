@@ -17,8 +17,8 @@ using json = nlohmann::json;
   throw CheckpointError(where + ": " + what);
 }
 
-// Like the shard header's: a valid manifest nests at most 6 levels (optimizer parameter groups),
-// so a deeper one is refused before it is parsed.
+// Like the shard header's: a manifest nesting deeper than max_depth (kMaxManifestNesting) is refused
+// before it is parsed.
 bool nesting_within(std::string_view text, int max_depth) {
   int depth = 0;
   bool in_string = false, escaped = false;

@@ -21,6 +21,7 @@
 #include <optional>
 #include <nlohmann/json.hpp>
 #include <random>
+#include <set>
 
 #include "../hostile_json.h"
 #include "loom/amp/grad_scaler.h"
@@ -30,6 +31,7 @@
 #include "loom/train/checkpoint.h"
 #include "train/checkpoint_checksum.h"
 #include "train/checkpoint_files.h"
+#include "train/checkpoint_layout.h"
 #include "train/checkpoint_load_plan.h"
 #include "train/checkpoint_manifest.h"
 #include "train/safetensors.h"
@@ -210,6 +212,48 @@ TEST(CheckpointManifest, OverlappingSlicesAndTwoSlicesInOneShardAreRefused) {
   w.slices = {{0, 0, 4}, {1, 4, 4}};
   m.tensors = {{"model/w", w}};
   EXPECT_EQ(ckpt::parse_manifest(ckpt::manifest_to_json(m), "manifest").tensors.at("model/w").slices.size(), 2u);
+}
+
+// The save planner, in one process, at TP 2 x DP 2 (ranks 0 and 2 hold the first half of every
+// split tensor, 1 and 3 the second): each distinct slice is written once, largest first onto the
+// least-loaded holder, a buffer by its lowest holder; the records name each slice's writer.
+TEST(CheckpointSavePlan, EachSliceOnceBalancedOverItsHolders) {
+  auto slice = [](const std::string& name, std::vector<int64_t> shape, int64_t offset, int64_t length) {
+    const int64_t row = shape[1] * 4;  // bytes of one float row
+    return ckpt::Descriptor{name, at::kFloat, shape, 0, offset, length, false, static_cast<uint64_t>(length * row)};
+  };
+  const ckpt::Descriptor bias{"b", at::kFloat, {4}, -1, 0, 0, true, 16};
+  std::vector<std::vector<ckpt::Descriptor>> per_rank(4);
+  for (int r = 0; r < 4; ++r) {
+    const int64_t half = r % 2;
+    per_rank[r] = {slice("big", {16, 4}, 8 * half, 8), slice("w", {8, 4}, 4 * half, 4), bias};
+  }
+  const auto plan = ckpt::plan_save(per_rank, "save");
+  const std::vector<std::set<std::string>> writes = {{"big", "b"}, {"big"}, {"w"}, {"w"}};
+  EXPECT_EQ(plan.writes, writes);
+  EXPECT_EQ(plan.bytes, (std::vector<uint64_t>{144, 128, 64, 64}));  // 400: every distinct byte once
+  auto writers = [&](const std::string& name) {
+    std::vector<int> shards;
+    for (const auto& s : plan.tensors.at(name).slices) shards.push_back(s.shard);
+    return shards;
+  };
+  EXPECT_EQ(writers("big"), (std::vector<int>{0, 1}));
+  EXPECT_EQ(writers("w"), (std::vector<int>{2, 3}));  // ranks 0 and 1 already write 128 bytes
+  EXPECT_EQ(writers("b"), (std::vector<int>{0}));     // a buffer: the lowest holder's copy
+  EXPECT_EQ(plan.tensors.at("big").shape, (std::vector<int64_t>{16, 4}));
+  EXPECT_EQ(plan.tensors.at("b").split_dim, -1);
+
+  // Descriptions that cannot make one checkpoint are refused before anything is written.
+  auto refused = [&](auto edit) {
+    auto bad = per_rank;
+    edit(bad);
+    return expect_checkpoint_error([&] { ckpt::plan_save(bad, "save"); });
+  };
+  EXPECT_NE(refused([](auto& d) { d[3][1].dtype = at::kHalf; }).find("ranks disagree about tensor w"),
+            std::string::npos);
+  EXPECT_NE(refused([](auto& d) { d[1][1].offset = d[3][1].offset = 5; }).find("do not tile it"), std::string::npos);
+  EXPECT_NE(refused([](auto& d) { d[2][0].length = 6; }).find("ranks hold different slices of big at offset 0"),
+            std::string::npos);
 }
 
 // The load planner, in one process: which saved slices feed which need, which shards a rank
