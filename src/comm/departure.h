@@ -55,7 +55,7 @@ void record(const Departure& departure);
 // rank has left).
 std::optional<Departure> find(const std::vector<int>& job_ranks);
 
-// The side channel, installed by the host backend at start-up: sends the notice to `ranks` and
+// The side channel, installed by side_channel::install: sends the notice to `ranks` and
 // returns once each has acknowledged it or `deadline` has passed.
 using Announcer =
     std::function<void(const std::vector<int>& ranks, const Departure& notice, Clock::time_point deadline)>;

@@ -1,7 +1,7 @@
-// The side channel over which ranks ask each other how far they have come (comm/peer_status.h),
-// on MPI: a duplicate of MPI_COMM_WORLD used for nothing else. Each rank's watchdog thread serves
-// incoming questions every poll interval (one MPI_Test); a rank that asks serves while it waits,
-// so two ranks asking each other at once both get their answers.
+// The side channel's transport on MPI (comm/side_channel.h runs the protocol): a duplicate of
+// MPI_COMM_WORLD used for nothing else; questions, answers, departure notices and their
+// acknowledgements are tagged point-to-point messages, served by the watchdog's poll (an
+// MPI_Test each when nothing arrived).
 #pragma once
 
 namespace loom::detail::mpi_status {

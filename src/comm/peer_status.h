@@ -4,7 +4,7 @@
 // (its name, its members' job ranks, and how many communicators with that name and membership
 // this process made before). When an operation stalls or times out, the rank asks each member
 // "what is the last sequence number you called, and what did you call at this one?". The answers
-// travel on a side channel the host backend provides (a dedicated MPI communicator, served by the
+// travel on the job's side channel (side_channel.h: the host backend's transport, served by the
 // watchdog thread), so a rank busy computing or blocked inside another collective still answers;
 // a rank that is stopped or dead does not, and is reported as such.
 #pragma once
@@ -58,7 +58,7 @@ struct Reached {
 std::vector<Reached> reached_by_communicator();
 
 // The side channel: asks every job rank in `ranks` (this process answers itself locally); an
-// answer missing at the deadline is nullopt. Installed by the host backend at start-up.
+// answer missing at the deadline is nullopt. Installed by side_channel::install.
 using Transport =
     std::function<std::vector<std::optional<Answer>>(const std::vector<int>& ranks, const Query&, Clock::time_point)>;
 void set_transport(Transport transport);

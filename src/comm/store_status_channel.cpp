@@ -1,6 +1,7 @@
 #include "comm/store_status_channel.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cstdlib>
 #include <mutex>
 #include <sstream>
@@ -9,28 +10,13 @@
 
 #include "comm/departure.h"
 #include "comm/peer_status.h"
-#include "comm/watchdog.h"
+#include "comm/side_channel.h"
 #include "loom/log.h"
 
 namespace loom::detail::store_status {
 namespace {
 
 constexpr auto kPoll = std::chrono::milliseconds(2);  // an asker's or a leaver's polling
-
-struct Channel {
-  std::mutex mutex;  // one thread uses the store connection at a time
-  bool running = false;
-  c10::intrusive_ptr<c10d::Store> store;
-  int rank = 0;
-  int size = 1;
-  int64_t seen_events = 0;
-  int64_t answered = 0;          // questions up to this id are answered
-  std::vector<bool> seen_left;   // departures already recorded
-};
-Channel& channel() {
-  static Channel* c = new Channel;  // used by exit handlers, after static destruction began
-  return *c;
-}
 
 std::vector<uint8_t> bytes(const std::string& text) { return {text.begin(), text.end()}; }
 std::string text(const std::vector<uint8_t>& bytes) { return {bytes.begin(), bytes.end()}; }
@@ -95,116 +81,87 @@ departures::Departure decode_departure(int rank, const std::string& notice) {
   return d;
 }
 
-// The watchdog's poll: new departures are recorded and acknowledged, new questions answered.
-void serve_locked(Channel& c) {
-  const int64_t events = c.store->add("events", 0);
-  if (events == c.seen_events) return;
-  c.seen_events = events;
-  for (int r = 0; r < c.size; ++r) {
-    if (r == c.rank || c.seen_left[r] || !c.store->check({key("left/", r)})) continue;
-    c.seen_left[r] = true;
-    departures::record(decode_departure(r, text(c.store->get(key("left/", r)))));
-    c.store->add(key("left/", r) + "/acks", 1);
-  }
-  const int64_t last = c.store->add("q/next", 0);
-  // In id order, stopping at a question whose key is not written yet (its id is taken first).
-  while (c.answered < last && c.store->check({key("q/", c.answered + 1)})) {
-    const int64_t id = ++c.answered;
-    const peers::Query q = decode_query(text(c.store->get(key("q/", id))));
-    c.store->set(key("a/", id) + "/" + std::to_string(c.rank), bytes(encode(peers::answer(q))));
-  }
-}
+// The transport: all of it is driven by the side channel's protocol, one call at a time.
+class StoreTransport final : public side_channel::Transport {
+ public:
+  StoreTransport(c10::intrusive_ptr<c10d::Store> store, int rank, int size)
+      : store_(std::move(store)), rank_(rank), seen_left_(static_cast<size_t>(size), false) {}
 
-std::vector<std::optional<peers::Answer>> ask(const std::vector<int>& ranks, const peers::Query& query,
-                                              peers::Clock::time_point deadline) {
-  Channel& c = channel();
-  std::vector<std::optional<peers::Answer>> answers(ranks.size());
-  std::unique_lock<std::mutex> lock(c.mutex);
-  if (!c.running) return answers;
-  try {
-    const int64_t id = c.store->add("q/next", 1);
-    c.store->set(key("q/", id), bytes(encode(query)));
-    c.store->add("events", 1);
-    size_t open = 0;
-    for (size_t i = 0; i < ranks.size(); ++i) {
-      if (ranks[i] == c.rank) answers[i] = peers::answer(query);
-      else ++open;
-    }
-    while (open > 0 && peers::Clock::now() < deadline) {
-      serve_locked(c);  // two ranks asking each other at once both get their answers
-      for (size_t i = 0; i < ranks.size(); ++i) {
-        const std::string k = key("a/", id) + "/" + std::to_string(ranks[i]);
-        if (answers[i] || !c.store->check({k})) continue;
-        answers[i] = decode_answer(text(c.store->get(k)));
-        --open;
-      }
-      if (open == 0) break;
-      lock.unlock();
-      std::this_thread::sleep_for(kPoll);
-      lock.lock();
-      if (!c.running) break;
-    }
-  } catch (const std::exception& e) {  // the store stopped answering: the missing answers stay missing
-    LOOM_LOG(debug, "status channel: " << e.what());
-  }
-  return answers;
-}
+  std::chrono::microseconds poll_interval() const override { return kPoll; }
 
-void announce(const std::vector<int>& ranks, const departures::Departure& d, departures::Clock::time_point deadline) {
-  Channel& c = channel();
-  std::unique_lock<std::mutex> lock(c.mutex);
-  if (!c.running) return;
-  try {
-    c.store->set(key("left/", c.rank), bytes(encode_departure(d)));
-    c.store->add("events", 1);
-    while (departures::Clock::now() < deadline &&
-           c.store->add(key("left/", c.rank) + "/acks", 0) < static_cast<int64_t>(ranks.size())) {
-      serve_locked(c);
-      lock.unlock();
-      std::this_thread::sleep_for(kPoll);
-      lock.lock();
-      if (!c.running) return;
+  // New departures are recorded and acknowledged, new questions answered; one small request when
+  // nothing happened.
+  void serve() override {
+    const int64_t events = store_->add("events", 0);
+    if (events == seen_events_) return;
+    seen_events_ = events;
+    for (int r = 0; r < static_cast<int>(seen_left_.size()); ++r) {
+      if (r == rank_ || seen_left_[r] || !store_->check({key("left/", r)})) continue;
+      seen_left_[r] = true;
+      departures::record(decode_departure(r, text(store_->get(key("left/", r)))));
+      store_->add(key("left/", r) + "/acks", 1);  // only now, with the communicators failed and logged
     }
-  } catch (const std::exception& e) {
-    LOOM_LOG(debug, "status channel: " << e.what());
+    const int64_t last = store_->add("q/next", 0);
+    // In id order, stopping at a question whose key is not written yet (its id is taken first).
+    while (answered_ < last && store_->check({key("q/", answered_ + 1)})) {
+      const int64_t id = ++answered_;
+      const peers::Query q = decode_query(text(store_->get(key("q/", id))));
+      store_->set(key("a/", id) + "/" + std::to_string(rank_), bytes(encode(peers::answer(q))));
+    }
   }
-}
+
+  void post_question(const std::vector<int>& ranks, const peers::Query& query) override {
+    asked_ = ranks;
+    question_id_ = store_->add("q/next", 1);
+    store_->set(key("q/", question_id_), bytes(encode(query)));
+    store_->add("events", 1);
+  }
+
+  void poll_answers(std::vector<std::optional<peers::Answer>>& answers) override {
+    for (size_t i = 0; i < asked_.size(); ++i) {
+      const std::string k = key("a/", question_id_) + "/" + std::to_string(asked_[i]);
+      if (answers[i] || !store_->check({k})) continue;
+      answers[i] = decode_answer(text(store_->get(k)));
+    }
+  }
+
+  void end_question() override { asked_.clear(); }  // answers written later are never read
+
+  void post_notice(const std::vector<int>& ranks, const departures::Departure& notice) override {
+    store_->set(key("left/", rank_), bytes(encode_departure(notice)));
+    store_->add("events", 1);
+  }
+
+  size_t acknowledged() override {
+    return static_cast<size_t>(std::max<int64_t>(store_->add(key("left/", rank_) + "/acks", 0), 0));
+  }
+
+  void end_notice() override {}  // the notice stays in the store, read by whoever comes later
+
+  void close() override { store_.reset(); }
+
+ private:
+  c10::intrusive_ptr<c10d::Store> store_;
+  int rank_;
+  std::vector<bool> seen_left_;  // departures already recorded
+  int64_t seen_events_ = 0;
+  int64_t answered_ = 0;  // questions up to this id are answered
+  int64_t question_id_ = 0;
+  std::vector<int> asked_;
+};
+
+std::atomic<bool> g_started{false};
 
 }  // namespace
 
 void start(c10::intrusive_ptr<c10d::Store> store, int rank, int size) {
-  Channel& c = channel();
-  {
-    std::lock_guard<std::mutex> lock(c.mutex);
-    if (c.running) return;
-    c.store = std::move(store);
-    c.rank = rank;
-    c.size = size;
-    c.seen_left.assign(static_cast<size_t>(size), false);
-    c.running = true;
-  }
-  peers::set_transport(ask);
-  departures::set_announcer(announce, rank, size);
-  Watchdog::instance().add_periodic([] {
-    Channel& c = channel();
-    std::lock_guard<std::mutex> lock(c.mutex);
-    if (!c.running) return false;
-    try {
-      serve_locked(c);
-    } catch (const std::exception& e) {  // bounded by the connection's timeout; tried again next poll
-      LOOM_LOG(debug, "status channel: " << e.what());
-    }
-    return true;
-  });
+  if (g_started.exchange(true)) return;
+  side_channel::install(std::make_shared<StoreTransport>(std::move(store), rank, size), rank, size);
 }
 
 void stop() {
-  peers::clear_transport();
-  departures::clear_announcer();
-  Channel& c = channel();
-  std::lock_guard<std::mutex> lock(c.mutex);
-  c.running = false;
-  c.store.reset();
+  if (!g_started.exchange(false)) return;
+  side_channel::uninstall();
 }
 
 }  // namespace loom::detail::store_status

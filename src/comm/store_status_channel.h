@@ -1,5 +1,5 @@
-// The side channel (comm/peer_status.h questions, comm/departure.h notices) for jobs without MPI,
-// over the rendezvous key-value store (c10d::Store): what the Gloo backend installs.
+// The side channel's transport for jobs without MPI (comm/side_channel.h runs the protocol), over
+// the rendezvous key-value store (c10d::Store): what the Gloo backend installs.
 //
 // A question or a notice is a key in the store and one increment of a shared event counter; each
 // rank's watchdog reads that counter every poll (one small request) and looks for new keys only
@@ -9,7 +9,8 @@
 //
 // Keys, under the prefix given to start():
 //   events             counter: every notice and question adds one
-//   left/<r>           rank r's departure: "<status>\n<reason>"; left/<r>/acks counts readers
+//   left/<r>           rank r's departure: "<status>\n<key>:<collective>:<internal> ...\n<reason>";
+//                      left/<r>/acks counts readers
 //   q/next, q/<id>     question ids, and question id: "<key> <internal> <seq>"
 //   a/<id>/<r>         rank r's answer to question id
 #pragma once
