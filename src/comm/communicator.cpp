@@ -263,6 +263,19 @@ std::shared_ptr<Work> Communicator::make_work(const detail::Op& op) {
   return std::make_shared<Work>(op.info, std::move(keep_alive));
 }
 
+namespace {
+// The larger of what goes in and what comes out bounds every message the backend's algorithm sends
+// (an all_gather's last round carries half its output), and so what a peer that passed another
+// size could write past a buffer: such collectives have their signatures checked first.
+bool largest_message_at_least(const detail::Op& op, int64_t bytes) {
+  int64_t in_bytes = 0, out_bytes = 0;
+  for (const auto& t : op.inputs) in_bytes += static_cast<int64_t>(t.nbytes());
+  for (const auto& t : op.outputs) out_bytes += static_cast<int64_t>(t.nbytes());
+  const int64_t largest = std::max(in_bytes, out_bytes);
+  return largest > 0 && largest >= bytes;
+}
+}  // namespace
+
 WorkPtr Communicator::enqueue_checked(detail::Op& op) {
   op.info.group = name_;
   op.info.rank = rank_;
@@ -309,16 +322,9 @@ WorkPtr Communicator::enqueue_checked(detail::Op& op) {
   if (!p2p) {
     rolling_fingerprint_ = detail::fold_fingerprint(rolling_fingerprint_, op.info);
     op.fingerprint = rolling_fingerprint_;
-    // The larger of what goes in and what comes out bounds every message the backend's algorithm
-    // sends (an all_gather's last round carries half its output), and so what a peer that passed
-    // another size could write past a buffer.
-    int64_t in_bytes = 0, out_bytes = 0;
-    for (const auto& t : op.inputs) in_bytes += static_cast<int64_t>(t.nbytes());
-    for (const auto& t : op.outputs) out_bytes += static_cast<int64_t>(t.nbytes());
-    const int64_t bytes = std::max(in_bytes, out_bytes);
     ++collectives_total_;
     op.precheck = size_ > 1 && op.info.type != OpType::Split &&
-                  ((bytes > 0 && bytes >= size_check_bytes_) ||
+                  (largest_message_at_least(op, size_check_bytes_) ||
                    (fingerprint_interval_ > 0 && collectives_total_ % static_cast<uint64_t>(fingerprint_interval_) == 0));
     if (check_collectives_ && !op.info.internal && size_ > 1) check_fingerprint(op);
   }

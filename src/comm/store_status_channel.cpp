@@ -77,7 +77,7 @@ departures::Departure decode_departure(int rank, const std::string& notice) {
   char colon1 = 0, colon2 = 0;
   while (d.reached.size() < departures::kMaxReached && items >> r.key >> colon1 >> r.collective >> colon2 >> r.internal)
     d.reached.push_back(r);
-  d.reason = notice.substr(second + 1);
+  d.reason = notice.substr(second + 1, departures::kMaxReasonBytes);  // as the MPI notice bounds it
   return d;
 }
 
