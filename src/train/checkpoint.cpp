@@ -102,17 +102,22 @@ struct Checkpointer::Impl {
   int size = 1;
   std::string where;
   std::unique_ptr<CheckpointStorage> storage;
-  // The providers, in the order they collect (the optimizer's state follows the model's layout).
-  ModelState model;
-  ExtraTensors extras;
-  OptimizerState optimizer{model};
-  ZeroOptimizerState zero_optimizer{model};
-  ScalerState scaler;
-  RngState rng;
-  AccumulationState accumulation;
-  UserObjects objects;
+  // The providers by name, in the order they collect (registered ones first, in registration
+  // order: the optimizer's state follows the model's layout; then those added to this checkpointer).
+  std::vector<std::pair<std::string, std::shared_ptr<StateProvider>>> named_providers;
   std::vector<StateProvider*> providers() {
-    return {&model, &extras, &optimizer, &zero_optimizer, &scaler, &rng, &accumulation, &objects};
+    std::vector<StateProvider*> all;
+    for (auto& [name, provider] : named_providers) all.push_back(provider.get());
+    return all;
+  }
+  StateProvider* find_provider(const std::string& name) {
+    for (auto& [taken, provider] : named_providers)
+      if (taken == name) return provider.get();
+    return nullptr;
+  }
+  template <typename Provider>
+  Provider& built_in(const char* name) {
+    return dynamic_cast<Provider&>(*find_provider(name));
   }
   Staging staging;
   std::thread worker;
@@ -158,7 +163,19 @@ struct Checkpointer::Impl {
   SaveState collect(bool for_load) {
     SaveState out;
     out.for_load = for_load;
-    for (StateProvider* provider : providers()) provider->collect(rank, out);
+    for (auto& [name, provider] : named_providers) {
+      const auto before = out.sections;
+      provider->collect(rank, out);
+      for (const auto& [section, text] : out.sections) {
+        auto earlier = before.find(section);
+        if (earlier != before.end() && earlier->second != text)
+          throw CheckpointError(where + ": state provider \"" + name + "\" wrote section \"" + section +
+                                "\", which another provider wrote already");
+        if (earlier == before.end() && !json::accept(text))
+          throw CheckpointError(where + ": state provider \"" + name + "\" wrote section \"" + section +
+                                "\" as text that is not JSON: " + text.substr(0, 200));
+      }
+    }
     std::sort(out.tensors.begin(), out.tensors.end(),
               [](const LocalTensor& a, const LocalTensor& b) { return a.name < b.name; });
     for (size_t i = 1; i < out.tensors.size(); ++i)
@@ -206,8 +223,42 @@ Checkpointer::Checkpointer(std::shared_ptr<Communicator> world, CheckpointOption
     s.rank = s.comm->rank();
     s.size = s.comm->size();
   }
-  s.storage = std::make_unique<PosixStorage>(s.options.directory, s.options.keep_last, s.where);
+  s.storage = checkpoint::open_storage(s.options.directory, s.options.keep_last, s.where);
+  if (s.size > 1 && !s.storage->shared_between_processes())
+    throw InvalidArgumentError(s.where + ": the checkpoint storage of \"" + s.options.directory +
+                               "\" is this process's own, but the checkpointer spans " + std::to_string(s.size) +
+                               " processes, which could not read each other's shards; expected a shared storage "
+                               "(a path on a shared file system)");
+  for (auto& [name, factory] : checkpoint::registered_state_provider_factories()) {
+    std::unique_ptr<StateProvider> provider = factory(*this);
+    if (!provider)
+      throw InvalidArgumentError(s.where + ": the factory of state provider \"" + name + "\" returned none");
+    s.named_providers.emplace_back(name, std::move(provider));
+  }
 }
+
+Checkpointer& Checkpointer::state(const std::string& name, std::shared_ptr<checkpoint::StateProvider> provider) {
+  auto& s = *impl_;
+  if (name.empty() || !provider)
+    throw InvalidArgumentError(s.where + ": Checkpointer::state: expected a name and a provider; found name \"" +
+                               name + "\"" + (provider ? "" : " and no provider"));
+  if (s.find_provider(name) != nullptr)
+    throw InvalidArgumentError(s.where + ": Checkpointer::state: a state provider named \"" + name +
+                               "\" exists already");
+  s.named_providers.emplace_back(name, std::move(provider));
+  return *this;
+}
+
+checkpoint::StateProvider& Checkpointer::provider(const std::string& name) {
+  auto& s = *impl_;
+  if (StateProvider* found = s.find_provider(name)) return *found;
+  std::string names;
+  for (const auto& [taken, _] : s.named_providers) names += (names.empty() ? "" : ", ") + taken;
+  throw InvalidArgumentError(s.where + ": Checkpointer::provider: no state provider is named \"" + name +
+                             "\"; this checkpointer has " + names);
+}
+
+std::string Checkpointer::where() const { return impl_->where; }
 
 Checkpointer::~Checkpointer() {
   impl_->finish_pending(/*rethrow=*/false);
@@ -215,52 +266,52 @@ Checkpointer::~Checkpointer() {
 }
 
 Checkpointer& Checkpointer::model(torch::nn::Module& module) {
-  impl_->model.set(&module);
+  impl_->built_in<ModelState>("model").set(&module);
   return *this;
 }
 Checkpointer& Checkpointer::optimizer(torch::optim::Optimizer& optimizer) {
-  impl_->optimizer.set(&optimizer);
-  impl_->zero_optimizer.set(nullptr);
+  impl_->built_in<OptimizerState>("optimizer").set(&optimizer);
+  impl_->built_in<ZeroOptimizerState>("zero").set(nullptr);
   return *this;
 }
 Checkpointer& Checkpointer::optimizer(ZeroOptimizer& zero) {
-  impl_->zero_optimizer.set(&zero);
-  impl_->optimizer.set(nullptr);
+  impl_->built_in<ZeroOptimizerState>("zero").set(&zero);
+  impl_->built_in<OptimizerState>("optimizer").set(nullptr);
   return *this;
 }
 Checkpointer& Checkpointer::scaler(GradScaler& scaler) {
-  impl_->scaler.set(&scaler);
+  impl_->built_in<ScalerState>("scaler").set(&scaler);
   return *this;
 }
 Checkpointer& Checkpointer::rng(RngTracker& tracker) {
-  impl_->rng.add(tracker, impl_->where);
+  impl_->built_in<RngState>("rng").add(tracker, impl_->where);
   return *this;
 }
 Checkpointer& Checkpointer::accumulator(GradientAccumulator& accumulator) {
-  impl_->accumulation.set(&accumulator);
+  impl_->built_in<AccumulationState>("accumulation").set(&accumulator);
   return *this;
 }
 Checkpointer& Checkpointer::tensor(const std::string& name, at::Tensor tensor) {
-  impl_->extras.add(name, std::move(tensor), std::nullopt, impl_->where);
+  impl_->built_in<ExtraTensors>("extra").add(name, std::move(tensor), std::nullopt, impl_->where);
   return *this;
 }
 Checkpointer& Checkpointer::tensor(const std::string& name, at::Tensor tensor, const Slice& slice) {
-  impl_->extras.add(name, std::move(tensor), ExtraTensors::Slice{slice.global_shape, slice.dim, slice.offset, slice.tensor_parallel},
+  impl_->built_in<ExtraTensors>("extra").add(name, std::move(tensor), ExtraTensors::Slice{slice.global_shape, slice.dim, slice.offset, slice.tensor_parallel},
                     impl_->where);
   return *this;
 }
-bool Checkpointer::remove_tensor(const std::string& name) { return impl_->extras.remove(name); }
+bool Checkpointer::remove_tensor(const std::string& name) { return impl_->built_in<ExtraTensors>("extra").remove(name); }
 Checkpointer& Checkpointer::tensor_parallel(int size, int rank) {
   if (size < 1 || rank < 0 || rank >= size)
     throw InvalidArgumentError(impl_->where + ": Checkpointer::tensor_parallel: expected 0 <= rank < size; found rank " +
                                std::to_string(rank) + " of " + std::to_string(size));
-  impl_->extras.declare_tensor_parallel(size, rank);
+  impl_->built_in<ExtraTensors>("extra").declare_tensor_parallel(size, rank);
   return *this;
 }
 Checkpointer& Checkpointer::object(const std::string& name, ObjectState state) {
   if (name.empty() || !state.save || !state.load)
     throw InvalidArgumentError(impl_->where + ": Checkpointer::object: expected a name and save and load functions");
-  impl_->objects.add(name, {std::move(state.save), std::move(state.check), std::move(state.load)});
+  impl_->built_in<UserObjects>("objects").add(name, {std::move(state.save), std::move(state.check), std::move(state.load)});
   return *this;
 }
 
@@ -431,14 +482,10 @@ Manifest Checkpointer::Impl::manifest_for(const AgreedPlan& agreed, std::map<std
   for (const auto& theirs : agreed.ranks)
     manifest.world.tp_ranks.push_back(manifest.world.tensor_parallel > 1 ? theirs["tp_rank"].get<int>() : 0);
   manifest.tensors = std::move(tensors);
-  const json& sections = state.sections;
-  manifest.progress = {{"step", progress.step},
-                       {"epoch", progress.epoch},
-                       {"sample", progress.sample},
-                       {"accumulation", sections.value("accumulation", json(nullptr))}};
-  manifest.optimizer = sections.value("optimizer", json(nullptr));
-  manifest.scaler = sections.value("scaler", json(nullptr));
-  manifest.objects = sections.value("objects", json(nullptr));
+  manifest.progress = {{"step", progress.step}, {"epoch", progress.epoch}, {"sample", progress.sample}};
+  for (const auto& [name, text] : state.sections) {
+    manifest.state[name] = json::parse(text);  // checked when collected
+  }
   manifest.user = user;
   return manifest;
 }
@@ -451,7 +498,9 @@ CheckpointInfo Checkpointer::Impl::write_and_publish(ShardWrite write, Manifest 
   ShardWritten written;
   try {
     if (!write.error.empty()) throw CheckpointError(write.error);
-    written = storage->write_shard(staging, shard_file_name(rank, size), write);
+    const std::string file = shard_file_name(rank, size);
+    write.path = staging + "/" + file;
+    written = detail::ckpt::write_shard(*storage->create(staging, file), write, where);
   } catch (const std::exception& e) {
     error = e.what();
   }
@@ -510,7 +559,8 @@ CheckpointInfo Checkpointer::Impl::write_and_publish(ShardWrite write, Manifest 
 // ---- Load ------------------------------------------------------------------------------------------
 
 std::optional<std::string> Checkpointer::find_latest(const std::string& directory) {
-  return PosixStorage::find_latest(directory);
+  return checkpoint::open_storage(directory, /*keep_last=*/0, ErrorContext("Checkpointer::find_latest").prefix())
+      ->find_latest();
 }
 
 std::optional<std::string> Checkpointer::latest() {
@@ -544,10 +594,10 @@ CheckpointInfo Checkpointer::load(const std::string& path) {
   LoadedTensors loaded;
   uint64_t bytes_read = 0;
   TrainingProgress progress;
-  const std::string manifest_path = join_path(path, kManifestName);
+  const std::string manifest_path = path + "/" + kManifestName;
   const LoadContext context{m, path, live, s.rank, s.size, s.where, &garbage};
   try {
-    const std::string manifest_text = s.storage->read_manifest(path);
+    const std::string manifest_text = read_manifest_text(*s.storage, path, s.where);
     if (!check_manifest_integrity(manifest_text, s.where + ": manifest " + manifest_path))
       LOOM_LOG(warn, "checkpoint " << path << " has a version-1 manifest, which carries no checksum of its own: "
                                    << "its tensor-to-slice map is trusted as it stands");
@@ -564,7 +614,7 @@ CheckpointInfo Checkpointer::load(const std::string& path) {
       if (!plan.uncovered.empty())
         throw CheckpointError(s.where + ": the saved slices in " + path + " do not cover what this rank needs:" +
                               join_lines(plan.uncovered));
-      loaded = read_planned(*s.storage, path, m, needs, plan, bytes_read);
+      loaded = read_planned(*s.storage, path, m, needs, plan, bytes_read, s.where);
       for (StateProvider* provider : s.providers()) provider->verify(context, loaded, problems);
     }
   } catch (const std::exception& e) {

@@ -20,9 +20,9 @@ using namespace detail::ckpt;
 ConsolidateInfo consolidate_checkpoint(const std::string& checkpoint, const std::string& out,
                                        const ConsolidateOptions& options) {
   const std::string where = "consolidate " + checkpoint;
-  PosixStorage storage(parent_of(checkpoint), /*keep_last=*/0, where);
-  const std::string manifest_path = join_path(checkpoint, kManifestName);
-  const std::string text = storage.read_manifest(checkpoint);
+  const auto storage = checkpoint::open_storage(parent_of(checkpoint), /*keep_last=*/0, where);
+  const std::string manifest_path = checkpoint + "/" + kManifestName;
+  const std::string text = read_manifest_text(*storage, checkpoint, where);
   check_manifest_integrity(text, where + ": manifest " + manifest_path);
   const Manifest manifest = parse_manifest(text, where + ": manifest " + manifest_path);
 
@@ -45,7 +45,7 @@ ConsolidateInfo consolidate_checkpoint(const std::string& checkpoint, const std:
   }
   const LoadPlan plan = plan_load(manifest, needs, /*rank=*/0, /*size=*/1);
   uint64_t bytes_read = 0;
-  const LoadedTensors full = read_planned(storage, checkpoint, manifest, needs, plan, bytes_read);
+  const LoadedTensors full = read_planned(*storage, checkpoint, manifest, needs, plan, bytes_read, where);
 
   std::vector<TensorSpec> specs;
   ShardWrite write;
@@ -61,7 +61,7 @@ ConsolidateInfo consolidate_checkpoint(const std::string& checkpoint, const std:
   write.header = build_header(specs, {{"format", "pt"}, {"torchloom.step", std::to_string(manifest.step)}});
   write.path = out + ".tmp-" + std::to_string(::getpid());
   try {
-    write_shard(write, where);
+    write_shard(*create_file(write.path, where), write, where);
     rename_path(write.path, out, where);
   } catch (...) {
     remove_tree(write.path);

@@ -3,9 +3,7 @@
 #include <ATen/ops/empty.h>
 #include <ATen/ops/from_blob.h>
 
-#include <fcntl.h>
 #include <sys/mman.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
@@ -158,46 +156,37 @@ at::Tensor host_empty(at::IntArrayRef shape, at::ScalarType dtype, bool pinned) 
   return at::empty(shape, at::TensorOptions().dtype(dtype).pinned_memory(pinned));
 }
 
-namespace {
-
-// Asks the kernel to start writing a chunk back now (Linux: sync_file_range, without waiting), so
-// the disk works while the next chunk is hashed and copied and the closing fsync finds most of the
-// file already written. Only a hint: an error here is reported by that fsync.
-void start_writeback(const File& file, uint64_t offset, size_t bytes) {
-#if defined(__linux__)
-  (void)::sync_file_range(file.fd(), static_cast<off64_t>(offset), static_cast<off64_t>(bytes),
-                          SYNC_FILE_RANGE_WRITE);
-#else
-  (void)file, (void)offset, (void)bytes;
-#endif
-}
-
-}  // namespace
-
-ShardWritten write_shard(const ShardWrite& w, const std::string& where) {
+ShardWritten write_shard(ByteSink& sink, const ShardWrite& w, const std::string& where) {
   Checksum checksum;
-  File file = File::create(w.path, where);
   phase("write");
   checksum.update(w.header.data(), w.header.size());
-  file.write_all(w.header.data(), w.header.size(), where);
+  sink.write(w.header.data(), w.header.size());
   uint64_t bytes = w.header.size();
   if (w.inject_failure)
-    throw CheckpointError(where + ": cannot write " + w.path + ": " + system_error_text(ENOSPC) + " [injected]");
+    throw CheckpointError(where + ": cannot write " + w.path + ": " + std::strerror(ENOSPC) + " [injected]");
   for (const Region& r : w.regions) {
     const char* p = static_cast<const char*>(r.data);
     for (size_t done = 0; done < r.bytes;) {
       const size_t n = std::min(kChunk, r.bytes - done);
       checksum.update(p + done, n);
-      file.write_all(p + done, n, where);
-      start_writeback(file, bytes + done, n);
+      sink.write(p + done, n);
       done += n;
     }
     bytes += r.bytes;
   }
-  phase("fsync");
-  file.sync(where);
-  file.close(where);
+  sink.commit();
   return {bytes, checksum.digest()};
+}
+
+std::string read_manifest_text(CheckpointStorage& storage, const std::string& checkpoint, const std::string& where) {
+  const std::unique_ptr<ByteSource> source = storage.open(checkpoint, kManifestName);
+  const uint64_t size = source->size();
+  if (size > kMaxManifestBytes)
+    throw CheckpointError(where + ": manifest " + checkpoint + "/" + kManifestName + " has " + std::to_string(size) +
+                          " bytes; a manifest has at most " + std::to_string(kMaxManifestBytes));
+  std::string text(static_cast<size_t>(size), '\0');
+  source->read(0, text.data(), text.size());
+  return text;
 }
 
 std::vector<Region> Staging::stage(const std::vector<at::Tensor>& tensors) {
@@ -304,8 +293,8 @@ std::string shard_where(const std::string& where, const std::string& path) {
   return where + ": shard " + path;
 }
 
-void check_size(const File& file, const ShardRecord& record, const std::string& where) {
-  const uint64_t size = file.size(where);
+void check_size(const ByteSource& source, const ShardRecord& record, const std::string& where) {
+  const uint64_t size = source.size();
   if (size != record.bytes)
     throw CheckpointError(where + " has " + std::to_string(size) + " bytes; the manifest says " +
                           std::to_string(record.bytes) +
@@ -314,18 +303,17 @@ void check_size(const File& file, const ShardRecord& record, const std::string& 
 
 }  // namespace
 
-std::map<std::string, at::Tensor> read_verified_shard(const std::string& directory, const Manifest& manifest, int index,
+std::map<std::string, at::Tensor> read_verified_shard(CheckpointStorage& storage, const std::string& checkpoint,
+                                                      const Manifest& manifest, int index,
                                                       const std::set<std::string>& wanted, const std::string& where) {
   const ShardRecord& record = manifest.shards.at(index);
-  const std::string path = join_path(directory, record.file);
-  const std::string at_shard = shard_where(where, path);
-  File file = File::open_read(path, where);
-  check_size(file, record, at_shard);
-  // The whole file is read in order: let the kernel read ahead of the checksum and the copies.
-  ::posix_fadvise(file.fd(), 0, 0, POSIX_FADV_SEQUENTIAL);
-  ::posix_fadvise(file.fd(), 0, 0, POSIX_FADV_WILLNEED);
+  const std::string at_shard = shard_where(where, checkpoint + "/" + record.file);
+  const std::unique_ptr<ByteSource> file = storage.open(checkpoint, record.file);
+  check_size(*file, record, at_shard);
+  // The whole shard is read in order: let the medium read ahead of the checksum and the copies.
+  file->expect_sequential();
   Checksum checksum;
-  const ShardHeader header = read_header(file, record.bytes, at_shard, &checksum);
+  const ShardHeader header = read_header(*file, record.bytes, at_shard, &checksum);
   check_header_against_manifest(header, manifest, index, at_shard);
   std::map<std::string, at::Tensor> out;
   std::vector<char> scratch;
@@ -343,7 +331,7 @@ std::map<std::string, at::Tensor> read_verified_shard(const std::string& directo
       if (entry.bytes() > kChunk) populator.push(dst + kChunk, entry.bytes() - kChunk);  // the first chunk is read at once
       for (uint64_t done = 0; done < entry.bytes();) {
         const size_t n = static_cast<size_t>(std::min<uint64_t>(kChunk, entry.bytes() - done));
-        file.read_exact(start + done, dst + done, n, at_shard);
+        file->read(start + done, dst + done, n);
         hasher.push(dst + done, n);
         done += n;
       }
@@ -353,7 +341,7 @@ std::map<std::string, at::Tensor> read_verified_shard(const std::string& directo
       scratch.resize(static_cast<size_t>(std::min<uint64_t>(kChunk, std::max<uint64_t>(entry.bytes(), 1))));
       for (uint64_t done = 0; done < entry.bytes();) {
         const size_t n = static_cast<size_t>(std::min<uint64_t>(kChunk, entry.bytes() - done));
-        file.read_exact(start + done, scratch.data(), n, at_shard);
+        file->read(start + done, scratch.data(), n);
         checksum.update(scratch.data(), n);
         done += n;
       }
@@ -367,21 +355,19 @@ std::map<std::string, at::Tensor> read_verified_shard(const std::string& directo
   return out;
 }
 
-OpenShard open_shard(const std::string& directory, const Manifest& manifest, int index, const std::string& where) {
+OpenShard open_shard(CheckpointStorage& storage, const std::string& checkpoint, const Manifest& manifest, int index,
+                     const std::string& where) {
   const ShardRecord& record = manifest.shards.at(index);
-  const std::string path = join_path(directory, record.file);
-  const std::string at_shard = shard_where(where, path);
-  OpenShard shard{File::open_read(path, where), {}};
-  check_size(shard.file, record, at_shard);
-  shard.header = read_header(shard.file, record.bytes, at_shard, nullptr);
-  check_header_against_manifest(shard.header, manifest, index, at_shard);
+  OpenShard shard{storage.open(checkpoint, record.file), {}, shard_where(where, checkpoint + "/" + record.file)};
+  check_size(*shard.source, record, shard.where);
+  shard.header = read_header(*shard.source, record.bytes, shard.where, nullptr);
+  check_header_against_manifest(shard.header, manifest, index, shard.where);
   return shard;
 }
 
-at::Tensor read_rows(const OpenShard& shard, const std::string& name, int64_t row_begin, int64_t rows,
-                     const std::string& where) {
+at::Tensor read_rows(const OpenShard& shard, const std::string& name, int64_t row_begin, int64_t rows) {
   const TensorEntry* entry = shard.header.find(name);
-  const std::string at_shard = shard_where(where, shard.file.path());
+  const std::string& at_shard = shard.where;
   if (entry == nullptr) throw CheckpointError(at_shard + ": tensor " + name + " is missing");
   std::vector<int64_t> shape = entry->shape;
   uint64_t offset = shard.header.data_start + entry->begin;
@@ -397,7 +383,7 @@ at::Tensor read_rows(const OpenShard& shard, const std::string& name, int64_t ro
     shape[0] = rows;
   }
   at::Tensor t = host_empty(shape, entry->dtype);
-  shard.file.read_exact(offset, t.data_ptr(), static_cast<size_t>(bytes), at_shard);
+  shard.source->read(offset, t.data_ptr(), static_cast<size_t>(bytes));
   return t;
 }
 

@@ -1,17 +1,19 @@
-// Moving shard bytes: staging a rank's tensors into host memory (the stall of an asynchronous
-// save), writing a shard file with its checksum computed on the way, and reading shards back —
-// whole and verified, or only the entries a rank needs.
+// The shard format over bytes: staging a rank's tensors into host memory (the stall of an
+// asynchronous save), writing a shard into a storage's sink with its checksum computed on the way,
+// and reading shards back from a storage's sources, whole and verified or only the entries a rank
+// needs. No file is opened here: the storage (checkpoint_storage.h) moves the bytes.
 #pragma once
 
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
 #include <map>
+#include <memory>
 #include <set>
 #include <string>
 #include <vector>
 
-#include "train/checkpoint_files.h"
+#include "train/checkpoint_storage.h"
 #include "train/device_staging.h"
 #include "train/checkpoint_manifest.h"
 #include "train/safetensors.h"
@@ -40,8 +42,10 @@ struct ShardWritten {
 // A fresh host tensor for data about to be overwritten whole (a read, a staging copy).
 at::Tensor host_empty(at::IntArrayRef shape, at::ScalarType dtype, bool pinned = false);
 
-// Writes, checksums, fsyncs and closes the shard.
-ShardWritten write_shard(const ShardWrite& write, const std::string& where);
+// Writes the shard into `sink`, computing its checksum on the way, and commits it.
+ShardWritten write_shard(ByteSink& sink, const ShardWrite& write, const std::string& where);
+// The manifest of `checkpoint`, refused (before allocating) when larger than kMaxManifestBytes.
+std::string read_manifest_text(CheckpointStorage& storage, const std::string& checkpoint, const std::string& where);
 
 // Host memory holding a copy of the tensors a rank writes: the asynchronous save's snapshot. The
 // buffer is pageable and reused by the next save when large enough; device tensors come through
@@ -72,20 +76,22 @@ inline constexpr const char* kShardSlicesKey = "torchloom.slices";
 void check_header_against_manifest(const ShardHeader& header, const Manifest& manifest, int index,
                                    const std::string& where);
 
-// Reads the whole shard `index` in file order, checking its size and XXH3 against the manifest;
+// Reads the whole shard `index` in order, checking its size and XXH3 against the manifest;
 // returns the entries named in `wanted` as fresh host tensors.
-std::map<std::string, at::Tensor> read_verified_shard(const std::string& directory, const Manifest& manifest, int index,
+std::map<std::string, at::Tensor> read_verified_shard(CheckpointStorage& storage, const std::string& checkpoint,
+                                                      const Manifest& manifest, int index,
                                                       const std::set<std::string>& wanted, const std::string& where);
 
 // An open shard whose header has been read and checked (no checksum: another rank verifies it).
 struct OpenShard {
-  File file;
+  std::unique_ptr<ByteSource> source;
   ShardHeader header;
+  std::string where;  // names the rank, the operation and the shard
 };
-OpenShard open_shard(const std::string& directory, const Manifest& manifest, int index, const std::string& where);
+OpenShard open_shard(CheckpointStorage& storage, const std::string& checkpoint, const Manifest& manifest, int index,
+                     const std::string& where);
 // Rows [row_begin, row_begin + rows) of entry `name` (dim 0; all of it for a 0-dim tensor when
 // rows < 0), as a fresh host tensor.
-at::Tensor read_rows(const OpenShard& shard, const std::string& name, int64_t row_begin, int64_t rows,
-                     const std::string& where);
+at::Tensor read_rows(const OpenShard& shard, const std::string& name, int64_t row_begin, int64_t rows);
 
 }  // namespace loom::detail::ckpt

@@ -125,28 +125,4 @@ SavePlan plan_save(const std::vector<std::vector<Descriptor>>& per_rank, const s
   return plan;
 }
 
-Box slice_box(const std::vector<int64_t>& global_shape, int split_dim, int64_t offset, int64_t length) {
-  Box b;
-  b.size = global_shape;
-  b.start.assign(global_shape.size(), 0);
-  if (split_dim >= 0) {
-    b.start[split_dim] = offset;
-    b.size[split_dim] = length;
-  }
-  return b;
-}
-
-std::optional<Box> intersect(const Box& a, const Box& b) {
-  if (a.start.size() != b.start.size()) return std::nullopt;
-  Box out;
-  for (size_t d = 0; d < a.start.size(); ++d) {
-    const int64_t lo = std::max(a.start[d], b.start[d]);
-    const int64_t hi = std::min(a.start[d] + a.size[d], b.start[d] + b.size[d]);
-    if (hi <= lo) return std::nullopt;
-    out.start.push_back(lo);
-    out.size.push_back(hi - lo);
-  }
-  return out;
-}
-
 }  // namespace loom::detail::ckpt

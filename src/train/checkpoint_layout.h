@@ -48,13 +48,8 @@ struct SavePlan {
 // Throws CheckpointError (prefixed by `where`) for inconsistent or non-tiling descriptors.
 SavePlan plan_save(const std::vector<std::vector<Descriptor>>& per_rank, const std::string& where);
 
-// A box in a tensor's global index space.
-struct Box {
-  std::vector<int64_t> start, size;
-  bool operator==(const Box& other) const { return start == other.start && size == other.size; }
-};
-Box slice_box(const std::vector<int64_t>& global_shape, int split_dim, int64_t offset, int64_t length);
-// nullopt when the boxes do not overlap (an empty tensor's box overlaps nothing).
-std::optional<Box> intersect(const Box& a, const Box& b);
+using checkpoint::Box;
+using checkpoint::intersect;
+using checkpoint::slice_box;
 
 }  // namespace loom::detail::ckpt

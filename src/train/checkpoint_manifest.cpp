@@ -86,16 +86,16 @@ std::string shard_file_name(int rank, int world_size) {
   return name;
 }
 
-std::vector<int64_t> TensorRecord::slice_shape(const SliceRecord& slice) const {
-  std::vector<int64_t> s = shape;
-  if (split_dim >= 0) s[split_dim] = slice.length;
-  return s;
+const json& Manifest::section(const std::string& name) const {
+  static const json none;
+  auto it = state.find(name);
+  return it == state.end() ? none : it->second;
 }
 
 std::string manifest_to_json(const Manifest& m) {
   nlohmann::ordered_json doc;
   doc["format"] = kFormatName;
-  doc["format_version"] = m.version;
+  doc["format_version"] = kFormatVersion;  // the layout below is this version's, whatever was read
   doc["step"] = m.step;
   doc["world"] = {{"size", m.world.size},
                   {"tensor_parallel", m.world.tensor_parallel},
@@ -120,9 +120,8 @@ std::string manifest_to_json(const Manifest& m) {
     }
     tensors[name] = std::move(record);
   }
-  doc["optimizer"] = m.optimizer;
-  doc["scaler"] = m.scaler;
-  if (!m.objects.is_null()) doc["objects"] = m.objects;
+  auto& state = doc["state"] = nlohmann::ordered_json::object();
+  for (const auto& [name, section] : m.state) state[name] = section;
   doc["user"] = m.user;
   doc[kManifestChecksumKey] = to_hex(checksum_of_document(doc));
   return doc.dump(1) + "\n";
@@ -322,14 +321,26 @@ Manifest parse_manifest(std::string_view text, const std::string& where) {
     if (auto contradiction = tensor_parallel_ranks_contradict(m, name, r)) reject(where, *contradiction);
   }
 
-  m.optimizer = member(doc, "optimizer", where, "");
-  if (!m.optimizer.is_null() && !m.optimizer.is_object()) reject(where, "\"optimizer\" is neither null nor an object");
-  m.scaler = member(doc, "scaler", where, "");
-  if (!m.scaler.is_null() && !m.scaler.is_object()) reject(where, "\"scaler\" is neither null nor an object");
-  if (auto objects = doc.find("objects"); objects != doc.end()) {  // from version 2, when objects were saved
-    m.objects = *objects;
-    if (!m.objects.is_null() && !m.objects.is_object()) reject(where, "\"objects\" is neither null nor an object");
+  if (m.version >= 3) {
+    const json& state = member(doc, "state", where, "");
+    if (!state.is_object()) reject(where, "\"state\" is not an object");
+    for (auto it = state.begin(); it != state.end(); ++it) m.state[it.key()] = it.value();
+  } else {
+    // Before version 3 the built-in sections were members of their own (objects from version 2,
+    // when objects were saved) and the accumulation window was part of the progress.
+    for (const char* name : {"optimizer", "scaler", "objects"}) {
+      auto section = doc.find(name);
+      if (section == doc.end()) {
+        if (std::string(name) != "objects") member(doc, name, where, "");  // refuses the missing member
+        continue;
+      }
+      if (!section->is_null()) m.state[name] = *section;
+    }
+    if (auto a = progress.find("accumulation"); a != progress.end() && !a->is_null()) m.state["accumulation"] = *a;
   }
+  for (const char* name : {"optimizer", "scaler", "objects", "accumulation"})
+    if (!m.section(name).is_null() && !m.section(name).is_object())
+      reject(where, std::string("state \"") + name + "\" is neither null nor an object");
   const json& user = member(doc, "user", where, "");
   if (!user.is_object()) reject(where, "\"user\" is not an object");
   for (auto it = user.begin(); it != user.end(); ++it) {

@@ -24,9 +24,11 @@
 #include <string_view>
 #include <vector>
 
+#include "loom/train/checkpoint_state.h"
+
 namespace loom::detail::ckpt {
 
-inline constexpr int kFormatVersion = 2;
+inline constexpr int kFormatVersion = checkpoint::kFormatVersion;
 // Version 1 manifests (no checksum of their own) are still read, with a warning.
 inline constexpr int kOldestReadableVersion = 1;
 inline constexpr const char* kManifestChecksumKey = "manifest_xxh3_64";
@@ -43,27 +45,9 @@ struct ShardRecord {
   uint64_t xxh3 = 0;
 };
 
-struct SliceRecord {
-  int shard = 0;       // index into Manifest::shards
-  int64_t offset = 0;  // along split_dim (0 when not split)
-  int64_t length = 0;  // along split_dim (the whole tensor's size there, or 0 for a 0-dim tensor)
-};
-
-struct TensorRecord {
-  at::ScalarType dtype = at::kFloat;
-  std::vector<int64_t> shape;       // global
-  int split_dim = -1;               // -1: one slice holds the whole tensor
-  std::vector<SliceRecord> slices;  // sorted by offset, tiling [0, shape[split_dim])
-  // The slice's shape: the global shape with `length` along split_dim.
-  std::vector<int64_t> slice_shape(const SliceRecord& slice) const;
-};
-
-struct WorldLayout {
-  int size = 1;
-  int tensor_parallel = 1;
-  int data_parallel = 1;
-  std::vector<int> tp_ranks;  // each rank's tensor-parallel rank at save time
-};
+using checkpoint::SliceRecord;
+using checkpoint::TensorRecord;
+using checkpoint::WorldLayout;
 
 struct Manifest {
   int version = kFormatVersion;
@@ -71,11 +55,13 @@ struct Manifest {
   WorldLayout world;
   std::vector<ShardRecord> shards;
   std::map<std::string, TensorRecord> tensors;
-  nlohmann::json progress = nlohmann::json::object();  // step, epoch, sample, accumulation
-  nlohmann::json optimizer;                            // null when none was saved
-  nlohmann::json scaler;                               // null when none was saved
-  nlohmann::json objects;                              // name -> JSON state; null when none was saved
+  nlohmann::json progress = nlohmann::json::object();  // step, epoch, sample
+  // The providers' sections by name ("optimizer", "scaler", "accumulation", "objects", a user's);
+  // from format version 3 the manifest's "state" object, before it top-level members.
+  std::map<std::string, nlohmann::json> state;
   std::map<std::string, std::string> user;
+  // The section of that name; null when none was saved.
+  const nlohmann::json& section(const std::string& name) const;
 };
 
 std::string manifest_to_json(const Manifest& manifest);

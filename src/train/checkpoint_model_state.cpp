@@ -1,5 +1,5 @@
-// The model's parameters and buffers (model/<name>), and what every provider shares: matching a
-// live tensor with its saved record, and copying loaded data into place.
+// The model's parameters and buffers (model/<name>), sliced as the model's tp::ShardedModules
+// describe them.
 #include <ATen/core/grad_mode.h>
 #include <torch/nn/module.h>
 
@@ -11,25 +11,6 @@
 #include "train/checkpoint_providers.h"
 
 namespace loom::detail::ckpt {
-
-const LocalTensor* SaveState::find(const std::string& name) const {
-  for (const auto& t : tensors)
-    if (t.name == name) return &t;
-  return nullptr;
-}
-
-std::optional<std::string> need_for(const LocalTensor& live, const TensorRecord& record, std::vector<Need>& needs) {
-  if (record.shape != live.global_shape || record.dtype != live.tensor.scalar_type())
-    return live.name + ": checkpoint " + c10::toString(record.dtype) + " " + shape_to_string(record.shape) + ", live " +
-           c10::toString(live.tensor.scalar_type()) + " " + shape_to_string(live.global_shape);
-  needs.push_back({live.name, &record, live.box(), live.tensor.sizes().vec()});
-  return std::nullopt;
-}
-
-void copy_into(at::Tensor& live, const at::Tensor& source) {
-  at::NoGradGuard no_grad;
-  live.copy_(source);
-}
 
 namespace {
 
@@ -50,27 +31,6 @@ void find_shards(torch::nn::Module& module, const std::string& prefix,
 }
 
 }  // namespace
-
-LocalTensor describe_slice(const std::string& name, const at::Tensor& tensor, int dim,
-                           const std::vector<int64_t>& global_shape, int64_t offset) {
-  LocalTensor t;
-  t.name = name;
-  t.tensor = tensor.detach();
-  t.global_shape = tensor.sizes().vec();
-  if (dim < 0) return t;
-  const int64_t dims = tensor.dim();
-  bool ok = dim < dims && static_cast<int64_t>(global_shape.size()) == dims && offset >= 0;
-  for (int64_t d = 0; ok && d < dims; ++d)
-    ok = d == dim ? offset + tensor.size(d) <= global_shape[d] : tensor.size(d) == global_shape[d];
-  if (!ok)
-    throw CheckpointError("tensor " + name + " of shape " + shape_to_string(tensor.sizes().vec()) +
-                          " is not a slice of its declared global shape " + shape_to_string(global_shape) +
-                          " along dim " + std::to_string(dim) + " at offset " + std::to_string(offset));
-  t.global_shape = global_shape;
-  t.split_dim = dim;
-  t.offset = offset;
-  return t;
-}
 
 std::unordered_map<const c10::TensorImpl*, std::string> ModelState::parameter_names() const {
   std::unordered_map<const c10::TensorImpl*, std::string> names;

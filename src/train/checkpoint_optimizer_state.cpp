@@ -223,14 +223,15 @@ void OptimizerState::collect(int /*rank*/, SaveState& out) {
     throw CheckpointError(std::to_string(unnamed.size()) + " optimizer parameter(s) are not parameters of the model (shapes " +
                           list + ")");
   }
-  out.sections["optimizer"] = {{"type", optimizer_kind_name(*kind)}, {"param_groups", std::move(groups)}, {"steps", std::move(steps)}};
+  out.sections["optimizer"] =
+      json({{"type", optimizer_kind_name(*kind)}, {"param_groups", std::move(groups)}, {"steps", std::move(steps)}}).dump();
   for (auto& t : state) out.tensors.push_back(std::move(t));
 }
 
 void OptimizerState::plan(const LoadContext& context, std::vector<Need>& needs, std::vector<std::string>& problems) {
   if (optimizer_ == nullptr) return;
   auto& optimizer = *optimizer_;
-  const json& saved = context.manifest.optimizer;
+  const json& saved = context.manifest.section("optimizer");
   const auto kind = optimizer_kind(optimizer);
   if (!kind) return problems.push_back(unsupported_optimizer(optimizer, "checkpointed"));
   if (saved.is_null()) return problems.push_back("the checkpoint holds no optimizer state");
@@ -347,7 +348,7 @@ void OptimizerState::plan(const LoadContext& context, std::vector<Need>& needs, 
 void OptimizerState::apply(const LoadContext& context, const LoadedTensors& data) {
   if (optimizer_ == nullptr) return;
   auto& optimizer = *optimizer_;
-  const json& saved = context.manifest.optimizer;
+  const json& saved = context.manifest.section("optimizer");
   const auto kind = *optimizer_kind(optimizer);
   const auto names = model_.parameter_names();
   auto& groups = optimizer.param_groups();

@@ -19,12 +19,13 @@ at::Tensor narrow_to(at::Tensor t, const Box& box, const std::vector<int64_t>& o
 }  // namespace
 
 LoadedTensors read_planned(CheckpointStorage& storage, const std::string& path, const Manifest& m,
-                           const std::vector<Need>& needs, const LoadPlan& plan, uint64_t& bytes_read) {
+                           const std::vector<Need>& needs, const LoadPlan& plan, uint64_t& bytes_read,
+                           const std::string& where) {
   // Shards this rank verifies are read whole (checksummed); from the others only the entries (or
   // rows) needed. Each datum is kept with its origin in global coordinates.
   std::map<std::pair<int, std::string>, std::pair<at::Tensor, std::vector<int64_t>>> data;
   for (const auto& [index, names] : plan.verify) {
-    for (auto& [name, t] : storage.read_verified_shard(path, m, index, names)) {
+    for (auto& [name, t] : read_verified_shard(storage, path, m, index, names, where)) {
       bytes_read += static_cast<uint64_t>(t.numel()) * t.element_size();
       const TensorRecord& r = m.tensors.at(name);
       for (const auto& slice : r.slices)
@@ -32,18 +33,18 @@ LoadedTensors read_planned(CheckpointStorage& storage, const std::string& path, 
           data[{index, name}] = {t, slice_box(r.shape, r.split_dim, slice.offset, slice.length).start};
     }
   }
-  std::map<int, std::unique_ptr<ShardReader>> open;
+  std::map<int, OpenShard> open;
   for (const auto& p : plan.pieces) {
     if (plan.verify.count(p.shard)) continue;
     const std::string& name = needs[p.need].name;
-    if (!open.count(p.shard)) open.emplace(p.shard, storage.open_shard(path, m, p.shard));
+    if (!open.count(p.shard)) open.emplace(p.shard, open_shard(storage, path, m, p.shard, where));
     std::vector<int64_t> origin = p.saved.start;
     at::Tensor t;
     if (p.rows_only) {
-      t = open.at(p.shard)->read_rows(name, p.inter.start[0] - p.saved.start[0], p.inter.size[0]);
+      t = read_rows(open.at(p.shard), name, p.inter.start[0] - p.saved.start[0], p.inter.size[0]);
       origin[0] = p.inter.start[0];
     } else {
-      t = open.at(p.shard)->read_rows(name, 0, -1);
+      t = read_rows(open.at(p.shard), name, 0, -1);
     }
     bytes_read += static_cast<uint64_t>(t.numel()) * t.element_size();
     data[{p.shard, name}] = {t, origin};

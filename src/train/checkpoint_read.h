@@ -13,8 +13,9 @@
 
 namespace loom::detail::ckpt {
 
-// Bytes read are added to `bytes_read`. CheckpointError for anything damaged.
+// Bytes read are added to `bytes_read`. CheckpointError (prefixed by `where`) for anything damaged.
 LoadedTensors read_planned(CheckpointStorage& storage, const std::string& path, const Manifest& manifest,
-                           const std::vector<Need>& needs, const LoadPlan& plan, uint64_t& bytes_read);
+                           const std::vector<Need>& needs, const LoadPlan& plan, uint64_t& bytes_read,
+                           const std::string& where);
 
 }  // namespace loom::detail::ckpt

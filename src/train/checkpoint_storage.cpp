@@ -1,12 +1,17 @@
 #include "train/checkpoint_storage.h"
 
+#include <fcntl.h>
+
 #include <algorithm>
 #include <cstdio>
+#include <map>
+#include <mutex>
 
 #include "loom/error.h"
 #include "loom/log.h"
 #include "train/checkpoint_files.h"
 #include "train/checkpoint_hooks.h"
+#include "train/checkpoint_manifest.h"
 
 namespace loom::detail::ckpt {
 
@@ -17,17 +22,68 @@ constexpr const char* kStepPrefix = "step_";
 
 bool is_complete(const std::string& path) { return path_exists(join_path(path, kManifestName)); }
 
-class PosixShardReader final : public ShardReader {
+// A shard or manifest file, read at offsets (regular files only: a FIFO is refused, never waited on).
+class FileSource final : public ByteSource {
  public:
-  PosixShardReader(OpenShard shard, std::string where) : shard_(std::move(shard)), where_(std::move(where)) {}
-  at::Tensor read_rows(const std::string& name, int64_t row_begin, int64_t rows) override {
-    return ckpt::read_rows(shard_, name, row_begin, rows, where_);
+  FileSource(File file, std::string where) : file_(std::move(file)), where_(std::move(where)), size_(file_.size(where_)) {}
+  uint64_t size() const override { return size_; }
+  void read(uint64_t offset, void* data, size_t bytes) const override { file_.read_exact(offset, data, bytes, where_); }
+  void expect_sequential() const override {
+    ::posix_fadvise(file_.fd(), 0, 0, POSIX_FADV_SEQUENTIAL);
+    ::posix_fadvise(file_.fd(), 0, 0, POSIX_FADV_WILLNEED);
   }
 
  private:
-  OpenShard shard_;
+  File file_;
   std::string where_;
+  uint64_t size_;
 };
+
+// A new file in the staging directory: written through, the kernel asked to start writing each
+// chunk back at once (so the closing fsync finds most of it on disk), fsync'ed and closed on commit.
+class FileSink final : public ByteSink {
+ public:
+  FileSink(File file, std::string where) : file_(std::move(file)), where_(std::move(where)) {}
+  void write(const void* data, size_t bytes) override {
+    file_.write_all(data, bytes, where_);
+#if defined(__linux__)
+    // Only a hint: an error here is reported by the fsync.
+    (void)::sync_file_range(file_.fd(), static_cast<off64_t>(written_), static_cast<off64_t>(bytes),
+                            SYNC_FILE_RANGE_WRITE);
+#endif
+    written_ += bytes;
+  }
+  void commit() override {
+    phase("fsync");
+    file_.sync(where_);
+    file_.close(where_);
+  }
+
+ private:
+  File file_;
+  std::string where_;
+  uint64_t written_ = 0;
+};
+
+struct StorageRegistry {
+  std::mutex mutex;
+  std::map<std::string, checkpoint::StorageFactory> factories{
+      {"file",
+       [](const StorageOptions& o) { return std::make_unique<PosixStorage>(o.location, o.keep_last, o.where); }},
+      {"mem", memory_storage},
+  };
+};
+
+StorageRegistry& storage_registry() {
+  static StorageRegistry registry;
+  return registry;
+}
+
+bool valid_scheme(const std::string& scheme) {
+  return !scheme.empty() && std::all_of(scheme.begin(), scheme.end(), [](char c) {
+    return (c >= 'a' && c <= 'z') || (c >= '0' && c <= '9') || c == '+' || c == '.' || c == '-';
+  });
+}
 
 }  // namespace
 
@@ -85,10 +141,16 @@ void PosixStorage::create_staging(const std::string& staging) {
   make_directories(staging, where_);
 }
 
-ShardWritten PosixStorage::write_shard(const std::string& staging, const std::string& file, const ShardWrite& write) {
-  ShardWrite located = write;
-  located.path = join_path(staging, file);
-  return ckpt::write_shard(located, where_);
+std::unique_ptr<ByteSource> open_file(const std::string& path, const std::string& where) {
+  return std::make_unique<FileSource>(File::open_read(path, where), where);
+}
+
+std::unique_ptr<ByteSink> create_file(const std::string& path, const std::string& where) {
+  return std::make_unique<FileSink>(File::create(path, where), where);
+}
+
+std::unique_ptr<ByteSink> PosixStorage::create(const std::string& staging, const std::string& object) {
+  return create_file(join_path(staging, object), where_);
 }
 
 void PosixStorage::abandon(const std::string& staging) { remove_tree(staging); }
@@ -165,19 +227,46 @@ void PosixStorage::rotate(const std::string& keep, const std::string& nonce) {
   fsync_directory(directory_, where_);
 }
 
-std::string PosixStorage::read_manifest(const std::string& checkpoint) {
-  return read_small_file(join_path(checkpoint, kManifestName), kMaxManifestBytes, where_);
-}
-
-std::map<std::string, at::Tensor> PosixStorage::read_verified_shard(const std::string& checkpoint,
-                                                                    const Manifest& manifest, int index,
-                                                                    const std::set<std::string>& wanted) {
-  return ckpt::read_verified_shard(checkpoint, manifest, index, wanted, where_);
-}
-
-std::unique_ptr<ShardReader> PosixStorage::open_shard(const std::string& checkpoint, const Manifest& manifest,
-                                                      int index) {
-  return std::make_unique<PosixShardReader>(ckpt::open_shard(checkpoint, manifest, index, where_), where_);
+std::unique_ptr<ByteSource> PosixStorage::open(const std::string& checkpoint, const std::string& object) {
+  return open_file(join_path(checkpoint, object), where_);
 }
 
 }  // namespace loom::detail::ckpt
+
+namespace loom::checkpoint {
+
+void register_checkpoint_storage(const std::string& scheme, StorageFactory factory) {
+  const std::string where = ErrorContext("register_checkpoint_storage").prefix();
+  if (!detail::ckpt::valid_scheme(scheme) || !factory)
+    throw InvalidArgumentError(where + ": expected a scheme of [a-z0-9+.-] and a factory; found scheme \"" + scheme +
+                               "\"" + (factory ? "" : " and no factory"));
+  auto& registry = detail::ckpt::storage_registry();
+  std::lock_guard<std::mutex> lock(registry.mutex);
+  if (!registry.factories.emplace(scheme, std::move(factory)).second)
+    throw InvalidArgumentError(where + ": a checkpoint storage for \"" + scheme + "://\" is registered already");
+}
+
+std::unique_ptr<CheckpointStorage> open_storage(const std::string& url, int keep_last, const std::string& where) {
+  StorageOptions options{url, url, keep_last, where};
+  std::string scheme = "file";
+  if (const auto colon = url.find("://"); colon != std::string::npos && detail::ckpt::valid_scheme(url.substr(0, colon))) {
+    scheme = url.substr(0, colon);
+    options.location = url.substr(colon + 3);
+  }
+  StorageFactory factory;
+  std::string known;
+  {
+    auto& registry = detail::ckpt::storage_registry();
+    std::lock_guard<std::mutex> lock(registry.mutex);
+    if (auto it = registry.factories.find(scheme); it != registry.factories.end()) factory = it->second;
+    for (const auto& [name, _] : registry.factories) known += (known.empty() ? "" : ", ") + name + "://";
+  }
+  if (!factory)
+    throw InvalidArgumentError(where + ": no checkpoint storage is registered for \"" + scheme + "://\" (in \"" + url +
+                               "\"); registered: " + known);
+  if (options.location.empty())
+    throw InvalidArgumentError(where + ": the checkpoint location \"" + url + "\" names no directory");
+  return factory(options);
+}
+
+}  // namespace loom::checkpoint

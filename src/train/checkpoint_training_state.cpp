@@ -35,12 +35,12 @@ void ScalerState::collect(int /*rank*/, SaveState& out) {
   if (scaler_ == nullptr) return;
   json section = json::object();
   for (const auto& [key, value] : scaler_->state_dict()) section[key] = value;
-  out.sections["scaler"] = std::move(section);
+  out.sections["scaler"] = section.dump();
 }
 
 void ScalerState::plan(const LoadContext& context, std::vector<Need>& /*needs*/, std::vector<std::string>& problems) {
   if (scaler_ == nullptr || !scaler_->is_enabled()) return;
-  const json& saved = context.manifest.scaler;
+  const json& saved = context.manifest.section("scaler");
   if (saved.is_null() || !saved.is_object() || saved.empty())
     return problems.push_back("the checkpoint holds no grad scaler state (none, or a disabled one, was saved)");
   bool complete = true;
@@ -62,7 +62,7 @@ void ScalerState::plan(const LoadContext& context, std::vector<Need>& /*needs*/,
 
 void ScalerState::apply(const LoadContext& context, const LoadedTensors& /*data*/) {
   if (scaler_ == nullptr || !scaler_->is_enabled()) return;
-  scaler_->load_state_dict(scaler_state(context.manifest.scaler));
+  scaler_->load_state_dict(scaler_state(context.manifest.section("scaler")));
 }
 
 // ---- RNG ---------------------------------------------------------------------------------------
@@ -215,17 +215,16 @@ void RngState::apply(const LoadContext& /*context*/, const LoadedTensors& data) 
 
 void AccumulationState::collect(int /*rank*/, SaveState& out) {
   if (accumulator_ == nullptr) return;
-  out.sections["accumulation"] = {{"position", accumulator_->position()},
-                                  {"micro_batches", accumulator_->micro_batches()}};
+  out.sections["accumulation"] =
+      json({{"position", accumulator_->position()}, {"micro_batches", accumulator_->micro_batches()}}).dump();
 }
 
 void AccumulationState::plan(const LoadContext& context, std::vector<Need>& /*needs*/,
                              std::vector<std::string>& problems) {
   position_ = 0;
   if (accumulator_ == nullptr) return;
-  const json& pr = context.manifest.progress;
-  if (!pr.contains("accumulation") || !pr["accumulation"].is_object()) return;  // saved without an accumulator
-  const json& a = pr["accumulation"];
+  const json& a = context.manifest.section("accumulation");
+  if (!a.is_object()) return;  // saved without an accumulator
   if (!a.contains("position") || !a["position"].is_number_unsigned() || !a.contains("micro_batches") ||
       !a["micro_batches"].is_number_unsigned())
     return problems.push_back("manifest accumulation position is malformed");

@@ -99,12 +99,12 @@ void UserObjects::collect(int /*rank*/, SaveState& out) {
       throw CheckpointError("the state of object \"" + name + "\" is not JSON: " + text.substr(0, 200));
     section[name] = std::move(state);
   }
-  out.sections["objects"] = std::move(section);
+  out.sections["objects"] = section.dump();
 }
 
 void UserObjects::plan(const LoadContext& context, std::vector<Need>& /*needs*/, std::vector<std::string>& problems) {
   if (objects_.empty()) return;
-  const nlohmann::json& saved = context.manifest.objects;
+  const nlohmann::json& saved = context.manifest.section("objects");
   for (const auto& [name, object] : objects_) {
     if (!saved.is_object() || !saved.contains(name)) {
       problems.push_back("the checkpoint holds no state for object \"" + name + "\"");
@@ -120,7 +120,7 @@ void UserObjects::plan(const LoadContext& context, std::vector<Need>& /*needs*/,
 }
 
 void UserObjects::apply(const LoadContext& context, const LoadedTensors& /*data*/) {
-  for (const auto& [name, object] : objects_) object.load(context.manifest.objects[name].dump());
+  for (const auto& [name, object] : objects_) object.load(context.manifest.section("objects").at(name).dump());
 }
 
 }  // namespace loom::detail::ckpt

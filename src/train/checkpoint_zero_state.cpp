@@ -160,11 +160,13 @@ void ZeroOptimizerState::collect(int rank, SaveState& out) {
   // Rank 0's section goes into the manifest: it names the step of every parameter, not only of
   // those rank 0 writes.
   if (step) {
-    json& steps = out.sections["optimizer"]["steps"];
+    json section = json::parse(out.sections.at("optimizer"));
+    json& steps = section["steps"];
     for (const auto& p : params) {
       auto it = names.find(p.unsafeGetTensorImpl());
       if (it != names.end()) steps[it->second] = *step;
     }
+    out.sections["optimizer"] = section.dump();
   }
 }
 

@@ -7,7 +7,7 @@
 
 #include "loom/error.h"
 #include "train/checkpoint_checksum.h"
-#include "train/checkpoint_files.h"
+#include "loom/train/checkpoint_storage.h"
 
 namespace loom::detail::ckpt {
 
@@ -215,14 +215,14 @@ ShardHeader parse_shard(std::string_view bytes, const std::string& where) {
   return parse_header_json(bytes.substr(8, n), bytes.size() - 8 - n, where);
 }
 
-ShardHeader read_header(const File& file, uint64_t file_bytes, const std::string& where, Checksum* checksum) {
+ShardHeader read_header(const ByteSource& file, uint64_t file_bytes, const std::string& where, Checksum* checksum) {
   check_header_length(0, file_bytes, where);
   unsigned char prefix[8];
-  file.read_exact(0, prefix, 8, where);
+  file.read(0, prefix, 8);
   const uint64_t n = read_le64(prefix);
   check_header_length(n, file_bytes, where);  // before the allocation sized by n
   std::string json(n, '\0');
-  file.read_exact(8, json.data(), n, where);
+  file.read(8, json.data(), n);
   if (checksum) {
     checksum->update(prefix, 8);
     checksum->update(json.data(), json.size());

@@ -21,10 +21,14 @@
 #include <string_view>
 #include <vector>
 
+namespace loom::checkpoint {
+class ByteSource;
+}  // namespace loom::checkpoint
+
 namespace loom::detail::ckpt {
 
 class Checksum;
-class File;
+using checkpoint::ByteSource;
 
 inline constexpr uint64_t kMaxHeaderBytes = 100ull << 20;
 inline constexpr size_t kMaxDims = 64;
@@ -68,7 +72,7 @@ void check_header_length(uint64_t declared, uint64_t file_bytes, const std::stri
 ShardHeader parse_header_json(std::string_view json, uint64_t data_bytes, const std::string& where);
 // A whole shard in memory (tests and the fuzz target).
 ShardHeader parse_shard(std::string_view bytes, const std::string& where);
-// The header of an open shard file of `file_bytes` bytes; feeds the header's bytes to `checksum`.
-ShardHeader read_header(const File& file, uint64_t file_bytes, const std::string& where, Checksum* checksum);
+// The header of a shard of `file_bytes` bytes; feeds the header's bytes to `checksum`.
+ShardHeader read_header(const ByteSource& source, uint64_t file_bytes, const std::string& where, Checksum* checksum);
 
 }  // namespace loom::detail::ckpt

@@ -36,6 +36,7 @@
 #include "train/checkpoint_files.h"
 #include "train/checkpoint_hooks.h"
 #include "train/checkpoint_manifest.h"
+#include "train/checkpoint_storage.h"
 #include "train/safetensors.h"
 
 using namespace loom;
@@ -238,8 +239,8 @@ TEST(CheckpointDist, RoundTripIsBitwiseAndReplicatedTensorsAreWrittenOnce) {
   std::set<int> writers_of_model_state;
   for (size_t i = 0; i < m.shards.size(); ++i) {
     const std::string path = dir + "/step_000003/" + m.shards[i].file;
-    auto file = ckpt::File::open_read(path, "test");
-    auto header = ckpt::read_header(file, file.size("test"), path, nullptr);
+    auto file = ckpt::open_file(path, "test");
+    auto header = ckpt::read_header(*file, file->size(), path, nullptr);
     for (const auto& t : header.tensors) {
       ++stored[t.name];
       if (t.name.rfind("model/", 0) == 0 || t.name.rfind("optim/", 0) == 0)
@@ -282,6 +283,21 @@ std::string refused_load(const ParallelState& ps, const std::string& dir, uint64
   EXPECT_NE(message.find("nothing was changed"), std::string::npos) << message;
   expect_same(before, snapshot(b));
   return message;
+}
+
+// A storage each process holds for itself (mem://) cannot serve a checkpointer over several: every
+// rank refuses it at construction, naming both, instead of publishing shards no other rank can read.
+TEST(CheckpointDist, AProcessLocalStorageIsRefusedAcrossProcesses) {
+  auto world = test::world();
+  if (world->size() < 2) GTEST_SKIP() << "needs 2 ranks";
+  try {
+    Checkpointer c(world, {.directory = "mem://dist"});
+    ADD_FAILURE() << "a memory storage was accepted across " << world->size() << " processes";
+  } catch (const loom::InvalidArgumentError& e) {
+    const std::string message = e.what();
+    EXPECT_NE(message.find("\"mem://dist\" is this process's own"), std::string::npos) << message;
+    EXPECT_NE(message.find("spans " + std::to_string(world->size()) + " processes"), std::string::npos) << message;
+  }
 }
 
 // The reproduction, resealed: the slices of a TP-split tensor swapped between two shards in
@@ -416,12 +432,16 @@ TEST(CheckpointDist, HostileTrainingStateIsRefusedOnEveryRankChangingNothing) {
   Checkpointer cb(world, {.directory = dir});
   b.attach(cb);
   const char* sections[] = {"accumulation", "accumulation", "progress", "scaler", "optimizer", "world", "tensors", "shards"};
+  auto section_of = [](nlohmann::ordered_json& doc, const std::string& name) -> nlohmann::ordered_json& {
+    const bool provider = name == "accumulation" || name == "scaler" || name == "optimizer";
+    return provider ? doc["state"][name] : doc[name];
+  };
   int refused = 0, loaded = 0, iterations = 0;
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(8);
   for (bool go = true; go && iterations < 400; ++iterations) {
     nlohmann::ordered_json doc = nlohmann::ordered_json::parse(original);
     const std::string section = sections[rng() % std::size(sections)];
-    test::replace_random_leaf(section == "accumulation" ? doc["progress"]["accumulation"] : doc[section], rng);
+    test::replace_random_leaf(section_of(doc, section), rng);
     manifest_file.rewrite(ckpt::reseal_manifest(doc.dump(1)));
     const auto before = snapshot(b);
     std::string refusal;
@@ -440,7 +460,7 @@ TEST(CheckpointDist, HostileTrainingStateIsRefusedOnEveryRankChangingNothing) {
       // A value the checks accept (a user string, say): the load is whole. The live state then
       // moves away from the checkpoint's again, so that a later partial load would show.
       // (A forged position the checks cannot tell from a genuine one, 0 of 2, loads as such.)
-      const auto& forged = doc["progress"]["accumulation"]["position"];
+      const auto& forged = doc["state"]["accumulation"]["position"];
       const int64_t expected_position = forged.is_number_integer() ? forged.get<int64_t>() : 1;
       EXPECT_EQ(static_cast<int64_t>(b.accumulate->position()), expected_position)
           << nlohmann::ordered_json::diff(nlohmann::ordered_json::parse(original), doc).dump();

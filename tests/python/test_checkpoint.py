@@ -87,7 +87,7 @@ def test_refused_load_changes_nothing(directory):
     weights.mul_(-1)
     scaler.update(8.0)
     path = torchloom.Checkpointer.find_latest(directory)
-    reseal(os.path.join(path, "manifest.json"), lambda m: m["scaler"].update(growth_factor=0.5))
+    reseal(os.path.join(path, "manifest.json"), lambda m: m["state"]["scaler"].update(growth_factor=0.5))
     with pytest.raises(torchloom.CheckpointError, match="growth_factor must be > 1.0"):
         ckpt.load(path)
     assert torch.equal(weights, -torch.arange(6.0))
@@ -151,24 +151,24 @@ def _same(a, b):
 
 
 def _forge_optimizer_state_tensor(m):
-    state = m["objects"]["torch.optim/optimizer"]["state"]
+    state = m["state"]["objects"]["torch.optim/optimizer"]["state"]
     first = next(iter(state.values()))
     first["exp_avg"] = {"__tensor__": "optim/nowhere/exp_avg"}
 
 
 @pytest.mark.parametrize("forgery, message", [
     # Hyper-parameters torch.optim's load_state_dict would take as they are.
-    (lambda m: m["objects"]["torch.optim/optimizer"]["param_groups"][0]["options"].update(lr=-1.0),
+    (lambda m: m["state"]["objects"]["torch.optim/optimizer"]["param_groups"][0]["options"].update(lr=-1.0),
      "the saved options are not valid for AdamW: Invalid learning rate"),
-    (lambda m: m["objects"]["torch.optim/optimizer"]["param_groups"][0]["options"].update(betas="x"),
+    (lambda m: m["state"]["objects"]["torch.optim/optimizer"]["param_groups"][0]["options"].update(betas="x"),
      "the saved options are not valid for AdamW"),
     # One the constructor takes but float32 parameters cannot: the first step after it would fail.
-    (lambda m: m["objects"]["torch.optim/optimizer"]["param_groups"][0]["options"].update(weight_decay=1e308),
+    (lambda m: m["state"]["objects"]["torch.optim/optimizer"]["param_groups"][0]["options"].update(weight_decay=1e308),
      "option 'weight_decay' is 1e+308, which the parameters' dtype torch.float32 cannot hold"),
     # A tensor the checkpoint does not hold (the load used to fail on it after the model changed).
     (_forge_optimizer_state_tensor, "refers to tensor 'optim/nowhere/exp_avg', which the checkpoint does not hold"),
     # A scheduler value of the wrong kind.
-    (lambda m: m["objects"]["lr_scheduler"].update(last_epoch="x"), "OneCycleLR state 'last_epoch' is 'x'"),
+    (lambda m: m["state"]["objects"]["lr_scheduler"].update(last_epoch="x"), "OneCycleLR state 'last_epoch' is 'x'"),
 ])
 def test_forged_object_state_is_refused_before_anything_changes(directory, forgery, message):
     comm = torchloom.world_comm()

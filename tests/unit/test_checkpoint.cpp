@@ -34,6 +34,7 @@
 #include "train/checkpoint_layout.h"
 #include "train/checkpoint_load_plan.h"
 #include "train/checkpoint_manifest.h"
+#include "train/checkpoint_storage.h"
 #include "train/safetensors.h"
 #include "../time_scale.h"
 
@@ -170,11 +171,11 @@ TEST(Safetensors, HugeHeaderLengthIsRefusedBeforeAnyAllocation) {
   std::memcpy(shard.data(), &huge, 8);
   const std::string path = dir + "/shard.safetensors";
   write_file(path, shard);
-  auto file = ckpt::File::open_read(path, "test");
+  auto file = ckpt::open_file(path, "test");
   g_largest_allocation = 0;
   g_track_allocations = true;
   const std::string message =
-      expect_checkpoint_error([&] { ckpt::read_header(file, shard.size(), "shard " + path, nullptr); });
+      expect_checkpoint_error([&] { ckpt::read_header(*file, shard.size(), "shard " + path, nullptr); });
   g_track_allocations = false;
   EXPECT_NE(message.find("header claims 1152921504606846976 bytes"), std::string::npos) << message;
   EXPECT_NE(message.find(path), std::string::npos) << message;
@@ -183,11 +184,11 @@ TEST(Safetensors, HugeHeaderLengthIsRefusedBeforeAnyAllocation) {
   const uint64_t big = 50u << 20;
   std::memcpy(shard.data(), &big, 8);
   write_file(path, shard);
-  auto file2 = ckpt::File::open_read(path, "test");
+  auto file2 = ckpt::open_file(path, "test");
   g_largest_allocation = 0;
   g_track_allocations = true;
   const std::string message2 =
-      expect_checkpoint_error([&] { ckpt::read_header(file2, shard.size(), "shard " + path, nullptr); });
+      expect_checkpoint_error([&] { ckpt::read_header(*file2, shard.size(), "shard " + path, nullptr); });
   g_track_allocations = false;
   EXPECT_NE(message2.find("header claims 52428800 bytes"), std::string::npos) << message2;
   EXPECT_LT(g_largest_allocation.load(), size_t(1) << 16);
@@ -380,12 +381,12 @@ TEST(CheckpointFuzz, MutatedShardsAndManifestsAreAcceptedOrRefusedWithCheckpoint
   b.shape = {4};
   b.slices = {{1, 0, 0}};
   m.tensors = {{"model/w", w}, {"model/b", b}};
-  m.progress = {{"step", 12}, {"epoch", 0}, {"sample", 96}, {"accumulation", nullptr}};
-  m.optimizer = {
+  m.progress = {{"step", 12}, {"epoch", 0}, {"sample", 96}};
+  m.state["optimizer"] = {
       {"type", "Adam"},
       {"param_groups", json::array({{{"params", {"w", "b"}}, {"options", {{"lr", 0.1}, {"betas", {0.9, 0.99}}}}}})},
       {"steps", {{"w", 3}}}};
-  m.scaler = {{"scale", 1024.0}};
+  m.state["scaler"] = {{"scale", 1024.0}};
   m.user = {{"k", "v"}};
   const std::string manifest = ckpt::manifest_to_json(m);
   ASSERT_NO_THROW(ckpt::parse_manifest(manifest, "manifest"));
@@ -402,8 +403,8 @@ TEST(CheckpointFuzz, MutatedShardsAndManifestsAreAcceptedOrRefusedWithCheckpoint
         ckpt::ShardHeader h;
         if (i % 10 == 0) {  // through a real file: the bounded reader
           write_file(path, input);
-          auto f = ckpt::File::open_read(path, "fuzz");
-          h = ckpt::read_header(f, input.size(), "fuzz", nullptr);
+          auto f = ckpt::open_file(path, "fuzz");
+          h = ckpt::read_header(*f, input.size(), "fuzz", nullptr);
         } else {
           h = ckpt::parse_shard(input, "fuzz");
         }
@@ -541,11 +542,13 @@ void expect_same(const std::map<std::string, at::Tensor>& a, const std::map<std:
   }
 }
 
-class RoundTrip : public ::testing::TestWithParam<std::tuple<std::string, bool>> {};
+// Through each storage: files, and the same format held in memory (mem://).
+class RoundTrip : public ::testing::TestWithParam<std::tuple<std::string, bool, std::string>> {};
 
 TEST_P(RoundTrip, EveryPieceIsRestoredBitwise) {
-  const auto [kind, async] = GetParam();
-  const std::string dir = fresh_dir("roundtrip_" + kind + (async ? "_async" : "_sync"));
+  const auto [kind, async, storage] = GetParam();
+  const std::string name = "roundtrip_" + kind + (async ? "_async" : "_sync");
+  const std::string dir = storage == "mem" ? "mem://" + name : fresh_dir(name);
   Training a(kind, 1);
   a.steps(3);
   loom::Checkpointer ca(nullptr, {.directory = dir, .async = async});
@@ -584,7 +587,7 @@ TEST_P(RoundTrip, EveryPieceIsRestoredBitwise) {
 
 INSTANTIATE_TEST_SUITE_P(Optimizers, RoundTrip,
                          ::testing::Combine(::testing::Values("sgd", "adam", "adamw", "rmsprop", "adagrad"),
-                                            ::testing::Bool()));
+                                            ::testing::Bool(), ::testing::Values("file", "mem")));
 
 // Steps outside what a checkpoint name holds are refused at save, on every rank, writing nothing.
 TEST(Checkpoint, StepsOutsideTheNamedRangeAreRefused) {
@@ -773,8 +776,8 @@ TEST(CheckpointCorruption, EditedManifest) {
     write_file(s.manifest, ckpt::reseal_manifest(copy.dump(1)));
     expect_load_fails(s, parts);
   };
-  edit([](json& j) { j["format_version"] = 3; },
-       {s.manifest, "unsupported format version 3 (this build reads versions 1 to 2)"});
+  edit([](json& j) { j["format_version"] = 4; },
+       {s.manifest, "unsupported format version 4 (this build reads versions 1 to 3)"});
   edit([](json& j) { j["shards"][0]["xxh3_64"] = "0123456789abcdef"; },
        {s.shard, "checksum mismatch", "0123456789abcdef"});
   edit([](json& j) { j["shards"][0]["bytes"] = j["shards"][0]["bytes"].get<uint64_t>() + 1; },
@@ -798,20 +801,20 @@ TEST(CheckpointCorruption, EditedManifest) {
   edit([](json& j) { j["tensors"]["model/fc1.weight"]["dtype"] = "F64"; }, {"model/fc1.weight"});
   edit([](json& j) { j.erase("shards"); }, {s.manifest, "has no \"shards\""});
   // Hyper-parameters the optimizer's constructor would refuse, found on a scratch optimizer.
-  edit([](json& j) { j["optimizer"]["param_groups"][0]["options"]["lr"] = -1.0; },
+  edit([](json& j) { j["state"]["optimizer"]["param_groups"][0]["options"]["lr"] = -1.0; },
        {"optimizer parameter group 0: options refused by Adam", "Invalid learning rate"});
   // Hyper-parameters the constructor takes but the parameters' dtype (float) cannot hold: the
   // first step after the load would fail converting them (the loader fuzz's find).
-  edit([](json& j) { j["optimizer"]["param_groups"][0]["options"]["weight_decay"] = 1e308; },
+  edit([](json& j) { j["state"]["optimizer"]["param_groups"][0]["options"]["weight_decay"] = 1e308; },
        {"optimizer parameter group 0: option \"weight_decay\" is 1e+308", "dtype Float cannot hold"});
-  edit([](json& j) { j["optimizer"]["param_groups"][0]["options"]["eps"] = 3.5e38; },
+  edit([](json& j) { j["state"]["optimizer"]["param_groups"][0]["options"]["eps"] = 3.5e38; },
        {"option \"eps\" is 3.5e+38", "dtype Float cannot hold"});
   // State the live object would refuse is refused before the model changes (it was applied after).
-  edit([](json& j) { j["scaler"]["growth_factor"] = 0.5; }, {"grad scaler state refused", "growth_factor must be > 1.0"});
+  edit([](json& j) { j["state"]["scaler"]["growth_factor"] = 0.5; }, {"grad scaler state refused", "growth_factor must be > 1.0"});
   // Values beyond what holds them: an interval no int64 holds exactly, a scale float32 rounds to 0.
-  edit([](json& j) { j["scaler"]["growth_interval"] = 1e308; },
+  edit([](json& j) { j["state"]["scaler"]["growth_interval"] = 1e308; },
        {"grad scaler state refused", "growth_interval must be an integer in [1, 2^53], found 1e+308"});
-  edit([](json& j) { j["scaler"]["scale"] = 1e-320; }, {"grad scaler state refused", "not rounding to 0"});
+  edit([](json& j) { j["state"]["scaler"]["scale"] = 1e-320; }, {"grad scaler state refused", "not rounding to 0"});
   // Progress before the start, beyond int64, or of another step than the manifest's.
   edit([](json& j) { j["progress"]["step"] = -1; }, {"manifest progress \"step\" is -1; expected an integer in [0, 2^63)"});
   edit([](json& j) { j["progress"]["sample"] = uint64_t(UINT64_MAX); }, {"manifest progress \"sample\" is 18446744073709551615"});
@@ -877,7 +880,11 @@ TEST(CheckpointCorruption, UnsealedManifestEditIsRefused) {
 TEST(CheckpointCorruption, VersionOneManifestStillLoadsButADowngradedOneIsRefused) {
   auto s = save_one("manifest_v1");
   nlohmann::ordered_json doc = nlohmann::ordered_json::parse(read_file(s.manifest));
+  // Before version 3 the sections were members of their own.
   doc["format_version"] = 1;
+  doc["optimizer"] = doc["state"].value("optimizer", nlohmann::ordered_json());
+  doc["scaler"] = doc["state"].value("scaler", nlohmann::ordered_json());
+  doc.erase("state");
   write_file(s.manifest, doc.dump(1));
   expect_load_fails(s, {s.manifest, "says format version 1, which carries no checksum of its own",
                         "its version was edited"});

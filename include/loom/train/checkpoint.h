@@ -61,7 +61,9 @@
 #include <vector>
 
 #include "loom/comm/communicator.h"
+#include "loom/error.h"
 #include "loom/parallel/data_parallel.h"
+#include "loom/train/checkpoint_state.h"
 
 namespace torch::optim {
 class Optimizer;
@@ -174,6 +176,19 @@ class Checkpointer {
     std::function<void(const std::string&)> load;
   };
   Checkpointer& object(const std::string& name, ObjectState state);
+  // A kind of state of the user's own (loom/train/checkpoint_state.h), for this checkpointer only:
+  // collected, planned, verified and applied after the registered providers, its section saved
+  // under the manifest's "state". InvalidArgumentError for a name taken already.
+  Checkpointer& state(const std::string& name, std::shared_ptr<checkpoint::StateProvider> provider);
+  // The provider of that name (a registered or an added one); InvalidArgumentError when there is
+  // none, or (the typed form) when it is of another type.
+  checkpoint::StateProvider& provider(const std::string& name);
+  template <typename Provider>
+  Provider& provider(const std::string& name) {
+    if (auto* typed = dynamic_cast<Provider*>(&provider(name))) return *typed;
+    throw InvalidArgumentError(where() + ": Checkpointer::provider: state provider \"" + name +
+                               "\" is not of the type asked for");
+  }
 
   // Saves the registered state as step_<progress.step>/ (replacing one of the same step). With
   // async, returns after the host copy; throws a previous asynchronous save's error first.
@@ -202,6 +217,7 @@ class Checkpointer {
   struct Impl;
 
  private:
+  std::string where() const;  // the prefix of this checkpointer's messages
   std::unique_ptr<Impl> impl_;
 };
 

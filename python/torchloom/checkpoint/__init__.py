@@ -241,7 +241,9 @@ class Checkpointer:
         self._impl.wait()
         self._forget_dynamic()
         manifest = self._read_manifest(path)
-        objects = (manifest or {}).get("objects") or {}
+        # The providers' sections: under "state" from format version 3, members of their own before.
+        manifest = manifest or {}
+        objects = (manifest.get("state") if "state" in manifest else manifest).get("objects") or {}
         if self._optimizer is not None:
             zero = self._zero()
             # ZeRO reads only the state of the parameters overlapping this rank's shards.
