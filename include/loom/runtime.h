@@ -6,7 +6,7 @@
 //     try {
 //       auto rt = loom::init();
 //       const loom::World& w = rt->world();          // rank, size, local rank, node, hostname
-//       auto comm = rt->world_comm();                 // CPU tensors (MPI)
+//       auto comm = rt->world_comm();                 // CPU tensors (MPI), = rt->comm(c10::kCPU)
 //       auto gpu = rt->device_comm();                 // CUDA tensors (NCCL), where every rank has a GPU
 //       ...
 //       loom::finalize();
@@ -35,9 +35,12 @@
 // mpirun, which ends the job with the program's exit status.
 #pragma once
 
+#include <map>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <string>
+#include <utility>
 
 #include "loom/comm/communicator.h"
 #include "loom/config.h"
@@ -54,10 +57,17 @@ class Runtime {
  public:
   const World& world() const { return world_; }
   const Config& config() const { return config_; }
-  // Every process of the job, for CPU tensors (MPI).
+  // Every process of the job, for tensors of `type`, through `backend` (loom/comm/backends.h):
+  // by default the one init() built for the type (CPU: MPI, or Gloo under torchrun; CUDA: NCCL on
+  // cuda_device(), nullptr when there is none). A backend named otherwise is built on its first
+  // call from the host communicator, collectively (every rank asks for it together), and kept:
+  //   auto toy = rt->comm(c10::DeviceType::CPU, "toy");
+  // InvalidArgumentError for a backend that is not registered or does not serve `type`.
+  std::shared_ptr<Communicator> comm(c10::DeviceType type, const std::string& backend = "");
+  // comm(CPU): every process of the job, for CPU tensors.
   const std::shared_ptr<Communicator>& world_comm() const { return world_comm_; }
-  // Every process of the job, for CUDA tensors (NCCL) on device(); nullptr when LOOM_NCCL=off, or
-  // =auto (the default) unless every rank can use a GPU of its own.
+  // comm(CUDA): for CUDA tensors (NCCL) on cuda_device(); nullptr when LOOM_NCCL=off, or =auto
+  // (the default) unless every rank can use a GPU of its own.
   const std::shared_ptr<Communicator>& device_comm() const { return device_comm_; }
   // This process's CUDA device (LOOM_DEVICE; else 0 when it sees one GPU, else its local rank),
   // made current by init(); nullopt without a device communicator.
@@ -77,6 +87,11 @@ class Runtime {
   Config config_;
   std::shared_ptr<Communicator> world_comm_;
   std::shared_ptr<Communicator> device_comm_;
+  std::string world_backend_, device_backend_;  // the backends init() built them with
+  // Communicators built later by comm(type, backend), by backend name and device type.
+  std::mutex comms_mutex_;
+  std::map<std::pair<std::string, c10::DeviceType>, std::shared_ptr<Communicator>> more_comms_;
+  CommunicatorOptions comm_options_;
   std::optional<int> cuda_device_;
   topo::Topology topology_;
   std::optional<topo::Plan> plan_;

@@ -13,6 +13,7 @@
 
 #include "loom/env.h"
 #include "loom/comm/agreement.h"
+#include "loom/comm/backends.h"
 #include "loom/comm/gloo.h"
 #include "loom/comm/leaving.h"
 #include "loom/comm/mpi.h"
@@ -213,7 +214,8 @@ void build_device_communicator(Runtime& rt, World& world, const Config& config, 
                        << std::getenv("NCCL_MULTI_RANK_GPU_ENABLE"));
   nccl::use_device(*choice.device);
   cuda_device = *choice.device;
-  device_comm = nccl::make_communicator(rt.world_comm(), *choice.device, "world-gpu", options.comm);
+  device_comm = make_communicator("nccl", {rt.world_comm(), at::Device(c10::DeviceType::CUDA, *choice.device),
+                                           "world-gpu", options.comm});
   LOOM_LOG(info, "device communicator world-gpu on cuda:" << *choice.device << " (" << choice.why << ")");
 }
 
@@ -222,6 +224,10 @@ void build_device_communicator(Runtime& rt, World& world, const Config& config, 
 // Runtime's communicators are released only here (init() and finalize() are its friends too).
 struct RuntimeAccess {
   static void release_communicators(Runtime& rt) {
+    {
+      std::lock_guard<std::mutex> lock(rt.comms_mutex_);
+      rt.more_comms_.clear();  // built over the host communicator: released before it
+    }
     rt.device_comm_.reset();
     rt.world_comm_.reset();
   }
@@ -338,16 +344,17 @@ std::shared_ptr<Runtime> init(const InitOptions& options) {
   if (env_rendezvous(runtime->world_, env)) {
     // torchrun, PyTorchJob, any env:// launcher: no MPI; Gloo through LibTorch's TCPStore.
     log::set_rank(runtime->world_.rank, runtime->world_.size);
-    gloo::Rendezvous rendezvous = gloo::rendezvous_from_environment();
-    if (config_problem.empty()) rendezvous.connect_timeout = runtime->config_.timeout;  // LOOM_TIMEOUT
-    runtime->world_comm_ = gloo::world_communicator(rendezvous, options.comm);
+    BackendContext context{nullptr, at::Device(c10::DeviceType::CPU), "world", options.comm};
+    if (config_problem.empty()) context.bootstrap_timeout = runtime->config_.timeout;  // LOOM_TIMEOUT
+    runtime->world_comm_ = make_communicator(runtime->world_backend_ = "gloo", context);
     complete_from_hostnames(runtime->world_, *runtime->world_comm_);
   } else {
     mpi::initialize();
     reconcile(runtime->world_, mpi::discover_layout());
     detail::set_job_rank(runtime->world_.rank);
     log::set_rank(runtime->world_.rank, runtime->world_.size);
-    runtime->world_comm_ = mpi::world_communicator(options.comm);
+    runtime->world_comm_ =
+        make_communicator(runtime->world_backend_ = "mpi", {nullptr, at::Device(c10::DeviceType::CPU), "world", options.comm});
   }
   detail::agree_on_configuration(*runtime->world_comm_, env);
   // The same on every rank but for per-process variables (LOOM_DEVICE): all raise together.
@@ -380,6 +387,8 @@ std::shared_ptr<Runtime> init(const InitOptions& options) {
 
   build_device_communicator(*runtime, runtime->world_, runtime->config_, options, runtime->device_comm_,
                             runtime->cuda_device_);
+  if (runtime->device_comm_) runtime->device_backend_ = "nccl";
+  runtime->comm_options_ = options.comm;
   LOOM_LOG(info, "initialized: rank " << runtime->world_.rank << "/" << runtime->world_.size << " local "
                                       << runtime->world_.local_rank << "/" << runtime->world_.local_size << " node "
                                       << runtime->world_.node_index << " (" << runtime->world_.hostname
@@ -392,6 +401,32 @@ std::shared_ptr<Runtime> init(const InitOptions& options) {
   static bool terminate_handler = (g_previous_terminate = std::set_terminate(terminate_after_telling_the_others), true);
   (void)terminate_handler;
   return std::shared_ptr<Runtime>(g_runtime, [](Runtime*) {});
+}
+
+std::shared_ptr<Communicator> Runtime::comm(c10::DeviceType type, const std::string& backend) {
+  if (type == c10::DeviceType::CPU && (backend.empty() || backend == world_backend_)) return world_comm_;
+  if (type == c10::DeviceType::CUDA && (backend.empty() || backend == device_backend_)) return device_comm_;
+  std::string chosen = backend;
+  if (chosen.empty())  // the first backend registered for the type
+    for (const auto& info : registered_backends())
+      if (std::find(info.device_types.begin(), info.device_types.end(), type) != info.device_types.end()) {
+        chosen = info.name;
+        break;
+      }
+  if (chosen.empty())
+    throw InvalidArgumentError(ErrorContext("Runtime::comm")(std::string("no backend is registered for ") +
+                                                             c10::DeviceTypeName(type, /*lower_case=*/true) +
+                                                             " tensors"));
+  std::lock_guard<std::mutex> lock(comms_mutex_);
+  auto& comm = more_comms_[{chosen, type}];
+  if (!comm) {
+    // A device of this process's for the type: the CUDA device init() chose, else the type's first.
+    const at::Device device = type == c10::DeviceType::CUDA && cuda_device_ ? at::Device(type, *cuda_device_)
+                              : type == c10::DeviceType::CPU              ? at::Device(type)
+                                                                          : at::Device(type, 0);
+    comm = make_communicator(chosen, {world_comm_, device, "world-" + chosen, comm_options_});
+  }
+  return comm;
 }
 
 void finalize() {
