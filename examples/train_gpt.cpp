@@ -47,6 +47,7 @@
 #include <fstream>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <sstream>
 #include <string>
 
@@ -264,454 +265,566 @@ struct TimeShares {
   double data = 0, step = 0, exposed_comm = 0, checkpoint = 0, eval = 0;
 };
 
-int train(Options o) {
-  auto rt = loom::init();
-  auto world = rt->world_comm();
-  const int rank = world->rank();
-  if (!o.timeline.empty()) loom::trace::configure(o.timeline, rank);
-  // The degree the placement plan was made for (LOOM_TP, loomrun --tp) unless --tp says otherwise.
-  if (o.tp == 0) o.tp = std::getenv("LOOM_TP") ? rt->config().tensor_parallel : world->size() % 2 == 0 ? 2 : 1;
-  // CUDA tensors go over NCCL when every rank has a GPU; otherwise everything runs on the CPU.
-  auto comm = rt->device_comm() ? rt->device_comm() : world;
-  const c10::Device device = comm->device();
-  const bool on_gpu = device.is_cuda();
-  // The precision: fp16 with the scaler on a GPU; on a CPU bf16 only where the hardware does bf16
-  // arithmetic (elsewhere bf16 autocast converts through fp32 and runs several times slower).
-  const loom::CpuBf16Support cpu_bf16 = loom::cpu_bf16_support();
-  std::string precision_why;
-  if (o.precision == "auto") {
-    o.precision = on_gpu ? "fp16" : cpu_bf16.native ? "bf16" : "fp32";
-    precision_why = on_gpu ? "on a GPU: fp16 autocast with the grad scaler"
-                           : (cpu_bf16.native ? "bf16: " : "fp32, not bf16: ") + cpu_bf16.reason;
-  } else if (o.precision == "bf16" && !on_gpu && !cpu_bf16.native) {
-    precision_why = "bf16 as asked, but " + cpu_bf16.reason +
-                    "; expect it to run about 5x slower than --precision fp32 (README: 5.1x on a 2-core AVX2 CPU)";
-  }
-  const bool use_scaler = o.scaler || o.precision == "fp16";
-  const bool log = rank == 0 || o.all_ranks;
+// The text a run trains on, and the held-out tail it never trains on.
+struct Corpus {
+  std::string name;  // as the project names it, not by this machine's absolute path
+  std::string text;
+  int64_t train_bytes = 0, held_out_bytes = 0;
+  torch::Tensor train_ids, held_ids;
+};
 
-  // Data: bytes of real text; the held-out tail is never trained on.
-  // (The default corpus is named as the project names it, not by this machine's absolute path.)
-  const std::string data_name = o.data.empty() ? "examples/data/licenses.txt" : o.data;
+Corpus read_corpus(Options& o) {
+  Corpus c;
+  c.name = o.data.empty() ? "examples/data/licenses.txt" : o.data;
   if (o.data.empty()) o.data = LOOM_EXAMPLE_DATA;
-  const std::string text = read_text(o.data, o.data_bytes);
-  const int64_t held_out_bytes = static_cast<int64_t>(o.held_out * static_cast<double>(text.size()));
-  const int64_t train_bytes = static_cast<int64_t>(text.size()) - held_out_bytes;
-  if (train_bytes < 4 * (o.seq + 1) || held_out_bytes < o.seq + 2)
-    throw loom::InvalidArgumentError("train_gpt: --data " + o.data + " has " + std::to_string(text.size()) +
+  c.text = read_text(o.data, o.data_bytes);
+  c.held_out_bytes = static_cast<int64_t>(o.held_out * static_cast<double>(c.text.size()));
+  c.train_bytes = static_cast<int64_t>(c.text.size()) - c.held_out_bytes;
+  if (c.train_bytes < 4 * (o.seq + 1) || c.held_out_bytes < o.seq + 2)
+    throw loom::InvalidArgumentError("train_gpt: --data " + o.data + " has " + std::to_string(c.text.size()) +
                                      " bytes; expected enough for training and held-out windows of --seq " +
                                      std::to_string(o.seq) + " + 1");
   const torch::Tensor all_ids =
-      torch::from_blob(const_cast<char*>(text.data()), {static_cast<int64_t>(text.size())}, torch::kUInt8)
+      torch::from_blob(const_cast<char*>(c.text.data()), {static_cast<int64_t>(c.text.size())}, torch::kUInt8)
           .to(torch::kLong);
-  const torch::Tensor train_ids = all_ids.narrow(0, 0, train_bytes), held_ids = all_ids.narrow(0, train_bytes, held_out_bytes);
-  const int64_t vocab = loom::padded_vocab_size(256, o.tp);
+  c.train_ids = all_ids.narrow(0, 0, c.train_bytes);
+  c.held_ids = all_ids.narrow(0, c.train_bytes, c.held_out_bytes);
+  return c;
+}
+
+// The precision: fp16 with the scaler on a GPU; on a CPU bf16 only where the hardware does bf16
+// arithmetic (elsewhere bf16 autocast converts through fp32 and runs several times slower).
+// Returns why, when the first lines should say it.
+std::string choose_precision(Options& o, bool on_gpu) {
+  const loom::CpuBf16Support cpu_bf16 = loom::cpu_bf16_support();
+  if (o.precision == "auto") {
+    o.precision = on_gpu ? "fp16" : cpu_bf16.native ? "bf16" : "fp32";
+    return on_gpu ? "on a GPU: fp16 autocast with the grad scaler"
+                  : (cpu_bf16.native ? "bf16: " : "fp32, not bf16: ") + cpu_bf16.reason;
+  }
+  if (o.precision == "bf16" && !on_gpu && !cpu_bf16.native)
+    return "bf16 as asked, but " + cpu_bf16.reason +
+           "; expect it to run about 5x slower than --precision fp32 (README: 5.1x on a 2-core AVX2 CPU)";
+  return "";
+}
+
+// One training run, from the runtime's communicators to the verdict. Each step of the setup and
+// of the loop is a member, in the order run() calls them (the order matters: the model's weights
+// and the dropout streams come from generators each step draws from).
+class GptRun {
+ public:
+  GptRun(Options o, std::shared_ptr<loom::Runtime> rt) : o_(std::move(o)), rt_(std::move(rt)) {}
+
+  int run() {
+    set_up_groups();
+    build_model_and_optimizer();
+    print_setup();
+    prepare_evaluation();
+    measure_recompute();
+    open_checkpointer();
+    train_steps();
+    report_time();
+    report_memory();
+    const std::string sample = generate_sample();
+    score_file();
+    return verdict(sample);
+  }
+
+ private:
+  void set_up_groups();
+  void build_model_and_optimizer();
+  void print_setup() const;
+  void prepare_evaluation();
+  void measure_recompute();
+  void open_checkpointer();
+  void train_steps();
+  double train_step(int64_t step);  // the step's loss (this replica's)
+  void report_progress(int64_t step, double step_loss);
+  void evaluate(int64_t step);
+  double save(int64_t step);  // the training stall, in seconds
+  void report_time();
+  void report_memory() const;
+  std::string generate_sample();
+  void score_file();
+  int verdict(const std::string& sample) const;
+
+  torch::Tensor loss_of(const torch::Tensor& ids);
+  double replica_mean(double v);
+  double held_out_loss();
+  uint64_t communicated() const {
+    return loom::tp::comm_stats().total_bytes() + reducer_->stats().bytes_reduced +
+           (zero_ ? zero_->stats().bytes_all_gathered : 0);
+  }
+  double exposed() const { return loom::tp::comm_stats().wait_seconds + reducer_->stats().wait_seconds; }
+
+  Options o_;
+  std::shared_ptr<loom::Runtime> rt_;
+  std::shared_ptr<loom::Communicator> world_, comm_;
+  c10::Device device_ = c10::Device(c10::kCPU);
+  bool on_gpu_ = false, log_ = false, live_ = false;
+  std::string precision_why_;
+  Corpus corpus_;
+  int64_t vocab_ = 0, per_replica_ = 0;
+  std::optional<loom::ParallelState> ps_;
+  loom::RngTracker* device_rng_ = nullptr;
+  Gpt model_{nullptr};
+  std::unique_ptr<loom::ZeroOptimizer> zero_;
+  std::unique_ptr<loom::GradientReducer> plain_reducer_;
+  std::unique_ptr<torch::optim::AdamW> plain_opt_;
+  loom::GradientReducer* reducer_ = nullptr;
+  torch::optim::Optimizer* opt_ = nullptr;
+  std::unique_ptr<loom::GradientAccumulator> accumulate_;
+  std::unique_ptr<loom::GradScaler> scaler_;
+  int64_t held_windows_ = 0;
+  torch::Tensor held_batch_;
+  std::vector<double> baselines_;  // unigram, bigram, trigram count models on the held-out bytes
+  std::unique_ptr<loom::Checkpointer> checkpointer_;
+  std::unique_ptr<loom::MetricsExporter> metrics_;
+  std::unique_ptr<FILE, int (*)(FILE*)> curve_{nullptr, &std::fclose};
+  int64_t first_step_ = 1, window_steps_ = 0;
+  double first_ = 0, last_ = 0, window_ = 0, held_ = std::nan("");
+  TimeShares time_;
+  Clock::time_point start_;
+  double exposed_at_start_ = 0, total_ = 0;
+};
+
+void GptRun::set_up_groups() {
+  world_ = rt_->world_comm();
+  const int rank = world_->rank();
+  if (!o_.timeline.empty()) loom::trace::configure(o_.timeline, rank);
+  // The degree the placement plan was made for (LOOM_TP, loomrun --tp) unless --tp says otherwise.
+  if (o_.tp == 0) o_.tp = std::getenv("LOOM_TP") ? rt_->config().tensor_parallel : world_->size() % 2 == 0 ? 2 : 1;
+  // CUDA tensors go over NCCL when every rank has a GPU; otherwise everything runs on the CPU.
+  comm_ = rt_->device_comm() ? rt_->device_comm() : world_;
+  device_ = comm_->device();
+  on_gpu_ = device_.is_cuda();
+  precision_why_ = choose_precision(o_, on_gpu_);
+  log_ = rank == 0 || o_.all_ranks;
+  corpus_ = read_corpus(o_);
+  vocab_ = loom::padded_vocab_size(256, o_.tp);
 
   loom::ParallelConfig config;
-  config.tensor_parallel = o.tp;
-  config.hidden_size = o.hidden;
-  config.num_heads = o.heads;
-  config.vocab_size = vocab;
+  config.tensor_parallel = o_.tp;
+  config.hidden_size = o_.hidden;
+  config.num_heads = o_.heads;
+  config.vocab_size = vocab_;
   // DP groups in the plan's ring order when the plan was made for this degree.
-  if (comm->members() == world->members()) config.dp_rings = loom::planned_dp_rings(o.tp);
-  loom::ParallelState ps(comm, config);
-  if (o.batch % (ps.dp_degree() * o.accumulate) != 0)
+  if (comm_->members() == world_->members()) config.dp_rings = loom::planned_dp_rings(o_.tp);
+  ps_.emplace(comm_, config);
+  if (o_.batch % (ps_->dp_degree() * o_.accumulate) != 0)
     throw loom::InvalidArgumentError(
-        "train_gpt: --batch " + std::to_string(o.batch) + " must be divisible by the data-parallel degree " +
-        std::to_string(ps.dp_degree()) + " x --accumulate " + std::to_string(o.accumulate));
-  if (o.sequence_parallel && o.seq % ps.tp_degree() != 0)
-    throw loom::InvalidArgumentError("train_gpt: --seq " + std::to_string(o.seq) +
+        "train_gpt: --batch " + std::to_string(o_.batch) + " must be divisible by the data-parallel degree " +
+        std::to_string(ps_->dp_degree()) + " x --accumulate " + std::to_string(o_.accumulate));
+  if (o_.sequence_parallel && o_.seq % ps_->tp_degree() != 0)
+    throw loom::InvalidArgumentError("train_gpt: --seq " + std::to_string(o_.seq) +
                                      " must be divisible by the tensor-parallel degree with --sequence-parallel");
+  per_replica_ = o_.batch / ps_->dp_degree();
+}
 
-  ps.seed(o.seed);  // replicated weights equal everywhere; shards and dropout per TP rank
-  loom::RngTracker& device_rng = loom::rng_tracker(device);
-  if (on_gpu) ps.seed(o.seed, device_rng);
+void GptRun::build_model_and_optimizer() {
+  loom::ParallelState& ps = *ps_;
+  ps.seed(o_.seed);  // replicated weights equal everywhere; shards and dropout per TP rank
+  device_rng_ = &loom::rng_tracker(device_);
+  if (on_gpu_) ps.seed(o_.seed, *device_rng_);
   loom::ParallelInit init;
-  init.device = device;
-  init.rng = on_gpu ? &device_rng : nullptr;
-  Gpt model(o, vocab, ps.tp_group(), init);
-  for (auto& block : model->blocks) block->options.rng = init.rng;
+  init.device = device_;
+  init.rng = on_gpu_ ? device_rng_ : nullptr;
+  model_ = Gpt(o_, vocab_, ps.tp_group(), init);
+  for (auto& block : model_->blocks) block->options.rng = init.rng;
   // Plain data parallelism (a reducer and AdamW over every parameter), or ZeRO (AdamW over this
   // rank's shard of the DP group's buckets, the reducer inside the ZeroOptimizer).
-  const auto adamw = torch::optim::AdamWOptions(o.lr).weight_decay(0.01);
-  std::unique_ptr<loom::ZeroOptimizer> zero;
-  std::unique_ptr<loom::GradientReducer> plain_reducer;
-  std::unique_ptr<torch::optim::AdamW> plain_opt;
-  if (o.zero > 0) {
+  const auto adamw = torch::optim::AdamWOptions(o_.lr).weight_decay(0.01);
+  const size_t bucket_cap = static_cast<size_t>(o_.bucket_cap_mb * (1 << 20));
+  if (o_.zero > 0) {
     loom::ZeroOptions zero_options;
-    zero_options.stage = o.zero;
-    zero_options.overlap_param_gather = o.zero_overlap;
-    zero_options.bucket_cap_bytes = static_cast<size_t>(o.bucket_cap_mb * (1 << 20));
-    zero_options.first_bucket_cap_bytes = std::min(zero_options.first_bucket_cap_bytes, zero_options.bucket_cap_bytes);
-    zero = std::make_unique<loom::ZeroOptimizer>(
-        model->parameters(), ps.dp_group(),
+    zero_options.stage = o_.zero;
+    zero_options.overlap_param_gather = o_.zero_overlap;
+    zero_options.bucket_cap_bytes = bucket_cap;
+    zero_options.first_bucket_cap_bytes = std::min(zero_options.first_bucket_cap_bytes, bucket_cap);
+    zero_ = std::make_unique<loom::ZeroOptimizer>(
+        model_->parameters(), ps.dp_group(),
         [&](std::vector<torch::Tensor> shard) { return std::make_unique<torch::optim::AdamW>(shard, adamw); },
         zero_options);
-    if (o.zero_overlap)
-      model->before_use = [&zero](const std::vector<torch::Tensor>& params) { zero->wait_parameters(params); };
+    if (o_.zero_overlap)
+      model_->before_use = [zero = zero_.get()](const std::vector<torch::Tensor>& params) { zero->wait_parameters(params); };
   } else {
     loom::ReducerOptions reducer_options;
-    reducer_options.bucket_cap_bytes = static_cast<size_t>(o.bucket_cap_mb * (1 << 20));
-    reducer_options.first_bucket_cap_bytes = std::min(reducer_options.first_bucket_cap_bytes, reducer_options.bucket_cap_bytes);
-    plain_reducer = std::make_unique<loom::GradientReducer>(model->parameters(), ps.dp_group(), reducer_options);
-    plain_opt = std::make_unique<torch::optim::AdamW>(model->parameters(), adamw);
+    reducer_options.bucket_cap_bytes = bucket_cap;
+    reducer_options.first_bucket_cap_bytes = std::min(reducer_options.first_bucket_cap_bytes, bucket_cap);
+    plain_reducer_ = std::make_unique<loom::GradientReducer>(model_->parameters(), ps.dp_group(), reducer_options);
+    plain_opt_ = std::make_unique<torch::optim::AdamW>(model_->parameters(), adamw);
   }
-  loom::GradientReducer& reducer = zero ? zero->reducer() : *plain_reducer;
-  torch::optim::Optimizer& opt = zero ? zero->optimizer() : *plain_opt;
-  loom::GradientAccumulator accumulate(reducer, static_cast<size_t>(o.accumulate));
-  std::unique_ptr<loom::GradScaler> scaler;
-  if (use_scaler) {
+  reducer_ = zero_ ? &zero_->reducer() : plain_reducer_.get();
+  opt_ = zero_ ? &zero_->optimizer() : plain_opt_.get();
+  accumulate_ = std::make_unique<loom::GradientAccumulator>(*reducer_, static_cast<size_t>(o_.accumulate));
+  if (o_.scaler || o_.precision == "fp16") {
     loom::GradScalerOptions scaler_options;
     scaler_options.sync_groups = {ps.tp_group()};  // gradients are split over the TP group
-    scaler = std::make_unique<loom::GradScaler>(scaler_options);
+    scaler_ = std::make_unique<loom::GradScaler>(scaler_options);
   }
-  const c10::ScalarType autocast_dtype = o.precision == "fp16" ? at::kHalf : at::kBFloat16;
-  const bool autocast = o.precision != "fp32";
-  const c10::DeviceType autocast_device = device.type();
+}
 
-  const int64_t per_replica = o.batch / ps.dp_degree();
-  const int64_t tokens_per_step = o.batch * o.seq;
+void GptRun::print_setup() const {
+  if (!log_) return;
   int64_t parameters = 0;
-  for (const auto& p : model->parameters()) parameters += p.numel();
-  if (log) {
-    std::printf("train_gpt: %d ranks = TP %d x DP %d on %s; %s, %lld parameters on this rank\n", world->size(),
-                ps.tp_degree(), ps.dp_degree(), device.str().c_str(), o.precision.c_str(), (long long)parameters);
-    if (!precision_why.empty())
-      std::printf("  precision %s%s\n", precision_why.rfind("bf16 as asked", 0) == 0 ? "WARNING: " : "",
-                  precision_why.c_str());
-    std::printf("  data: %s, %zu bytes (%lld held out); %lld layers, hidden %lld, %lld heads, vocabulary %lld\n",
-                data_name.c_str(), text.size(), (long long)held_out_bytes, (long long)o.layers, (long long)o.hidden,
-                (long long)o.heads, (long long)vocab);
-    std::printf("  batch %lld x %lld bytes (%lld micro-batches per replica)%s%s\n", (long long)o.batch,
-                (long long)o.seq, (long long)o.accumulate, o.sequence_parallel ? ", sequence-parallel" : "",
-                o.recompute ? ", blocks recomputed in backward" : "");
-    // The placement plan the groups follow (with GPUs, or a topology file: LOOM_TOPOLOGY).
-    if (rt->plan()) std::printf("%s", loom::topo::explain(*rt->plan(), 64 << 20).c_str());
-    std::fflush(stdout);
-  }
+  for (const auto& p : model_->parameters()) parameters += p.numel();
+  std::printf("train_gpt: %d ranks = TP %d x DP %d on %s; %s, %lld parameters on this rank\n", world_->size(),
+              ps_->tp_degree(), ps_->dp_degree(), device_.str().c_str(), o_.precision.c_str(), (long long)parameters);
+  if (!precision_why_.empty())
+    std::printf("  precision %s%s\n", precision_why_.rfind("bf16 as asked", 0) == 0 ? "WARNING: " : "",
+                precision_why_.c_str());
+  std::printf("  data: %s, %zu bytes (%lld held out); %lld layers, hidden %lld, %lld heads, vocabulary %lld\n",
+              corpus_.name.c_str(), corpus_.text.size(), (long long)corpus_.held_out_bytes, (long long)o_.layers,
+              (long long)o_.hidden, (long long)o_.heads, (long long)vocab_);
+  std::printf("  batch %lld x %lld bytes (%lld micro-batches per replica)%s%s\n", (long long)o_.batch,
+              (long long)o_.seq, (long long)o_.accumulate, o_.sequence_parallel ? ", sequence-parallel" : "",
+              o_.recompute ? ", blocks recomputed in backward" : "");
+  // The placement plan the groups follow (with GPUs, or a topology file: LOOM_TOPOLOGY).
+  if (rt_->plan()) std::printf("%s", loom::topo::explain(*rt_->plan(), 64 << 20).c_str());
+  std::fflush(stdout);
+}
 
-  auto loss_of = [&](const torch::Tensor& ids) {
-    std::optional<loom::AutocastGuard> guard;
-    if (autocast) guard.emplace(autocast_device, autocast_dtype);
-    torch::Tensor logits = model(ids.narrow(0, 0, o.seq).to(device));
-    // (Sequence-parallel too: the head all-gathers the rows, so the logits cover the whole sequence.)
-    torch::Tensor target = ids.narrow(0, 1, o.seq);
-    return loom::vocab_parallel_cross_entropy(logits.to(at::kFloat), target.to(device), ps.tp_group());
-  };
-  // Mean over DP replicas of a value each computed on its share.
-  auto replica_mean = [&](double v) {
-    torch::Tensor t = torch::full({1}, v, torch::dtype(torch::kFloat64).device(device));
-    ps.dp_group()->all_reduce(t, {loom::ReduceOp::Avg})->wait();
-    return t.item<double>();
-  };
-  // Held-out loss: the first --eval-batches x --batch contiguous windows of the held-out text (the
-  // same bytes every time, and the ones the n-gram baselines are scored on), no dropout.
-  const int64_t held_windows = std::max<int64_t>(1, std::min<int64_t>(o.eval_batches * o.batch, (held_out_bytes - 1) / o.seq));
-  const torch::Tensor held_batch =
-      held_ids.index({torch::arange(o.seq + 1).unsqueeze(1) + torch::arange(held_windows).unsqueeze(0) * o.seq});
-  auto held_out_loss = [&] {
-    torch::NoGradGuard no_grad;
-    model->eval();
-    double sum = 0;
-    for (int64_t first = 0; first < held_windows; first += o.batch) {
-      const int64_t n = std::min<int64_t>(o.batch, held_windows - first);
-      sum += loss_of(held_batch.narrow(1, first, n)).item<double>() * static_cast<double>(n);
-    }
-    model->train();
-    return sum / static_cast<double>(held_windows);  // every replica scores the same windows
-  };
+torch::Tensor GptRun::loss_of(const torch::Tensor& ids) {
+  std::optional<loom::AutocastGuard> guard;
+  if (o_.precision != "fp32") guard.emplace(device_.type(), o_.precision == "fp16" ? at::kHalf : at::kBFloat16);
+  torch::Tensor logits = model_(ids.narrow(0, 0, o_.seq).to(device_));
+  // (Sequence-parallel too: the head all-gathers the rows, so the logits cover the whole sequence.)
+  torch::Tensor target = ids.narrow(0, 1, o_.seq);
+  return loom::vocab_parallel_cross_entropy(logits.to(at::kFloat), target.to(device_), ps_->tp_group());
+}
+
+// Mean over DP replicas of a value each computed on its share.
+double GptRun::replica_mean(double v) {
+  torch::Tensor t = torch::full({1}, v, torch::dtype(torch::kFloat64).device(device_));
+  ps_->dp_group()->all_reduce(t, {loom::ReduceOp::Avg})->wait();
+  return t.item<double>();
+}
+
+// Held-out loss: the first --eval-batches x --batch contiguous windows of the held-out text (the
+// same bytes every time, and the ones the n-gram baselines are scored on), no dropout.
+void GptRun::prepare_evaluation() {
+  held_windows_ =
+      std::max<int64_t>(1, std::min<int64_t>(o_.eval_batches * o_.batch, (corpus_.held_out_bytes - 1) / o_.seq));
+  held_batch_ = corpus_.held_ids.index(
+      {torch::arange(o_.seq + 1).unsqueeze(1) + torch::arange(held_windows_).unsqueeze(0) * o_.seq});
   // What count models reach on the same held-out bytes (rank 0 prints them).
-  std::vector<double> baselines;
-  if (log || o.must_beat_trigram) {
-    std::vector<size_t> targets;
-    for (int64_t w = 0; w < held_windows; ++w)
-      for (int64_t i = 1; i <= o.seq; ++i) targets.push_back(static_cast<size_t>(train_bytes + w * o.seq + i));
-    const std::string_view training(text.data(), static_cast<size_t>(train_bytes));
-    for (int order : {1, 2, 3}) baselines.push_back(KneserNey(training, order).nats_per_byte(text, targets));
-  }
-  if (log) {
-    std::printf("  held-out baselines (Kneser-Ney count models, nats per byte on the same %lld bytes): unigram %.4f, "
-                "bigram %.4f, trigram %.4f\n",
-                (long long)(held_windows * o.seq), baselines[0], baselines[1], baselines[2]);
-    std::fflush(stdout);
-  }
+  if (!log_ && !o_.must_beat_trigram) return;
+  std::vector<size_t> targets;
+  for (int64_t w = 0; w < held_windows_; ++w)
+    for (int64_t i = 1; i <= o_.seq; ++i) targets.push_back(static_cast<size_t>(corpus_.train_bytes + w * o_.seq + i));
+  const std::string_view training(corpus_.text.data(), static_cast<size_t>(corpus_.train_bytes));
+  for (int order : {1, 2, 3}) baselines_.push_back(KneserNey(training, order).nats_per_byte(corpus_.text, targets));
+  if (!log_) return;
+  std::printf("  held-out baselines (Kneser-Ney count models, nats per byte on the same %lld bytes): unigram %.4f, "
+              "bigram %.4f, trigram %.4f\n",
+              (long long)(held_windows_ * o_.seq), baselines_[0], baselines_[1], baselines_[2]);
+  std::fflush(stdout);
+}
 
-  if (o.recompute) {
-    // What recomputation saves: the heap a forward pass keeps for backward, with and without.
-    torch::Tensor w = windows(train_ids, o.seq, per_replica, o.seed).to(device);
-    auto kept = [&](bool on) {
-      model->set_recompute(on);
-      const size_t before = heap_in_use();
-      torch::Tensor loss = loss_of(w);
-      const size_t after = heap_in_use();
-      return after > before ? after - before : 0;
-    };
-    const double without = kept(false) / 1e6, with = kept(true) / 1e6;
-    model->set_recompute(true);
-    if (log && !on_gpu)
-      std::printf("  activations kept for backward: %.1f MB per rank without recomputation, %.1f MB with (%.0f%% less)\n",
-                  without, with, without > 0 ? 100 * (1 - with / without) : 0.0);
+double GptRun::held_out_loss() {
+  torch::NoGradGuard no_grad;
+  model_->eval();
+  double sum = 0;
+  for (int64_t first = 0; first < held_windows_; first += o_.batch) {
+    const int64_t n = std::min<int64_t>(o_.batch, held_windows_ - first);
+    sum += loss_of(held_batch_.narrow(1, first, n)).item<double>() * static_cast<double>(n);
   }
+  model_->train();
+  return sum / static_cast<double>(held_windows_);  // every replica scores the same windows
+}
 
-  double first = 0, last = 0, window = 0;
-  int64_t first_step = 1;
-  std::unique_ptr<loom::Checkpointer> checkpointer;
-  if (!o.checkpoint_dir.empty()) {
-    loom::CheckpointOptions options;
-    options.directory = o.checkpoint_dir;
-    checkpointer = std::make_unique<loom::Checkpointer>(world, options);  // host-side agreement over MPI
-    // The tracker the model draws from (on a GPU its device's: its dropout streams must resume too).
-    // A ZeRO run's checkpoint is in the plain format: it resumes with or without --zero, at any DP size.
-    checkpointer->model(model).rng(on_gpu ? device_rng : loom::rng_tracker()).accumulator(accumulate);
-    if (zero)
-      checkpointer->optimizer(*zero);
-    else
-      checkpointer->optimizer(opt);
-    if (scaler) checkpointer->scaler(*scaler);
-    if (o.resume) {
-      if (auto info = checkpointer->load_latest()) {
-        first_step = info->progress.step + 1;
-        auto saved_first = info->user.find("first_loss");
-        if (saved_first != info->user.end()) first = std::stod(saved_first->second);
-        if (log) std::printf("resumed from %s at step %lld\n", info->path.c_str(), (long long)info->progress.step);
-      } else if (log) {
-        std::printf("no checkpoint in %s: starting fresh\n", o.checkpoint_dir.c_str());
-      }
-    }
-  }
-
-  // Prometheus metrics per rank where LOOM_METRICS asks for them (file:DIR or port:N).
-  loom::MetricsExporter metrics({.world = rt->world(), .cuda_device = rt->cuda_device(),
-                                 .target = rt->config().metrics, .interval_seconds = rt->config().metrics_interval});
-  auto communicated = [&] {
-    return loom::tp::comm_stats().total_bytes() + reducer.stats().bytes_reduced +
-           (zero ? zero->stats().bytes_all_gathered : 0);
+// What recomputation saves: the heap a forward pass keeps for backward, with and without.
+void GptRun::measure_recompute() {
+  if (!o_.recompute) return;
+  torch::Tensor w = windows(corpus_.train_ids, o_.seq, per_replica_, o_.seed).to(device_);
+  auto kept = [&](bool on) {
+    model_->set_recompute(on);
+    const size_t before = heap_in_use();
+    torch::Tensor loss = loss_of(w);
+    const size_t after = heap_in_use();
+    return after > before ? after - before : 0;
   };
-  auto exposed = [&] { return loom::tp::comm_stats().wait_seconds + reducer.stats().wait_seconds; };
+  const double without = kept(false) / 1e6, with = kept(true) / 1e6;
+  model_->set_recompute(true);
+  if (log_ && !on_gpu_)
+    std::printf("  activations kept for backward: %.1f MB per rank without recomputation, %.1f MB with (%.0f%% less)\n",
+                without, with, without > 0 ? 100 * (1 - with / without) : 0.0);
+}
 
+void GptRun::open_checkpointer() {
+  if (o_.checkpoint_dir.empty()) return;
+  loom::CheckpointOptions options;
+  options.directory = o_.checkpoint_dir;
+  checkpointer_ = std::make_unique<loom::Checkpointer>(world_, options);  // host-side agreement over MPI
+  // The tracker the model draws from (on a GPU its device's: its dropout streams must resume too).
+  // A ZeRO run's checkpoint is in the plain format: it resumes with or without --zero, at any DP size.
+  checkpointer_->model(model_).rng(on_gpu_ ? *device_rng_ : loom::rng_tracker()).accumulator(*accumulate_);
+  if (zero_)
+    checkpointer_->optimizer(*zero_);
+  else
+    checkpointer_->optimizer(*opt_);
+  if (scaler_) checkpointer_->scaler(*scaler_);
+  if (!o_.resume) return;
+  if (auto info = checkpointer_->load_latest()) {
+    first_step_ = info->progress.step + 1;
+    auto saved_first = info->user.find("first_loss");
+    if (saved_first != info->user.end()) first_ = std::stod(saved_first->second);
+    if (log_) std::printf("resumed from %s at step %lld\n", info->path.c_str(), (long long)info->progress.step);
+  } else if (log_) {
+    std::printf("no checkpoint in %s: starting fresh\n", o_.checkpoint_dir.c_str());
+  }
+}
+
+void GptRun::train_steps() {
+  // Prometheus metrics per rank where LOOM_METRICS asks for them (file:DIR or port:N).
+  metrics_ = std::make_unique<loom::MetricsExporter>(
+      loom::MetricsOptions{.world = rt_->world(), .cuda_device = rt_->cuda_device(), .target = rt_->config().metrics,
+                           .interval_seconds = rt_->config().metrics_interval});
   // Ranks under mpirun write to a pseudo-terminal whatever mpirun writes to, so "auto" can be wrong
   // in a log: scripts/run_demo.sh passes --progress lines when its own output is not a terminal.
-  const bool live = log && (o.progress == "live" || (o.progress == "auto" && isatty(fileno(stdout))));
-  TimeShares time;
-  const double exposed_at_start = exposed();
-  const auto start = Clock::now();
-  int64_t window_steps = 0;
+  live_ = log_ && (o_.progress == "live" || (o_.progress == "auto" && isatty(fileno(stdout))));
+  exposed_at_start_ = exposed();
+  start_ = Clock::now();
   // The loss curve (rank 0): training loss at every logged step, held-out loss at every evaluation.
-  std::unique_ptr<FILE, int (*)(FILE*)> curve(nullptr, &std::fclose);
-  if (log && !o.loss_csv.empty()) {
-    curve.reset(std::fopen(o.loss_csv.c_str(), o.resume ? "a" : "w"));
-    if (!curve) throw loom::InvalidArgumentError("train_gpt: cannot write --loss-csv " + o.loss_csv);
-    if (!o.resume || std::ftell(curve.get()) == 0) std::fprintf(curve.get(), "step,loss,held_out_loss\n");
+  if (log_ && !o_.loss_csv.empty()) {
+    curve_.reset(std::fopen(o_.loss_csv.c_str(), o_.resume ? "a" : "w"));
+    if (!curve_) throw loom::InvalidArgumentError("train_gpt: cannot write --loss-csv " + o_.loss_csv);
+    if (!o_.resume || std::ftell(curve_.get()) == 0) std::fprintf(curve_.get(), "step,loss,held_out_loss\n");
   }
-  double held = std::nan("");
-  for (int64_t step = first_step; step <= o.steps; ++step) {
+  for (int64_t step = first_step_; step <= o_.steps; ++step) {
     const auto step_start = Clock::now();
     const double exposed_before = exposed();
     const uint64_t communicated_before = communicated();
+    const double step_loss = train_step(step);
+    report_progress(step, step_loss);
+    if ((o_.eval_every > 0 && step % o_.eval_every == 0) || step == o_.steps) evaluate(step);
     double checkpoint_stall = 0;
-    torch::Tensor batch = windows(train_ids, o.seq, o.batch, o.seed * 7919 + step)
-                              .narrow(1, ps.dp_rank() * per_replica, per_replica);
-    time.data += seconds_since(step_start);
-
-    const double warm = std::max(1.0, o.warmup * o.steps);
-    for (auto& group : opt.param_groups())
-      static_cast<torch::optim::AdamWOptions&>(group.options()).lr(o.lr * std::min(1.0, step / warm));
-    reducer.zero_grad();
-    double step_loss = 0;
-    for (const auto& micro : batch.chunk(o.accumulate, 1)) {
-      auto scope = accumulate.next();  // only the last micro-batch's backward all-reduces
-      torch::Tensor loss = loss_of(micro) / double(o.accumulate);
-      if (scaler)
-        scaler->scale(loss).backward();
-      else
-        loss.backward();
-      step_loss += loss.item<double>();
-    }
-    if (scaler) {
-      zero ? scaler->step(*zero) : scaler->step(opt);
-      scaler->update();
-    } else {
-      if (zero)
-        zero->step();
-      else
-        opt.step();
-    }
-    window += step_loss;
-    ++window_steps;
-    time.step += seconds_since(step_start);
-
-    const bool log_step = step == first_step || step % o.log_every == 0 || step == o.steps;
-    if (log_step || live) {
-      const double mean = log_step ? replica_mean(window / window_steps) : step_loss;
-      if (step == 1) first = mean;
-      if (log_step) last = mean;
-      const double elapsed = seconds_since(start);
-      const double done = static_cast<double>(step - first_step + 1);
-      const double tokens_per_s = done * tokens_per_step / elapsed;
-      const double eta = elapsed / done * static_cast<double>(o.steps - step);
-      if (log) {
-        char line[256];
-        std::snprintf(line, sizeof(line), "step %5lld/%lld  loss %.*f | %s tok/s | ETA %s", (long long)step,
-                      (long long)o.steps, o.loss_digits, mean,
-                      tokens_per_s >= 1e4 ? (std::to_string(int(tokens_per_s / 1e3)) + "k").c_str()
-                                          : std::to_string(int(tokens_per_s)).c_str(),
-                      duration_text(eta).c_str());
-        if (live)  // redrawn in place; a newline only on the logged steps
-          std::printf("\r%s\x1b[K%s", line, log_step ? "\n" : "");
-        else
-          std::printf("%s\n", line);
-        std::fflush(stdout);
-      }
-      if (log_step) {
-        window = 0;
-        window_steps = 0;
-        if (curve) std::fprintf(curve.get(), "%lld,%.6f,\n", (long long)step, mean);
-      }
-    }
-    if ((o.eval_every > 0 && step % o.eval_every == 0) || step == o.steps) {
-      const auto eval_start = Clock::now();
-      held = held_out_loss();
-      time.eval += seconds_since(eval_start);
-      if (log) {
-        std::printf("step %5lld/%lld  held-out loss %.4f\n", (long long)step, (long long)o.steps, held);
-        std::fflush(stdout);
-      }
-      if (curve) std::fprintf(curve.get(), "%lld,,%.6f\n", (long long)step, held);
-    }
-    if (checkpointer && ((o.save_every > 0 && step % o.save_every == 0) || step == o.steps)) {
-      const auto save_start = Clock::now();
-      char first_text[32];
-      std::snprintf(first_text, sizeof(first_text), "%.17g", first);
-      // The model's shape rides along, so that an export need not be told it.
-      checkpointer->save({.step = step, .epoch = 0, .sample = step * o.batch},
-                         {{"first_loss", first_text},
-                          {"gpt.layers", std::to_string(o.layers)},
-                          {"gpt.hidden", std::to_string(o.hidden)},
-                          {"gpt.heads", std::to_string(o.heads)},
-                          {"gpt.seq", std::to_string(o.seq)},
-                          {"gpt.vocab", std::to_string(vocab)},
-                          {"gpt.activation", "gelu"},
-                          {"gpt.layernorm_eps", "1e-05"}});
-      checkpoint_stall = seconds_since(save_start);
-      time.checkpoint += checkpoint_stall;
-    }
-    metrics.record({.step = step,
-                    .step_seconds = seconds_since(step_start),
-                    .tokens = per_replica * o.seq,
-                    .loss = step_loss,
-                    .exposed_communication_seconds = exposed() - exposed_before,
-                    .bytes_communicated = communicated() - communicated_before,
-                    .checkpoint_stall_seconds = checkpoint_stall});
+    if (checkpointer_ && ((o_.save_every > 0 && step % o_.save_every == 0) || step == o_.steps))
+      checkpoint_stall = save(step);
+    metrics_->record({.step = step,
+                      .step_seconds = seconds_since(step_start),
+                      .tokens = per_replica_ * o_.seq,
+                      .loss = step_loss,
+                      .exposed_communication_seconds = exposed() - exposed_before,
+                      .bytes_communicated = communicated() - communicated_before,
+                      .checkpoint_stall_seconds = checkpoint_stall});
   }
-  metrics.flush();
-  if (checkpointer) {
+  metrics_->flush();
+  if (checkpointer_) {
     const auto wait_start = Clock::now();
-    checkpointer->wait();
-    time.checkpoint += seconds_since(wait_start);
+    checkpointer_->wait();
+    time_.checkpoint += seconds_since(wait_start);
   }
-  const double total = seconds_since(start);
-  time.exposed_comm = exposed() - exposed_at_start;
+  total_ = seconds_since(start_);
+  time_.exposed_comm = exposed() - exposed_at_start_;
+}
 
-  // Where the time went, averaged over the ranks.
-  torch::Tensor shares = torch::tensor({time.data, time.step, time.exposed_comm, time.checkpoint, time.eval, total},
-                                       torch::kFloat64)
-                             .to(device);
-  comm->all_reduce(shares, {loom::ReduceOp::Avg})->wait();
+double GptRun::train_step(int64_t step) {
+  const auto step_start = Clock::now();
+  torch::Tensor batch = windows(corpus_.train_ids, o_.seq, o_.batch, o_.seed * 7919 + step)
+                            .narrow(1, ps_->dp_rank() * per_replica_, per_replica_);
+  time_.data += seconds_since(step_start);
+
+  const double warm = std::max(1.0, o_.warmup * o_.steps);
+  for (auto& group : opt_->param_groups())
+    static_cast<torch::optim::AdamWOptions&>(group.options()).lr(o_.lr * std::min(1.0, step / warm));
+  reducer_->zero_grad();
+  double step_loss = 0;
+  for (const auto& micro : batch.chunk(o_.accumulate, 1)) {
+    auto scope = accumulate_->next();  // only the last micro-batch's backward all-reduces
+    torch::Tensor loss = loss_of(micro) / double(o_.accumulate);
+    if (scaler_)
+      scaler_->scale(loss).backward();
+    else
+      loss.backward();
+    step_loss += loss.item<double>();
+  }
+  if (scaler_) {
+    zero_ ? scaler_->step(*zero_) : scaler_->step(*opt_);
+    scaler_->update();
+  } else if (zero_) {
+    zero_->step();
+  } else {
+    opt_->step();
+  }
+  window_ += step_loss;
+  ++window_steps_;
+  time_.step += seconds_since(step_start);
+  return step_loss;
+}
+
+void GptRun::report_progress(int64_t step, double step_loss) {
+  const bool log_step = step == first_step_ || step % o_.log_every == 0 || step == o_.steps;
+  if (!log_step && !live_) return;
+  const double mean = log_step ? replica_mean(window_ / window_steps_) : step_loss;
+  if (step == 1) first_ = mean;
+  if (log_step) last_ = mean;
+  const double elapsed = seconds_since(start_);
+  const double done = static_cast<double>(step - first_step_ + 1);
+  const double tokens_per_s = done * o_.batch * o_.seq / elapsed;
+  const double eta = elapsed / done * static_cast<double>(o_.steps - step);
+  if (log_) {
+    char line[256];
+    std::snprintf(line, sizeof(line), "step %5lld/%lld  loss %.*f | %s tok/s | ETA %s", (long long)step,
+                  (long long)o_.steps, o_.loss_digits, mean,
+                  tokens_per_s >= 1e4 ? (std::to_string(int(tokens_per_s / 1e3)) + "k").c_str()
+                                      : std::to_string(int(tokens_per_s)).c_str(),
+                  duration_text(eta).c_str());
+    if (live_)  // redrawn in place; a newline only on the logged steps
+      std::printf("\r%s\x1b[K%s", line, log_step ? "\n" : "");
+    else
+      std::printf("%s\n", line);
+    std::fflush(stdout);
+  }
+  if (log_step) {
+    window_ = 0;
+    window_steps_ = 0;
+    if (curve_) std::fprintf(curve_.get(), "%lld,%.6f,\n", (long long)step, mean);
+  }
+}
+
+void GptRun::evaluate(int64_t step) {
+  const auto eval_start = Clock::now();
+  held_ = held_out_loss();
+  time_.eval += seconds_since(eval_start);
+  if (log_) {
+    std::printf("step %5lld/%lld  held-out loss %.4f\n", (long long)step, (long long)o_.steps, held_);
+    std::fflush(stdout);
+  }
+  if (curve_) std::fprintf(curve_.get(), "%lld,,%.6f\n", (long long)step, held_);
+}
+
+double GptRun::save(int64_t step) {
+  const auto save_start = Clock::now();
+  char first_text[32];
+  std::snprintf(first_text, sizeof(first_text), "%.17g", first_);
+  // The model's shape rides along, so that an export need not be told it.
+  checkpointer_->save({.step = step, .epoch = 0, .sample = step * o_.batch},
+                      {{"first_loss", first_text},
+                       {"gpt.layers", std::to_string(o_.layers)},
+                       {"gpt.hidden", std::to_string(o_.hidden)},
+                       {"gpt.heads", std::to_string(o_.heads)},
+                       {"gpt.seq", std::to_string(o_.seq)},
+                       {"gpt.vocab", std::to_string(vocab_)},
+                       {"gpt.activation", "gelu"},
+                       {"gpt.layernorm_eps", "1e-05"}});
+  const double stall = seconds_since(save_start);
+  time_.checkpoint += stall;
+  return stall;
+}
+
+// Where the time went, averaged over the ranks.
+void GptRun::report_time() {
+  torch::Tensor shares =
+      torch::tensor({time_.data, time_.step, time_.exposed_comm, time_.checkpoint, time_.eval, total_}, torch::kFloat64)
+          .to(device_);
+  comm_->all_reduce(shares, {loom::ReduceOp::Avg})->wait();
   shares = shares.cpu();
   auto s = shares.accessor<double, 1>();
   const double compute = std::max(0.0, s[1] - s[0] - s[2]);
-  if (log && first_step <= o.steps) {
-    const double n = static_cast<double>(o.steps - first_step + 1);
-    std::printf("where the time went (mean over ranks, %.1f s, %.0f ms per step):\n", s[5], 1e3 * s[5] / n);
-    auto row = [&](const char* what, double v) {
-      std::printf("  %-24s %8.2f s  %5.1f%%\n", what, v, s[5] > 0 ? 100 * v / s[5] : 0.0);
-    };
-    row("compute", compute);
-    // On GPUs a wait orders the CUDA stream and returns at once: the host cannot time it.
-    if (loom::tp::comm_stats().unmeasured_waits + reducer.stats().unmeasured_iterations > 0)
-      std::printf("  %-24s   (not measured: NCCL waits are stream-ordered; in 'compute')\n", "exposed communication");
-    else
-      row("exposed communication", s[2]);
-    row("checkpoint stall", s[3]);
-    row("data", s[0]);
-    row("held-out evaluation", s[4]);
-    row("other (logging, sync)", std::max(0.0, s[5] - compute - s[2] - s[3] - s[0] - s[4]));
-  }
-  // Training state held per rank, counted from the live tensors' storages.
-  {
-    const loom::ZeroMemory m =
-        zero ? zero->memory() : loom::count_training_memory(model->parameters(), reducer.bucket_buffers(), &opt);
-    int64_t numel = 0;
-    for (const auto& p : model->parameters()) numel += p.numel();
-    if (log)
-      std::printf("training state per rank (%s over %d replicas, %.2f M parameters on this rank): parameters %.1f MB, "
-                  "gradients %.1f MB, optimizer state %.1f MB; %.2f bytes per parameter\n",
-                  zero ? ("ZeRO stage " + std::to_string(o.zero)).c_str() : "plain data parallelism", ps.dp_degree(),
-                  numel / 1e6, m.parameters / 1e6, m.gradients / 1e6, m.optimizer_state / 1e6,
-                  double(m.parameters + m.gradients + m.optimizer_state) / double(numel));
-  }
+  if (!log_ || first_step_ > o_.steps) return;
+  const double n = static_cast<double>(o_.steps - first_step_ + 1);
+  std::printf("where the time went (mean over ranks, %.1f s, %.0f ms per step):\n", s[5], 1e3 * s[5] / n);
+  auto row = [&](const char* what, double v) {
+    std::printf("  %-24s %8.2f s  %5.1f%%\n", what, v, s[5] > 0 ? 100 * v / s[5] : 0.0);
+  };
+  row("compute", compute);
+  // On GPUs a wait orders the CUDA stream and returns at once: the host cannot time it.
+  if (loom::tp::comm_stats().unmeasured_waits + reducer_->stats().unmeasured_iterations > 0)
+    std::printf("  %-24s   (not measured: NCCL waits are stream-ordered; in 'compute')\n", "exposed communication");
+  else
+    row("exposed communication", s[2]);
+  row("checkpoint stall", s[3]);
+  row("data", s[0]);
+  row("held-out evaluation", s[4]);
+  row("other (logging, sync)", std::max(0.0, s[5] - compute - s[2] - s[3] - s[0] - s[4]));
+}
 
-  // A sample: continue a held-out prompt, sampling at temperature 0.8 from a generator seeded the
-  // same on every rank (each needs the same next byte). The last position's logits are gathered
-  // over the TP group.
-  model->eval();
+// Training state held per rank, counted from the live tensors' storages.
+void GptRun::report_memory() const {
+  const loom::ZeroMemory m =
+      zero_ ? zero_->memory() : loom::count_training_memory(model_->parameters(), reducer_->bucket_buffers(), opt_);
+  int64_t numel = 0;
+  for (const auto& p : model_->parameters()) numel += p.numel();
+  if (log_)
+    std::printf("training state per rank (%s over %d replicas, %.2f M parameters on this rank): parameters %.1f MB, "
+                "gradients %.1f MB, optimizer state %.1f MB; %.2f bytes per parameter\n",
+                zero_ ? ("ZeRO stage " + std::to_string(o_.zero)).c_str() : "plain data parallelism", ps_->dp_degree(),
+                numel / 1e6, m.parameters / 1e6, m.gradients / 1e6, m.optimizer_state / 1e6,
+                double(m.parameters + m.gradients + m.optimizer_state) / double(numel));
+}
+
+// A sample: continue a held-out prompt, sampling at temperature 0.8 from a generator seeded the
+// same on every rank (each needs the same next byte). The last position's logits are gathered
+// over the TP group.
+std::string GptRun::generate_sample() {
+  model_->eval();
   torch::NoGradGuard no_grad;
-  auto gen = at::make_generator<at::CPUGeneratorImpl>(o.seed + 99);
-  const int64_t prompt = std::min<int64_t>(o.seq / 2, held_out_bytes);
-  std::vector<int64_t> context(held_ids.data_ptr<int64_t>(), held_ids.data_ptr<int64_t>() + prompt);
-  std::string sample(text.begin() + train_bytes, text.begin() + train_bytes + prompt);
-  const int64_t step_rows = o.sequence_parallel ? ps.tp_degree() : 1;
-  for (int64_t i = 0; i < o.sample_bytes; ++i) {
-    const int64_t n = std::min<int64_t>(static_cast<int64_t>(context.size()), o.seq) / step_rows * step_rows;
-    torch::Tensor ids = torch::tensor(std::vector<int64_t>(context.end() - n, context.end())).unsqueeze(1).to(device);
-    torch::Tensor logits = model(ids);
-    logits = loom::tp::gather_from_region(logits[n - 1][0].to(at::kFloat), ps.tp_group()).narrow(0, 0, 256).cpu();
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(o_.seed + 99);
+  const int64_t prompt = std::min<int64_t>(o_.seq / 2, corpus_.held_out_bytes);
+  const torch::Tensor& held = corpus_.held_ids;
+  std::vector<int64_t> context(held.data_ptr<int64_t>(), held.data_ptr<int64_t>() + prompt);
+  std::string sample(corpus_.text.begin() + corpus_.train_bytes, corpus_.text.begin() + corpus_.train_bytes + prompt);
+  const int64_t step_rows = o_.sequence_parallel ? ps_->tp_degree() : 1;
+  for (int64_t i = 0; i < o_.sample_bytes; ++i) {
+    const int64_t n = std::min<int64_t>(static_cast<int64_t>(context.size()), o_.seq) / step_rows * step_rows;
+    torch::Tensor ids = torch::tensor(std::vector<int64_t>(context.end() - n, context.end())).unsqueeze(1).to(device_);
+    torch::Tensor logits = model_(ids);
+    logits = loom::tp::gather_from_region(logits[n - 1][0].to(at::kFloat), ps_->tp_group()).narrow(0, 0, 256).cpu();
     const int64_t next = torch::multinomial(torch::softmax(logits / 0.8, 0), 1, false, gen).item<int64_t>();
     context.push_back(next);
     sample += static_cast<char>(next);
   }
-  // The mean next-byte loss over the first --score-windows contiguous windows of a file, in fp32
-  // without dropout: the number an exported model (export --format hf-gpt2) must reproduce.
-  if (!o.score.empty()) {
-    std::ifstream in(o.score, std::ios::binary);
-    const std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-    const int64_t count = std::min<int64_t>(o.score_windows, (static_cast<int64_t>(bytes.size()) - 1) / o.seq);
-    if (count < 1)
-      throw loom::InvalidArgumentError("train_gpt: --score " + o.score + " holds " + std::to_string(bytes.size()) +
-                                       " bytes; expected at least --seq + 1 = " + std::to_string(o.seq + 1));
-    torch::Tensor ids = torch::empty({o.seq + 1, count}, torch::kLong);
-    for (int64_t w = 0; w < count; ++w)
-      for (int64_t i = 0; i <= o.seq; ++i) ids[i][w] = static_cast<int64_t>(static_cast<unsigned char>(bytes[w * o.seq + i]));
-    torch::NoGradGuard no_grad;
-    model->eval();
-    torch::Tensor logits = model(ids.narrow(0, 0, o.seq).to(device)).to(at::kFloat);
-    const double score = loom::vocab_parallel_cross_entropy(logits, ids.narrow(0, 1, o.seq).to(device), ps.tp_group())
-                             .item<double>();
-    if (log) std::printf("score %s: %lld windows of %lld bytes, loss %.9f\n", o.score.c_str(), (long long)count,
-                         (long long)o.seq, score);
-  }
+  return sample;
+}
 
-  if (curve) curve.reset();
-  const bool beat_trigram = baselines.size() == 3 && held < baselines[2];
-  const bool learned = o.must_beat_trigram ? beat_trigram : last < 0.6 * first;
-  if (log) {
-    std::printf("sample (prompt from the held-out text, then generated):\n----\n%s\n----\n", printable(sample).c_str());
-    if (baselines.size() == 3)
-      std::printf("held-out loss %.4f (count models: unigram %.4f, bigram %.4f, trigram %.4f)\n", held, baselines[0],
-                  baselines[1], baselines[2]);
-    else
-      std::printf("held-out loss %.4f\n", held);
-    std::printf("final loss %.17g\n", last);
-    if (o.must_beat_trigram)
-      std::printf("first loss %.4f, final loss %.4f; held-out loss %.4f against the trigram count model's %.4f: %s\n",
-                  first, last, held, baselines.empty() ? std::nan("") : baselines[2],
-                  learned ? "OK, below the trigram baseline" : "FAILED, not below the trigram baseline");
-    else
-      std::printf("first loss %.4f, final loss %.4f (%.1f%% of first): %s\n", first, last, 100 * last / first,
-                  learned ? "OK, the loss fell below 60% of its start" : "FAILED, the loss did not fall below 60%");
-  }
+// The mean next-byte loss over the first --score-windows contiguous windows of a file, in fp32
+// without dropout: the number an exported model (export --format hf-gpt2) must reproduce.
+void GptRun::score_file() {
+  if (o_.score.empty()) return;
+  std::ifstream in(o_.score, std::ios::binary);
+  const std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  const int64_t count = std::min<int64_t>(o_.score_windows, (static_cast<int64_t>(bytes.size()) - 1) / o_.seq);
+  if (count < 1)
+    throw loom::InvalidArgumentError("train_gpt: --score " + o_.score + " holds " + std::to_string(bytes.size()) +
+                                     " bytes; expected at least --seq + 1 = " + std::to_string(o_.seq + 1));
+  torch::Tensor ids = torch::empty({o_.seq + 1, count}, torch::kLong);
+  for (int64_t w = 0; w < count; ++w)
+    for (int64_t i = 0; i <= o_.seq; ++i) ids[i][w] = static_cast<int64_t>(static_cast<unsigned char>(bytes[w * o_.seq + i]));
+  torch::NoGradGuard no_grad;
+  model_->eval();
+  torch::Tensor logits = model_(ids.narrow(0, 0, o_.seq).to(device_)).to(at::kFloat);
+  const double score =
+      loom::vocab_parallel_cross_entropy(logits, ids.narrow(0, 1, o_.seq).to(device_), ps_->tp_group()).item<double>();
+  if (log_)
+    std::printf("score %s: %lld windows of %lld bytes, loss %.9f\n", o_.score.c_str(), (long long)count,
+                (long long)o_.seq, score);
+}
+
+// The exit status: 0 when the model learned (below the trigram baseline with --must-beat-trigram,
+// else a final loss under 60% of the first).
+int GptRun::verdict(const std::string& sample) const {
+  const bool beat_trigram = baselines_.size() == 3 && held_ < baselines_[2];
+  const bool learned = o_.must_beat_trigram ? beat_trigram : last_ < 0.6 * first_;
+  if (!log_) return learned ? 0 : 1;
+  std::printf("sample (prompt from the held-out text, then generated):\n----\n%s\n----\n", printable(sample).c_str());
+  if (baselines_.size() == 3)
+    std::printf("held-out loss %.4f (count models: unigram %.4f, bigram %.4f, trigram %.4f)\n", held_, baselines_[0],
+                baselines_[1], baselines_[2]);
+  else
+    std::printf("held-out loss %.4f\n", held_);
+  std::printf("final loss %.17g\n", last_);
+  if (o_.must_beat_trigram)
+    std::printf("first loss %.4f, final loss %.4f; held-out loss %.4f against the trigram count model's %.4f: %s\n",
+                first_, last_, held_, baselines_.empty() ? std::nan("") : baselines_[2],
+                learned ? "OK, below the trigram baseline" : "FAILED, not below the trigram baseline");
+  else
+    std::printf("first loss %.4f, final loss %.4f (%.1f%% of first): %s\n", first_, last_, 100 * last_ / first_,
+                learned ? "OK, the loss fell below 60% of its start" : "FAILED, the loss did not fall below 60%");
   return learned ? 0 : 1;
 }
+
+int train(Options o) { return GptRun(std::move(o), loom::init()).run(); }
 
 }  // namespace
 
