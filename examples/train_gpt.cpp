@@ -828,9 +828,10 @@ int train(Options o) { return GptRun(std::move(o), loom::init()).run(); }
 
 }  // namespace
 
-int main(int argc, char** argv) {
-  CLI::App app{"GPT-style byte-level language model with tensor x data parallelism (torchloom)"};
-  Options o;
+namespace {
+
+// The model's shape and the optimisation: what a run trains.
+void add_model_options(CLI::App& app, Options& o) {
   app.add_option("--tp", o.tp, "tensor-parallel degree (default: LOOM_TP when set, else 2 on an even world, else 1)")
       ->check(CLI::NonNegativeNumber);
   app.add_option("--steps", o.steps, "optimizer steps")->check(CLI::PositiveNumber);
@@ -845,6 +846,10 @@ int main(int argc, char** argv) {
   app.add_option("--log-every", o.log_every, "log a line every this many steps")->check(CLI::PositiveNumber);
   app.add_option("--eval-every", o.eval_every, "held-out loss every this many steps (0: only at the end)")
       ->check(CLI::NonNegativeNumber);
+}
+
+// Everything else: the data, precision and parallelism, checkpoints and output.
+void add_run_options(CLI::App& app, Options& o) {
   app.add_option("--loss-csv", o.loss_csv, "write the loss curve (step, training loss, held-out loss) to this CSV");
   app.add_flag("--must-beat-trigram", o.must_beat_trigram,
                "exit status 0 only when the final held-out loss is below the trigram count model's (the main job)");
@@ -882,6 +887,15 @@ int main(int argc, char** argv) {
   app.add_option("--loss-digits", o.loss_digits, "decimals of the logged loss")->check(CLI::Range(1, 17));
   app.add_flag("--deterministic", o.deterministic,
                "deterministic kernels only (bit-for-bit repeatable on GPU, where some kernels add atomically)");
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"GPT-style byte-level language model with tensor x data parallelism (torchloom)"};
+  Options o;
+  add_model_options(app, o);
+  add_run_options(app, o);
   CLI11_PARSE(app, argc, argv);
   if (o.resume && o.checkpoint_dir.empty()) {
     std::fprintf(stderr, "train_gpt: --resume needs --checkpoint-dir\n");

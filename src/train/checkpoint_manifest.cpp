@@ -176,20 +176,11 @@ std::optional<std::string> tensor_parallel_ranks_contradict(const Manifest& m, c
   return std::nullopt;
 }
 
-Manifest parse_manifest(std::string_view text, const std::string& where) {
-  if (!nesting_within(text, kMaxManifestNesting)) reject(where, "nests deeper than a manifest can");
-  const json doc = json::parse(text.begin(), text.end(), nullptr, /*allow_exceptions=*/false);
-  if (doc.is_discarded() || !doc.is_object()) reject(where, "is not a JSON object");
-  const json& format = member(doc, "format", where, "");
-  if (!format.is_string() || format.get<std::string>() != kFormatName)
-    reject(where, "\"format\" is " + format.dump() + "; expected \"" + kFormatName + "\"");
-  Manifest m;
-  m.version = static_cast<int>(integer(doc, "format_version", 0, INT32_MAX, where, ""));
-  if (m.version < kOldestReadableVersion || m.version > kFormatVersion)
-    reject(where, "unsupported format version " + std::to_string(m.version) + " (this build reads versions " +
-                      std::to_string(kOldestReadableVersion) + " to " + std::to_string(kFormatVersion) + ")");
-  m.step = integer(doc, "step", 0, INT64_MAX, where, "");
+namespace {
 
+// The pieces of a manifest, each validated as parse_manifest describes (in this order: the
+// tensors' slices name shards, and the TP check reads both).
+void parse_world(const json& doc, Manifest& m, const std::string& where) {
   const json& world = member(doc, "world", where, "");
   if (!world.is_object()) reject(where, "\"world\" is not an object");
   m.world.size = static_cast<int>(integer(world, "size", 1, 1 << 24, where, "world: "));
@@ -207,11 +198,9 @@ Manifest parse_manifest(std::string_view text, const std::string& where) {
              "world: \"tp_ranks\" holds " + r.dump() + "; expected 0.." + std::to_string(m.world.tensor_parallel - 1));
     m.world.tp_ranks.push_back(r.get<int>());
   }
+}
 
-  const json& progress = member(doc, "progress", where, "");
-  if (!progress.is_object()) reject(where, "\"progress\" is not an object");
-  m.progress = progress;
-
+void parse_shards(const json& doc, Manifest& m, const std::string& where) {
   const json& shards = member(doc, "shards", where, "");
   if (!shards.is_array() || shards.empty() || shards.size() > (1u << 24))
     reject(where, "\"shards\" is not a non-empty array");
@@ -234,7 +223,9 @@ Manifest parse_manifest(std::string_view text, const std::string& where) {
     r.xxh3 = *value;
     m.shards.push_back(std::move(r));
   }
+}
 
+void parse_tensors(const json& doc, Manifest& m, const std::string& where) {
   const json& tensors = member(doc, "tensors", where, "");
   if (!tensors.is_object()) reject(where, "\"tensors\" is not an object");
   for (auto it = tensors.begin(); it != tensors.end(); ++it) {
@@ -309,7 +300,9 @@ Manifest parse_manifest(std::string_view text, const std::string& where) {
     }
     m.tensors.emplace(it.key(), std::move(r));
   }
+}
 
+void check_tensor_parallel_ranks(const Manifest& m, const std::string& where) {
   // Each rank's tensor-parallel rank (which a load at another layout follows to pick RNG streams)
   // agrees with the TP slices its shard holds: slice i of a tensor split tensor_parallel ways, model
   // state or its optimizer state, is TP rank i's.
@@ -320,7 +313,9 @@ Manifest parse_manifest(std::string_view text, const std::string& where) {
     if (!tp_state) continue;
     if (auto contradiction = tensor_parallel_ranks_contradict(m, name, r)) reject(where, *contradiction);
   }
+}
 
+void parse_state(const json& doc, Manifest& m, const std::string& where) {
   if (m.version >= 3) {
     const json& state = member(doc, "state", where, "");
     if (!state.is_object()) reject(where, "\"state\" is not an object");
@@ -336,17 +331,48 @@ Manifest parse_manifest(std::string_view text, const std::string& where) {
       }
       if (!section->is_null()) m.state[name] = *section;
     }
-    if (auto a = progress.find("accumulation"); a != progress.end() && !a->is_null()) m.state["accumulation"] = *a;
+    if (auto a = m.progress.find("accumulation"); a != m.progress.end() && !a->is_null()) m.state["accumulation"] = *a;
   }
   for (const char* name : {"optimizer", "scaler", "objects", "accumulation"})
     if (!m.section(name).is_null() && !m.section(name).is_object())
       reject(where, std::string("state \"") + name + "\" is neither null nor an object");
+}
+
+void parse_user(const json& doc, Manifest& m, const std::string& where) {
   const json& user = member(doc, "user", where, "");
   if (!user.is_object()) reject(where, "\"user\" is not an object");
   for (auto it = user.begin(); it != user.end(); ++it) {
     if (!it.value().is_string()) reject(where, "user value of \"" + it.key() + "\" is not a string");
     m.user[it.key()] = it.value().get<std::string>();
   }
+}
+
+}  // namespace
+
+Manifest parse_manifest(std::string_view text, const std::string& where) {
+  if (!nesting_within(text, kMaxManifestNesting)) reject(where, "nests deeper than a manifest can");
+  const json doc = json::parse(text.begin(), text.end(), nullptr, /*allow_exceptions=*/false);
+  if (doc.is_discarded() || !doc.is_object()) reject(where, "is not a JSON object");
+  const json& format = member(doc, "format", where, "");
+  if (!format.is_string() || format.get<std::string>() != kFormatName)
+    reject(where, "\"format\" is " + format.dump() + "; expected \"" + kFormatName + "\"");
+  Manifest m;
+  m.version = static_cast<int>(integer(doc, "format_version", 0, INT32_MAX, where, ""));
+  if (m.version < kOldestReadableVersion || m.version > kFormatVersion)
+    reject(where, "unsupported format version " + std::to_string(m.version) + " (this build reads versions " +
+                      std::to_string(kOldestReadableVersion) + " to " + std::to_string(kFormatVersion) + ")");
+  m.step = integer(doc, "step", 0, INT64_MAX, where, "");
+
+  parse_world(doc, m, where);
+  const json& progress = member(doc, "progress", where, "");
+  if (!progress.is_object()) reject(where, "\"progress\" is not an object");
+  m.progress = progress;
+
+  parse_shards(doc, m, where);
+  parse_tensors(doc, m, where);
+  check_tensor_parallel_ranks(m, where);
+  parse_state(doc, m, where);
+  parse_user(doc, m, where);
   return m;
 }
 
