@@ -43,6 +43,7 @@ void bind_zero(py::module_& m);
 void bind_amp(py::module_& m);
 void bind_tensor_parallel(py::module_& m);
 void bind_checkpoint(py::module_& m);
+void bind_checkpoint_state(py::module_& m);
 void bind_distributed(py::module_& m);
 
 }  // namespace torchloom_py

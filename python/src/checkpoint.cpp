@@ -6,6 +6,7 @@
 #include "loom/amp/grad_scaler.h"
 #include "loom/parallel/tensor_parallel.h"
 #include "loom/train/checkpoint.h"
+#include "loom/train/checkpoint_state.h"
 
 namespace torchloom_py {
 
@@ -65,6 +66,14 @@ void bind_checkpoint(py::module_& m) {
             return c.object(name, {std::move(save), std::move(check), std::move(load)});
           },
           py::arg("name"), py::arg("save"), py::arg("check"), py::arg("load"), py::return_value_policy::reference_internal)
+      .def(
+          "state",
+          [](loom::Checkpointer& c, const std::string& name,
+             std::shared_ptr<loom::checkpoint::StateProvider> provider) -> loom::Checkpointer& {
+            return c.state(name, std::move(provider));
+          },
+          py::arg("name"), py::arg("provider"), py::keep_alive<1, 3>(), py::return_value_policy::reference,
+          "A state provider of this checkpointer's (a torchloom.checkpoint.StateProvider subclass).")
       .def("scaler", &loom::Checkpointer::scaler, py::arg("scaler"), py::keep_alive<1, 2>(),
            py::return_value_policy::reference_internal)
       .def("rng", &loom::Checkpointer::rng, py::arg("tracker"), py::keep_alive<1, 2>(),

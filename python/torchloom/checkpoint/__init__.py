@@ -12,7 +12,10 @@ anything live changes, resharded to another TP x DP layout at load. From Python 
   lazy state does not exist yet); ``torchloom.ZeroRedundancyOptimizer``'s sharded state in the same
   format (each rank writes about 1/N), so it loads at another DP size, with or without ZeRO;
 - any object with ``state_dict``/``load_state_dict`` (``object()``, e.g. an LR scheduler);
-- ``torchloom.GradScaler``, RNG trackers, progress and user key-values.
+- ``torchloom.GradScaler``, RNG trackers, progress and user key-values;
+- state of your own (``state()``): a ``StateProvider`` subclass, the seam the C++ checkpointer
+  builds its own kinds of state on, so a Python provider's state loads into the C++ one of the
+  same names and back (``tests/python/test_checkpoint_state.py``).
 
     ckpt = torchloom.Checkpointer(torchloom.world_comm(), "ckpt", keep_last=3)
     ckpt.model(model).optimizer(opt).object("lr_scheduler", sched).scaler(scaler)
@@ -36,7 +39,7 @@ from typing import Any, Dict, List, Optional, Tuple, Union
 import torch
 
 from .. import _C
-from .._C import CheckpointInfo, TrainingProgress
+from .._C import CheckpointInfo, LoadContext, SaveState, StateProvider, TrainingProgress, need_for
 from . import _zero_state as zero_state
 
 _DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -133,6 +136,7 @@ class Checkpointer:
         self._dynamic: List[str] = []  # tensor names registered for the current save or load
         self._scratch: Dict[str, torch.Tensor] = {}  # load: tensors the C++ side fills before apply
         self._pending_text: Dict[str, str] = {}  # save: each object's JSON, made before the save
+        self._providers: List[Any] = []  # state providers added with state()
 
     # ---- What is saved ---------------------------------------------------------------------------
 
@@ -187,6 +191,14 @@ class Checkpointer:
         self._objects[name] = obj
         self._impl.object(name, lambda: self._saved_text(name), lambda text: self._check_object(name, text),
                           lambda text: self._load_object(name, text))
+        return self
+
+    def state(self, name: str, provider: "StateProvider") -> "Checkpointer":
+        """A kind of state of your own: a StateProvider subclass (collect, plan, verify, apply),
+        called by the C++ checkpointer exactly as its own providers are, so what it saves has the
+        same names and manifest section whichever language saved it (docs/checkpoint.md)."""
+        self._impl.state(name, provider)
+        self._providers.append(provider)
         return self
 
     def scaler(self, scaler: "torchloom.GradScaler") -> "Checkpointer":  # noqa: F821
@@ -550,4 +562,5 @@ def _check_options_on_scratch(optimizer: torch.optim.Optimizer, options: Dict[st
                                      f"dtype {dtype} cannot hold (its steps would fail)")
 
 
-__all__ = ["Checkpointer", "CheckpointInfo", "SaveHandle", "TrainingProgress"]
+__all__ = ["Checkpointer", "CheckpointInfo", "LoadContext", "SaveHandle", "SaveState", "StateProvider", "TrainingProgress",
+           "need_for"]
