@@ -228,6 +228,106 @@ void OptimizerState::collect(int /*rank*/, SaveState& out) {
   for (auto& t : state) out.tensors.push_back(std::move(t));
 }
 
+namespace {
+
+// One parameter group of the checkpoint's optimizer section against the live group `live_group`:
+// the same parameters (by name), well-formed options the optimizer's constructor accepts.
+void check_group(OptimizerKind kind, size_t g, const json& group, const torch::optim::OptimizerParamGroup& live_group,
+                 const std::unordered_map<const c10::TensorImpl*, std::string>& names,
+                 std::vector<std::string>& problems) {
+  const std::string context_text = "optimizer parameter group " + std::to_string(g) + ": ";
+  if (!group.is_object() || !group.contains("params") || !group["params"].is_array() || !group.contains("options") ||
+      !group["options"].is_object()) {
+    problems.push_back(context_text + "malformed in the checkpoint");
+    return;
+  }
+  std::vector<std::string> saved_names, live_names;
+  for (const auto& n : group["params"]) saved_names.push_back(n.is_string() ? n.get<std::string>() : n.dump());
+  for (const auto& p : live_group.params()) {
+    auto it = names.find(p.unsafeGetTensorImpl());
+    live_names.push_back(it == names.end() ? "(not in the model)" : it->second);
+  }
+  if (saved_names != live_names) {
+    std::string diff;
+    for (const auto& n : saved_names)
+      if (std::find(live_names.begin(), live_names.end(), n) == live_names.end()) diff += " -" + n;
+    for (const auto& n : live_names)
+      if (std::find(saved_names.begin(), saved_names.end(), n) == saved_names.end()) diff += " +" + n;
+    problems.push_back(context_text + "parameters differ (- only in the checkpoint, + only live):" +
+                       (diff.empty() ? std::string(" same names in another order") : diff));
+  }
+  const json& options = group["options"];
+  bool well_formed = true;
+  for (const auto& [key, type] : option_keys(kind)) {
+    const bool ok =
+        options.contains(key) && (type == 'd'   ? options[key].is_number()
+                                  : type == 'b' ? options[key].is_boolean()
+                                                : options[key].is_array() && options[key].size() == 2 &&
+                                                      options[key][0].is_number() && options[key][1].is_number());
+    if (!ok) problems.push_back(context_text + "option \"" + key + "\" missing or malformed in the checkpoint");
+    well_formed = well_formed && ok;
+  }
+  if (!well_formed) return;
+  try {
+    check_options_on_scratch(kind, live_group.options(), options);
+  } catch (const std::exception& e) {
+    std::string what = e.what();
+    problems.push_back(context_text + "options refused by " + optimizer_kind_name(kind) + ": " + what.substr(0, what.find('\n')));
+  }
+  check_options_fit_dtypes(kind, options, live_group.params(), problems, context_text);
+}
+
+// Each parameter's state is complete for the saved options (a manifest that lost one of them
+// would leave an optimizer that fails at its next step), and nothing else.
+void check_state_keys(OptimizerKind kind, const LoadContext& context, const json& groups, size_t group_count,
+                      std::vector<std::string>& problems) {
+  std::map<std::string, std::set<std::string>> saved_keys;  // parameter -> state keys
+  for (const auto& [name, r] : context.manifest.tensors)
+    if (name.rfind("optim/", 0) == 0) {
+      const size_t slash = name.find_last_of('/');
+      saved_keys[name.substr(6, slash - 6)].insert(name.substr(slash + 1));
+    }
+  for (size_t g = 0; g < group_count; ++g) {
+    std::set<std::string> required, allowed;
+    state_keys(kind, groups[g]["options"], required, allowed);
+    for (const auto& n : groups[g]["params"]) {
+      const std::string param = n.get<std::string>();
+      auto it = saved_keys.find(param);
+      if (it == saved_keys.end()) continue;  // no state yet (never stepped)
+      for (const auto& key : required)
+        if (!it->second.count(key))
+          problems.push_back("optimizer state of " + param + " lacks " + key + ", which " + optimizer_kind_name(kind) +
+                             " with these options keeps for every parameter with state");
+      for (const auto& key : it->second)
+        if (!allowed.count(key))
+          problems.push_back("optimizer state of " + param + " has " + key + ", which " + optimizer_kind_name(kind) +
+                             " with these options does not keep");
+    }
+  }
+}
+
+// State tensors follow their parameter's live layout.
+void plan_state_tensors(const LoadContext& context, std::vector<Need>& needs, std::vector<std::string>& problems) {
+  for (const auto& [name, r] : context.manifest.tensors) {
+    if (name.rfind("optim/", 0) != 0) continue;
+    const std::string param = "model/" + name.substr(6, name.find_last_of('/') - 6);
+    const LocalTensor* p = context.live.find(param);
+    if (p == nullptr) {
+      problems.push_back("optimizer state " + name + " belongs to no live parameter");
+      continue;
+    }
+    // Shape alone: state may be kept in another dtype than its parameter (fp32 beside bf16). Every
+    // state tensor of the optimizers supported has its parameter's shape.
+    if (r.shape == p->global_shape)
+      needs.push_back({name, &r, p->box(), p->tensor.sizes().vec()});
+    else
+      problems.push_back("optimizer state " + name + " " + shape_to_string(r.shape) + " does not match its parameter " +
+                         shape_to_string(p->global_shape));
+  }
+}
+
+}  // namespace
+
 void OptimizerState::plan(const LoadContext& context, std::vector<Need>& needs, std::vector<std::string>& problems) {
   if (optimizer_ == nullptr) return;
   auto& optimizer = *optimizer_;
@@ -251,98 +351,15 @@ void OptimizerState::plan(const LoadContext& context, std::vector<Need>& needs, 
     return problems.push_back("the optimizer's state is loaded by parameter name: register the model too");
   const auto names = model_.parameter_names();
   const size_t before = problems.size();
-  for (size_t g = 0; g < live.size(); ++g) {
-    const std::string context_text = "optimizer parameter group " + std::to_string(g) + ": ";
-    const json& group = groups[g];
-    if (!group.is_object() || !group.contains("params") || !group["params"].is_array() || !group.contains("options") ||
-        !group["options"].is_object()) {
-      problems.push_back(context_text + "malformed in the checkpoint");
-      continue;
-    }
-    std::vector<std::string> saved_names, live_names;
-    for (const auto& n : group["params"]) saved_names.push_back(n.is_string() ? n.get<std::string>() : n.dump());
-    for (const auto& p : live[g].params()) {
-      auto it = names.find(p.unsafeGetTensorImpl());
-      live_names.push_back(it == names.end() ? "(not in the model)" : it->second);
-    }
-    if (saved_names != live_names) {
-      std::string diff;
-      for (const auto& n : saved_names)
-        if (std::find(live_names.begin(), live_names.end(), n) == live_names.end()) diff += " -" + n;
-      for (const auto& n : live_names)
-        if (std::find(saved_names.begin(), saved_names.end(), n) == saved_names.end()) diff += " +" + n;
-      problems.push_back(context_text + "parameters differ (- only in the checkpoint, + only live):" +
-                         (diff.empty() ? std::string(" same names in another order") : diff));
-    }
-    const json& options = group["options"];
-    bool well_formed = true;
-    for (const auto& [key, type] : option_keys(*kind)) {
-      const bool ok =
-          options.contains(key) && (type == 'd'   ? options[key].is_number()
-                                    : type == 'b' ? options[key].is_boolean()
-                                                  : options[key].is_array() && options[key].size() == 2 &&
-                                                        options[key][0].is_number() && options[key][1].is_number());
-      if (!ok) problems.push_back(context_text + "option \"" + key + "\" missing or malformed in the checkpoint");
-      well_formed = well_formed && ok;
-    }
-    if (!well_formed) continue;
-    try {
-      check_options_on_scratch(*kind, live[g].options(), options);
-    } catch (const std::exception& e) {
-      std::string what = e.what();
-      problems.push_back(context_text + "options refused by " + optimizer_kind_name(*kind) + ": " + what.substr(0, what.find('\n')));
-    }
-    check_options_fit_dtypes(*kind, options, live[g].params(), problems, context_text);
-  }
+  for (size_t g = 0; g < live.size(); ++g) check_group(*kind, g, groups[g], live[g], names, problems);
   for (auto it = saved["steps"].begin(); it != saved["steps"].end(); ++it)
     if (!it.value().is_number_integer() || it.value().get<int64_t>() < 0)
       problems.push_back("optimizer step count of " + it.key() + " is " + it.value().dump());
   if (problems.size() != before) return;
 
-  // Each parameter's state is complete for the saved options (a manifest that lost one of them
-  // would leave an optimizer that fails at its next step), and nothing else.
-  std::map<std::string, std::set<std::string>> saved_keys;  // parameter -> state keys
-  for (const auto& [name, r] : context.manifest.tensors)
-    if (name.rfind("optim/", 0) == 0) {
-      const size_t slash = name.find_last_of('/');
-      saved_keys[name.substr(6, slash - 6)].insert(name.substr(slash + 1));
-    }
-  for (size_t g = 0; g < live.size(); ++g) {
-    std::set<std::string> required, allowed;
-    state_keys(*kind, groups[g]["options"], required, allowed);
-    for (const auto& n : groups[g]["params"]) {
-      const std::string param = n.get<std::string>();
-      auto it = saved_keys.find(param);
-      if (it == saved_keys.end()) continue;  // no state yet (never stepped)
-      for (const auto& key : required)
-        if (!it->second.count(key))
-          problems.push_back("optimizer state of " + param + " lacks " + key + ", which " + optimizer_kind_name(*kind) +
-                             " with these options keeps for every parameter with state");
-      for (const auto& key : it->second)
-        if (!allowed.count(key))
-          problems.push_back("optimizer state of " + param + " has " + key + ", which " + optimizer_kind_name(*kind) +
-                             " with these options does not keep");
-    }
-  }
+  check_state_keys(*kind, context, groups, live.size(), problems);
   if (problems.size() != before) return;
-
-  // State tensors follow their parameter's live layout.
-  for (const auto& [name, r] : context.manifest.tensors) {
-    if (name.rfind("optim/", 0) != 0) continue;
-    const std::string param = "model/" + name.substr(6, name.find_last_of('/') - 6);
-    const LocalTensor* p = context.live.find(param);
-    if (p == nullptr) {
-      problems.push_back("optimizer state " + name + " belongs to no live parameter");
-      continue;
-    }
-    // Shape alone: state may be kept in another dtype than its parameter (fp32 beside bf16). Every
-    // state tensor of the optimizers supported has its parameter's shape.
-    if (r.shape == p->global_shape)
-      needs.push_back({name, &r, p->box(), p->tensor.sizes().vec()});
-    else
-      problems.push_back("optimizer state " + name + " " + shape_to_string(r.shape) + " does not match its parameter " +
-                         shape_to_string(p->global_shape));
-  }
+  plan_state_tensors(context, needs, problems);
 }
 
 void OptimizerState::apply(const LoadContext& context, const LoadedTensors& data) {
