@@ -116,14 +116,13 @@ void check_mpi_arg(const std::string& arg) {
 
 }  // namespace
 
-Parsed parse_arguments(const std::vector<std::string>& raw, const std::string& env_topology) {
-  Parsed parsed;
-  Options& o = parsed.options;
-  // Everything after the first "--" is the program, untouched (no option parsing, no shell).
+namespace {
+
+// The words loomrun takes itself before CLI11 sees the rest: everything after the first "--" (the
+// program, untouched: no option parsing, no shell), and the values of -x, --mca and --mpi-arg,
+// which may start with '-' (--mpi-arg --bind-to) and would read as options. Returns the rest.
+std::vector<std::string> take_own_words(const std::vector<std::string>& raw, Options& o, bool& have_separator) {
   std::vector<std::string> args;
-  bool have_separator = false;
-  // The values of -x, --mca and --mpi-arg may start with '-' (--mpi-arg --bind-to), which CLI11
-  // would read as an option: they are taken here, word by word, before CLI11 sees the rest.
   auto next = [&](size_t& i, const std::string& option, const std::string& what) -> const std::string& {
     if (i + 1 >= raw.size() || raw[i + 1] == "--")
       throw UsageError(option + " needs " + what + " (found " + (i + 1 < raw.size() ? "'--'" : "nothing") + ")");
@@ -164,15 +163,22 @@ Parsed parse_arguments(const std::vector<std::string>& raw, const std::string& e
       args.push_back(word == "-np" ? "--np" : word);
     }
   }
+  return args;
+}
 
-  CLI::App app{"loomrun: starts a torchloom job through mpirun (see docs/launcher.md)", "loomrun"};
-  app.footer("Example: loomrun -np 16 -H node1:8,node2:8 --tp 2 -- ./train --epochs 3");
+// What CLI11 parses into besides Options.
+struct CliValues {
   std::string host_list;
+  bool no_oversubscribe = false;
+  std::vector<std::string> listed_only;  // -x, --mca, --mpi-arg: listed for --help, taken by take_own_words
+};
+
+void add_cli_options(CLI::App& app, Options& o, CliValues& cli) {
   // CLI11 converts an empty word to 0 for a number: `--max-restarts ''` must not mean 0.
   const CLI::Validator a_number(
       [](std::string& text) { return text.empty() ? std::string("'': expected an integer") : std::string(); }, "INT");
   app.add_option("-n,--np", o.np, "number of ranks (also -np)")->check(a_number);
-  app.add_option("-H,--host", host_list, "hosts and slots: host1:8,host2:8");
+  app.add_option("-H,--host", cli.host_list, "hosts and slots: host1:8,host2:8");
   app.add_option("--hostfile", o.hostfile, "Open MPI hostfile (host slots=N per line)");
   app.add_option("--tp", o.tp, "tensor-parallel degree (LOOM_TP)")->check(a_number);
   app.add_option("--topology", o.topology, "topology file: JSON, nvidia-smi topo -m text or NCCL XML (LOOM_TOPOLOGY)");
@@ -182,16 +188,14 @@ Parsed parse_arguments(const std::vector<std::string>& raw, const std::string& e
   app.add_flag("--plan", o.plan, "print the placement plan and exit");
   app.add_flag("--json", o.json, "with --plan: print the plan as JSON");
   app.add_option("--svg", o.svg, "with --plan: write a picture of the first node to this file");
-  bool no_oversubscribe = false;
-  app.add_flag("--no-oversubscribe", no_oversubscribe, "more ranks than slots is an error (default: --oversubscribe)");
+  app.add_flag("--no-oversubscribe", cli.no_oversubscribe, "more ranks than slots is an error (default: --oversubscribe)");
   app.add_option("--mpirun", o.mpirun, "the mpirun to run (default: mpirun from PATH)");
   app.add_option("--message-bytes", o.message_bytes, "with --plan: message size of the modelled all-reduce")
       ->check(a_number);
   // Listed for --help only: parse_arguments takes their values itself (above).
-  std::vector<std::string> listed_only;
-  app.add_option("-x", listed_only, "NAME or NAME=VALUE: set or forward a variable to every rank (repeatable)");
-  app.add_option("--mca", listed_only, "KEY VALUE: an Open MPI MCA parameter for mpirun (repeatable)");
-  app.add_option("--mpi-arg", listed_only, "ARG: one word passed to mpirun verbatim, before the program (repeatable)");
+  app.add_option("-x", cli.listed_only, "NAME or NAME=VALUE: set or forward a variable to every rank (repeatable)");
+  app.add_option("--mca", cli.listed_only, "KEY VALUE: an Open MPI MCA parameter for mpirun (repeatable)");
+  app.add_option("--mpi-arg", cli.listed_only, "ARG: one word passed to mpirun verbatim, before the program (repeatable)");
   app.add_option("--output-dir", o.output_dir,
                  "one stdout and stderr file per rank under DIR/attempt_K/ (mpirun --output-filename)");
   app.add_flag("--tag-output", o.tag_output, "prefix each output line with its rank (mpirun --tag-output)");
@@ -201,36 +205,28 @@ Parsed parse_arguments(const std::vector<std::string>& raw, const std::string& e
   app.add_flag("--drop-dead-hosts", o.drop_dead_hosts,
                "with --max-restarts: before a restart, leave out the hosts that no longer answer (mpirun cannot start "
                "`true` there within 15 s) and run at the ranks the others hold, a multiple of --tp");
+}
 
-  std::vector<std::string> argv_storage{"loomrun"};
-  argv_storage.insert(argv_storage.end(), args.begin(), args.end());
-  std::vector<const char*> argv;
-  for (const auto& a : argv_storage) argv.push_back(a.c_str());
-  try {
-    app.parse(static_cast<int>(argv.size()), argv.data());
-  } catch (const CLI::CallForHelp&) {
-    parsed.help = app.help();
-    return parsed;
-  } catch (const CLI::ParseError& e) {
-    std::string what = e.what();
-    // "Could not convert: --np = two" -> "-np two: expected an integer"
-    const std::string convert = "Could not convert: ";
-    if (what.rfind(convert, 0) == 0) {
-      std::string rest = what.substr(convert.size());
-      size_t eq = rest.find(" = ");
-      if (eq != std::string::npos) {
-        std::string name = rest.substr(0, eq);
-        if (name == "--np") name = "-np";
-        what = name + " " + rest.substr(eq + 3) + ": expected an integer";
-      }
+// CLI11's message as loomrun says it: "Could not convert: --np = two" -> "-np two: expected an integer".
+std::string usage_text(const CLI::ParseError& e, bool have_separator) {
+  std::string what = e.what();
+  const std::string convert = "Could not convert: ";
+  if (what.rfind(convert, 0) == 0) {
+    std::string rest = what.substr(convert.size());
+    size_t eq = rest.find(" = ");
+    if (eq != std::string::npos) {
+      std::string name = rest.substr(0, eq);
+      if (name == "--np") name = "-np";
+      what = name + " " + rest.substr(eq + 3) + ": expected an integer";
     }
-    if (what.find("not expected") != std::string::npos && !have_separator)
-      what += " (put the program after --: loomrun -np 2 -- ./program args)";
-    throw UsageError(what);
   }
-  o.allow_oversubscribe = !no_oversubscribe;
-  o.tp_given = app.count("--tp") > 0;
+  if (what.find("not expected") != std::string::npos && !have_separator)
+    what += " (put the program after --: loomrun -np 2 -- ./program args)";
+  return what;
+}
 
+// The job's shape: ranks, TP degree, hosts, timeout, restarts.
+void check_shape(const CLI::App& app, Options& o, const std::string& host_list) {
   if (app.count("--np") == 0) throw UsageError("-np is missing: how many ranks to start (e.g. -np 4)");
   if (app.count("--np") > 0 && o.np < 1) throw UsageError("-np " + std::to_string(o.np) + ": expected at least 1 rank");
   if (o.tp < 1) throw UsageError("--tp " + std::to_string(o.tp) + ": expected at least 1");
@@ -257,6 +253,10 @@ Parsed parse_arguments(const std::vector<std::string>& raw, const std::string& e
     throw UsageError("--drop-dead-hosts acts on restarts: give --max-restarts N too");
   if (o.drop_dead_hosts && o.hosts.empty())
     throw UsageError("--drop-dead-hosts needs the hosts listed (-H or --hostfile): there is none to leave out");
+}
+
+// Where the output goes and what is started.
+void check_output_and_program(const CLI::App& app, Options& o, bool have_separator) {
   if (app.count("--output-dir") > 0) {
     if (o.output_dir.empty()) throw UsageError("--output-dir '': expected a directory");
     // Open MPI reads "DIR:nocopy" as DIR plus directives.
@@ -282,6 +282,36 @@ Parsed parse_arguments(const std::vector<std::string>& raw, const std::string& e
       throw UsageError("program argument " + std::to_string(i) +
                        " is ':', which mpirun would read as the start of a second program; loomrun cannot pass "
                        "a lone ':' through mpirun (quote it into another argument, or read it from a file)");
+}
+
+}  // namespace
+
+Parsed parse_arguments(const std::vector<std::string>& raw, const std::string& env_topology) {
+  Parsed parsed;
+  Options& o = parsed.options;
+  bool have_separator = false;
+  const std::vector<std::string> args = take_own_words(raw, o, have_separator);
+
+  CLI::App app{"loomrun: starts a torchloom job through mpirun (see docs/launcher.md)", "loomrun"};
+  app.footer("Example: loomrun -np 16 -H node1:8,node2:8 --tp 2 -- ./train --epochs 3");
+  CliValues cli;
+  add_cli_options(app, o, cli);
+  std::vector<std::string> argv_storage{"loomrun"};
+  argv_storage.insert(argv_storage.end(), args.begin(), args.end());
+  std::vector<const char*> argv;
+  for (const auto& a : argv_storage) argv.push_back(a.c_str());
+  try {
+    app.parse(static_cast<int>(argv.size()), argv.data());
+  } catch (const CLI::CallForHelp&) {
+    parsed.help = app.help();
+    return parsed;
+  } catch (const CLI::ParseError& e) {
+    throw UsageError(usage_text(e, have_separator));
+  }
+  o.allow_oversubscribe = !cli.no_oversubscribe;
+  o.tp_given = app.count("--tp") > 0;
+  check_shape(app, o, cli.host_list);
+  check_output_and_program(app, o, have_separator);
   if (o.topology.empty()) o.topology = env_topology;
   o.topology = absolute(o.topology);
   return parsed;

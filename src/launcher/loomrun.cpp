@@ -97,10 +97,9 @@ bool leave_out_dead_hosts(Options& o, const LaunchContext& ctx) {
   return true;
 }
 
-int run(int argc, char** argv) {
-  Options o;
-  LaunchContext ctx;
-  Launch launch;
+// The command line and this machine, as the launch they ask for; the exit status instead when
+// there is nothing to launch (--help) or the command line is refused.
+std::optional<int> prepare(int argc, char** argv, Options& o, LaunchContext& ctx, Launch& launch) {
   try {
     const char* env_topology = std::getenv("LOOM_TOPOLOGY");
     Parsed parsed = parse_arguments(std::vector<std::string>(argv + 1, argv + argc), env_topology ? env_topology : "");
@@ -119,6 +118,7 @@ int run(int argc, char** argv) {
       if (eq != std::string::npos) ctx.environment[kv.substr(0, eq)] = kv.substr(eq + 1);
     }
     launch = build_launch(o, ctx);
+    return std::nullopt;
   } catch (const UsageError& e) {
     return usage_error(e.what());
   } catch (const loom::topo::ParseError& e) {
@@ -126,46 +126,58 @@ int run(int argc, char** argv) {
   } catch (const loom::topo::PlanError& e) {
     return usage_error(std::string("cannot place the job: ") + e.what());
   }
-  if (o.plan) return print_plan(o, launch);
+}
 
-  std::string dir;
-  std::string rankfile = "/tmp/loomrun-XXXXXX/rankfile";
-  // Written before each attempt (the same file, unless dead hosts were left out).
-  auto write_rankfile = [&](const Launch& l) {
-    if (l.rankfile.empty()) return true;
-    if (dir.empty()) {
-      char pattern[] = "/tmp/loomrun-XXXXXX";
-      if (!mkdtemp(pattern)) {
-        std::perror("loomrun: mkdtemp");
-        return false;
+// The rankfile of a launch placed from --topology, in a private /tmp directory made on first use
+// and rewritten before each attempt (the same file unless dead hosts were left out).
+class Rankfile {
+ public:
+  ~Rankfile() {
+    if (dir_.empty()) return;
+    std::remove(path_.c_str());
+    rmdir(dir_.c_str());
+  }
+  // Writes the launch's rankfile (if it has one) and puts its path into the command; false when
+  // the directory cannot be made.
+  bool write(Launch& launch, bool dry_run) {
+    if (!dry_run && !launch.rankfile.empty()) {
+      if (dir_.empty()) {
+        char pattern[] = "/tmp/loomrun-XXXXXX";
+        if (!mkdtemp(pattern)) {
+          std::perror("loomrun: mkdtemp");
+          return false;
+        }
+        dir_ = pattern;
+        path_ = dir_ + "/rankfile";
       }
-      dir = pattern;
-      rankfile = dir + "/rankfile";
+      std::ofstream(path_) << launch.rankfile;
     }
-    std::ofstream(rankfile) << l.rankfile;
+    for (auto& arg : launch.argv)
+      if (arg == kRankfilePlaceholder) arg = path_;
     return true;
-  };
-  auto place_rankfile = [&](Launch& l) {
-    for (auto& arg : l.argv)
-      if (arg == kRankfilePlaceholder) arg = rankfile;
-  };
-  if (!o.dry_run && !write_rankfile(launch)) return 1;
-  place_rankfile(launch);
-  if (o.dry_run) {
-    for (const auto& note : launch.notes) std::cout << "# " << note << "\n";
-    std::cout << shell_quote(launch.argv) << "\n";
-    if (!launch.rankfile.empty())
-      std::cout << "# rankfile (written to a new /tmp/loomrun-* directory):\n" << launch.rankfile;
-    if (o.max_restarts > 0)
-      std::cout << "# when it fails, started again up to " << o.max_restarts
-                << " time(s), with LOOM_RESTART_COUNT=1, 2, ..." << (o.drop_dead_hosts ? ", without hosts that no longer answer" : "")
-                << "\n";
-    return 0;
   }
 
-  // --max-restarts: a failed job (non-zero status) starts again; the program resumes from its own
-  // newest complete checkpoint. Not after a signal to loomrun (someone asked the job to end) nor
-  // when mpirun could not be started.
+ private:
+  std::string dir_;
+  std::string path_ = "/tmp/loomrun-XXXXXX/rankfile";
+};
+
+int print_dry_run(const Options& o, const Launch& launch) {
+  for (const auto& note : launch.notes) std::cout << "# " << note << "\n";
+  std::cout << shell_quote(launch.argv) << "\n";
+  if (!launch.rankfile.empty())
+    std::cout << "# rankfile (written to a new /tmp/loomrun-* directory):\n" << launch.rankfile;
+  if (o.max_restarts > 0)
+    std::cout << "# when it fails, started again up to " << o.max_restarts
+              << " time(s), with LOOM_RESTART_COUNT=1, 2, ..." << (o.drop_dead_hosts ? ", without hosts that no longer answer" : "")
+              << "\n";
+  return 0;
+}
+
+// --max-restarts: a failed job (non-zero status) starts again; the program resumes from its own
+// newest complete checkpoint. Not after a signal to loomrun (someone asked the job to end) nor
+// when mpirun could not be started.
+int run_with_restarts(Options& o, LaunchContext& ctx, Launch& launch, Rankfile& rankfile) {
   int status = 0;
   std::string error;
   for (int attempt = 0;; ++attempt) {
@@ -178,8 +190,7 @@ int run(int argc, char** argv) {
         std::cerr << "loomrun: cannot start the job again: " << e.what() << "\n";
         break;
       }
-      if (!write_rankfile(launch)) break;
-      place_rankfile(launch);
+      if (!rankfile.write(launch, /*dry_run=*/false)) break;
     }
     const auto started = std::chrono::steady_clock::now();
     bool interrupted = false;
@@ -197,12 +208,20 @@ int run(int argc, char** argv) {
               << "restart " << attempt + 1 << " of " << o.max_restarts << ", LOOM_RESTART_COUNT=" << attempt + 1
               << "\n";
   }
-  if (!dir.empty()) {
-    std::remove((dir + "/rankfile").c_str());
-    rmdir(dir.c_str());
-  }
   if (!error.empty()) std::cerr << "loomrun: " << error << "\n";
   return status;
+}
+
+int run(int argc, char** argv) {
+  Options o;
+  LaunchContext ctx;
+  Launch launch;
+  if (auto done = prepare(argc, argv, o, ctx, launch)) return *done;
+  if (o.plan) return print_plan(o, launch);
+  Rankfile rankfile;
+  if (!rankfile.write(launch, o.dry_run)) return 1;
+  if (o.dry_run) return print_dry_run(o, launch);
+  return run_with_restarts(o, ctx, launch, rankfile);
 }
 
 }  // namespace

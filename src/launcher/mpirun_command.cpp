@@ -48,14 +48,10 @@ topo::Topology topology_for_hosts(const topo::Topology& described, size_t hosts,
                    " nodes but the job has " + std::to_string(hosts) + " host(s): give one node, or one per host");
 }
 
-}  // namespace
-
-Launch build_launch(const Options& o, const LaunchContext& ctx) {
-  Launch launch;
+// The hosts the ranks run on (-H, --hostfile, a Slurm allocation, else this machine), their
+// arguments, and the slot checks. Sets `local` when the job runs on this machine alone.
+std::vector<Host> place_on_hosts(const Options& o, const LaunchContext& ctx, Launch& launch, bool& local) {
   std::vector<std::string>& a = launch.argv;
-  a = {o.mpirun, "-np", std::to_string(o.np)};
-  if (ctx.is_root) a.push_back("--allow-run-as-root");
-
   std::vector<Host> hosts = o.hosts;
   // Inside a Slurm allocation, without -H or --hostfile: the allocation's hosts.
   if (hosts.empty())
@@ -63,7 +59,7 @@ Launch build_launch(const Options& o, const LaunchContext& ctx) {
       hosts = std::move(slurm->hosts);
       launch.notes.push_back(slurm->note);
     }
-  const bool local = hosts.empty();
+  local = hosts.empty();
   if (local) hosts = {{ctx.local_hostname, ctx.local_slots}};
   if (!o.hostfile.empty()) {
     a.insert(a.end(), {"--hostfile", o.hostfile});
@@ -90,7 +86,14 @@ Launch build_launch(const Options& o, const LaunchContext& ctx) {
       if (h.slots % o.tp != 0)
         throw UsageError("host '" + h.name + "' has " + std::to_string(h.slots) + " slots, not a multiple of --tp " +
                          std::to_string(o.tp) + ": a tensor-parallel group would span two hosts");
+  return hosts;
+}
 
+// How ranks map to CPUs: a rankfile from --topology's plan where it gives CPU affinity,
+// otherwise --map-by slot --bind-to none (unless --mpi-arg gives its own).
+void place_on_cpus(const Options& o, const LaunchContext& ctx, const std::vector<Host>& hosts, bool local,
+                   Launch& launch) {
+  std::vector<std::string>& a = launch.argv;
   // --mpi-arg --bind-to/--map-by replace loomrun's defaults; against a rankfile they contradict it.
   const std::string user_bind = user_option(o, {"--bind-to", "-bind-to"});
   const std::string user_map = user_option(o, {"--map-by", "-map-by"});
@@ -145,16 +148,11 @@ Launch build_launch(const Options& o, const LaunchContext& ctx) {
   } else {
     default_mapping();
   }
+}
 
-  // Output: one file per rank and stream (Open MPI 4: DIR/attempt_K/1/rank.N/stdout; a restart
-  // would truncate the files of the attempt before, so each attempt has its own directory).
-  if (!o.output_dir.empty())
-    a.insert(a.end(), {"--output-filename", o.output_dir + "/attempt_" + std::to_string(ctx.attempt)});
-  if (o.tag_output) a.push_back("--tag-output");
-  for (const auto& [key, value] : o.mca) a.insert(a.end(), {"--mca", key, value});
-  a.insert(a.end(), o.mpi_args.begin(), o.mpi_args.end());
-
-  // The launch environment the ranks need. Precedence: loomrun's options, then -x NAME=VALUE, then
+// The launch environment the ranks need, as -x arguments.
+void pass_environment(const Options& o, const LaunchContext& ctx, std::vector<std::string>& a) {
+  // Precedence: loomrun's options, then -x NAME=VALUE, then
   // the variables forwarded from loomrun's environment; an -x value against an option's is an error.
   std::map<std::string, std::string> set;
   if (!o.topology.empty()) set["LOOM_TOPOLOGY"] = o.topology;
@@ -191,7 +189,27 @@ Launch build_launch(const Options& o, const LaunchContext& ctx) {
   for (const auto& name : names)
     if (!set.count(name)) a.insert(a.end(), {"-x", name});
   for (const auto& [name, value] : set) a.insert(a.end(), {"-x", name + "=" + value});
+}
 
+}  // namespace
+
+Launch build_launch(const Options& o, const LaunchContext& ctx) {
+  Launch launch;
+  std::vector<std::string>& a = launch.argv;
+  a = {o.mpirun, "-np", std::to_string(o.np)};
+  if (ctx.is_root) a.push_back("--allow-run-as-root");
+  bool local = false;
+  const std::vector<Host> hosts = place_on_hosts(o, ctx, launch, local);
+  place_on_cpus(o, ctx, hosts, local, launch);
+  // Output: one file per rank and stream (Open MPI 4: DIR/attempt_K/1/rank.N/stdout; a restart
+  // would truncate the files of the attempt before, so each attempt has its own directory).
+  if (!o.output_dir.empty())
+    a.insert(a.end(), {"--output-filename", o.output_dir + "/attempt_" + std::to_string(ctx.attempt)});
+  if (o.tag_output) a.push_back("--tag-output");
+  for (const auto& [key, value] : o.mca) a.insert(a.end(), {"--mca", key, value});
+  a.insert(a.end(), o.mpi_args.begin(), o.mpi_args.end());
+
+  pass_environment(o, ctx, a);
   a.insert(a.end(), o.program.begin(), o.program.end());
   return launch;
 }
