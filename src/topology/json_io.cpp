@@ -221,14 +221,8 @@ std::string expand_hostname(const std::string& pattern, size_t node_index, long 
   return name;
 }
 
-Node read_node(const json& j, const std::string& at, long long& link_cells, Budget& budget) {
-  require_object(j, at);
-  allow_keys(
-      j, at,
-      {"hostname", "replicate", "sockets", "numa_nodes", "gpus", "nics", "links", "nic_links", "source", "notes"});
-  Node node;
-  if (j.contains("source")) node.source = read_string(j["source"], at + "/source");
-  budget.add(static_cast<long long>(node.source.size()), at + "/source");
+// The parts of one node of a topology file, each validated against its path `at`.
+void read_notes(const json& j, const std::string& at, Node& node, Budget& budget) {
   if (j.contains("notes")) {
     if (!j["notes"].is_array()) error(at + "/notes", "expected an array of strings, found " + type_name(j["notes"]));
     for (size_t i = 0; i < j["notes"].size(); ++i) {
@@ -237,27 +231,30 @@ Node read_node(const json& j, const std::string& at, long long& link_cells, Budg
       budget.add(static_cast<long long>(node.notes.back().size()), nat);
     }
   }
-  auto read_places = [&](const char* key, auto make) {
-    if (!j.contains(key)) return;
-    const json& arr = j[key];
-    const std::string kat = at + "/" + key;
-    if (!arr.is_array()) error(kat, "expected an array of {\"id\", \"cpus\"}, found " + type_name(arr));
-    std::set<int> ids;
-    for (size_t i = 0; i < arr.size(); ++i) {
-      const std::string eat = kat + "/" + std::to_string(i);
-      require_object(arr[i], eat);
-      allow_keys(arr[i], eat, {"id", "cpus"});
-      if (!arr[i].contains("id")) error(eat, "expected an \"id\"");
-      int id = static_cast<int>(read_int(arr[i]["id"], eat + "/id", 0, 65535));
-      if (!ids.insert(id).second) error(eat + "/id", "id " + std::to_string(id) + " appears twice");
-      CpuList cpus = arr[i].contains("cpus") ? read_cpus(arr[i]["cpus"], eat + "/cpus") : CpuList{};
-      budget.add(static_cast<long long>(cpus.size()) + 1, eat);
-      make(id, std::move(cpus));
-    }
-  };
-  read_places("sockets", [&](int id, CpuList c) { node.sockets.push_back({id, std::move(c)}); });
-  read_places("numa_nodes", [&](int id, CpuList c) { node.numa_nodes.push_back({id, std::move(c)}); });
+}
 
+// "sockets" or "numa_nodes": {"id", "cpus"} objects, each passed to `make`.
+template <typename Make>
+void read_places(const json& j, const char* key, const std::string& at, Budget& budget, Make make) {
+  if (!j.contains(key)) return;
+  const json& arr = j[key];
+  const std::string kat = at + "/" + key;
+  if (!arr.is_array()) error(kat, "expected an array of {\"id\", \"cpus\"}, found " + type_name(arr));
+  std::set<int> ids;
+  for (size_t i = 0; i < arr.size(); ++i) {
+    const std::string eat = kat + "/" + std::to_string(i);
+    require_object(arr[i], eat);
+    allow_keys(arr[i], eat, {"id", "cpus"});
+    if (!arr[i].contains("id")) error(eat, "expected an \"id\"");
+    int id = static_cast<int>(read_int(arr[i]["id"], eat + "/id", 0, 65535));
+    if (!ids.insert(id).second) error(eat + "/id", "id " + std::to_string(id) + " appears twice");
+    CpuList cpus = arr[i].contains("cpus") ? read_cpus(arr[i]["cpus"], eat + "/cpus") : CpuList{};
+    budget.add(static_cast<long long>(cpus.size()) + 1, eat);
+    make(id, std::move(cpus));
+  }
+}
+
+void read_gpus(const json& j, const std::string& at, Node& node, Budget& budget) {
   if (!j.contains("gpus")) error(at, "expected \"gpus\": a count or an array of GPU objects");
   const json& gpus = j["gpus"];
   if (gpus.is_number_integer()) {
@@ -288,6 +285,9 @@ Node read_node(const json& j, const std::string& at, long long& link_cells, Budg
   } else {
     error(at + "/gpus", "expected a GPU count or an array of GPU objects, found " + type_name(gpus));
   }
+}
+
+void read_nics(const json& j, const std::string& at, Node& node, Budget& budget) {
   if (j.contains("nics")) {
     const json& nics = j["nics"];
     if (!nics.is_array()) error(at + "/nics", "expected an array of NIC names or objects, found " + type_name(nics));
@@ -310,6 +310,9 @@ Node read_node(const json& j, const std::string& at, long long& link_cells, Budg
       node.nics.push_back(std::move(n));
     }
   }
+}
+
+void read_links(const json& j, const std::string& at, Node& node, long long& link_cells) {
   const size_t g = node.gpus.size();
   link_cells += static_cast<long long>(g * g + g * node.nics.size());
   if (link_cells > kMaxLinkCells)
@@ -335,6 +338,22 @@ Node read_node(const json& j, const std::string& at, long long& link_cells, Budg
   } else {
     node.nic_links.assign(g, {});
   }
+}
+
+Node read_node(const json& j, const std::string& at, long long& link_cells, Budget& budget) {
+  require_object(j, at);
+  allow_keys(
+      j, at,
+      {"hostname", "replicate", "sockets", "numa_nodes", "gpus", "nics", "links", "nic_links", "source", "notes"});
+  Node node;
+  if (j.contains("source")) node.source = read_string(j["source"], at + "/source");
+  budget.add(static_cast<long long>(node.source.size()), at + "/source");
+  read_notes(j, at, node, budget);
+  read_places(j, "sockets", at, budget, [&](int id, CpuList c) { node.sockets.push_back({id, std::move(c)}); });
+  read_places(j, "numa_nodes", at, budget, [&](int id, CpuList c) { node.numa_nodes.push_back({id, std::move(c)}); });
+  read_gpus(j, at, node, budget);
+  read_nics(j, at, node, budget);
+  read_links(j, at, node, link_cells);
   return node;
 }
 
