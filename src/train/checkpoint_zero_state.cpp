@@ -84,6 +84,36 @@ void agree_on_state(ZeroOptimizer& zero, OptimizerKind kind) {
 
 }  // namespace
 
+namespace {
+
+// The fp32 master copies this rank writes (laid out like their parameter: tensor-parallel slices
+// stay slices), and the step of every parameter in the optimizer section (rank 0's goes into the
+// manifest, so it must name all of them, not only those rank 0 writes).
+void add_masters_and_steps(const ModelState& model, const std::vector<at::Tensor>& params,
+                           const std::map<size_t, at::Tensor>& masters, std::optional<int64_t> step,
+                           SaveState& out) {
+  const auto names = model.parameter_names();
+  for (const auto& [i, master] : masters) {
+    const std::string& name = names.at(params[i].unsafeGetTensorImpl());
+    const LocalTensor* param = out.find("model/" + name);  // its layout: tensor-parallel slices stay slices
+    if (param != nullptr && param->split_dim >= 0)
+      out.tensors.push_back(describe_slice("master/" + name, master, param->split_dim, param->global_shape, param->offset));
+    else
+      out.tensors.push_back(describe_slice("master/" + name, master, -1, {}, 0));
+  }
+  if (step) {
+    nlohmann::json section = nlohmann::json::parse(out.sections.at("optimizer"));
+    nlohmann::json& steps = section["steps"];
+    for (const auto& p : params) {
+      auto it = names.find(p.unsafeGetTensorImpl());
+      if (it != names.end()) steps[it->second] = *step;
+    }
+    out.sections["optimizer"] = section.dump();
+  }
+}
+
+}  // namespace
+
 ZeroOptimizerState::ZeroOptimizerState(const ModelState& model) : model_(model), full_(model) {}
 ZeroOptimizerState::~ZeroOptimizerState() = default;
 
@@ -148,26 +178,7 @@ void ZeroOptimizerState::collect(int rank, SaveState& out) {
   full_.collect(rank, out);
   full_.set(nullptr);
   view_.reset();
-  const auto names = model_.parameter_names();
-  for (auto& [i, master] : masters) {
-    const std::string& name = names.at(params[i].unsafeGetTensorImpl());
-    const LocalTensor* param = out.find("model/" + name);  // its layout: tensor-parallel slices stay slices
-    if (param != nullptr && param->split_dim >= 0)
-      out.tensors.push_back(describe_slice("master/" + name, master, param->split_dim, param->global_shape, param->offset));
-    else
-      out.tensors.push_back(describe_slice("master/" + name, master, -1, {}, 0));
-  }
-  // Rank 0's section goes into the manifest: it names the step of every parameter, not only of
-  // those rank 0 writes.
-  if (step) {
-    json section = json::parse(out.sections.at("optimizer"));
-    json& steps = section["steps"];
-    for (const auto& p : params) {
-      auto it = names.find(p.unsafeGetTensorImpl());
-      if (it != names.end()) steps[it->second] = *step;
-    }
-    out.sections["optimizer"] = section.dump();
-  }
+  add_masters_and_steps(model_, params, masters, step, out);
 }
 
 void ZeroOptimizerState::plan(const LoadContext& context, std::vector<Need>& needs, std::vector<std::string>& problems) {
