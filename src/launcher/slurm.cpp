@@ -48,14 +48,8 @@ struct Pattern {
   std::vector<std::vector<Range>> groups;
 };
 
-}  // namespace
-
-std::vector<std::string> expand_slurm_nodelist(const std::string& text, const std::string& variable) {
-  const std::string where = variable + "='" + excerpt(text) + "': ";
-  if (text.size() > kMaxSlurmVariableBytes)
-    throw UsageError(variable + ": more than " + std::to_string(kMaxSlurmVariableBytes) +
-                     " bytes: exceeds the limit (docs/limits.md)");
-  // Split at the commas outside brackets; inside brackets they separate ranges.
+// The entries of a node list: split at the commas outside brackets (inside, they separate ranges).
+std::vector<std::string> split_entries(const std::string& text, const std::string& where) {
   std::vector<std::string> items(1);
   int depth = 0;
   for (char c : text) {
@@ -67,71 +61,88 @@ std::vector<std::string> expand_slurm_nodelist(const std::string& text, const st
       items.back() += c;
   }
   if (depth != 0) throw UsageError(where + "'[' without ']'");
+  return items;
+}
 
+// One entry as literals and bracket groups; `count` is how many names it expands to (more than
+// kMaxHosts stops the parse: "n[0-999999999]" is refused, not expanded).
+Pattern parse_entry(const std::string& item, const std::string& where, size_t& count) {
+  Pattern p;
+  p.literals.emplace_back();
+  for (size_t i = 0; i < item.size(); ++i) {
+    if (item[i] != '[') {
+      p.literals.back() += item[i];
+      continue;
+    }
+    const size_t close = item.find(']', i);
+    const std::string body = item.substr(i + 1, close - i - 1);
+    std::vector<Range> group;
+    size_t group_size = 0;
+    for (const auto& part : split(body, ',')) {
+      const size_t dash = part.find('-');
+      const std::string low_text = part.substr(0, dash);
+      const std::string high_text = dash == std::string::npos ? low_text : part.substr(dash + 1);
+      Range r{number(low_text), number(high_text), low_text.size()};
+      if (r.low < 0 || r.high < 0 || r.high < r.low)
+        throw UsageError(where + "'[" + excerpt(body) + "]': expected ranges like 01-03,07 (found '" +
+                         excerpt(part) + "')");
+      group_size += static_cast<size_t>(r.high - r.low + 1);
+      if (group_size > kMaxHosts) break;  // the check below says so
+      group.push_back(r);
+    }
+    // Counted before anything is built: "n[0-999999999]" is refused, not expanded.
+    if (group_size > kMaxHosts || count * group_size > kMaxHosts)
+      count = kMaxHosts + 1;
+    else
+      count *= group_size;
+    if (count > kMaxHosts) break;
+    p.groups.push_back(std::move(group));
+    p.literals.emplace_back();
+    i = close;
+  }
+  return p;
+}
+
+// Every name of a pattern, appended to `names`.
+void expand_entry(const Pattern& p, const std::string& where, std::vector<std::string>& names) {
+  std::vector<std::string> partial = {p.literals[0]};
+  for (size_t g = 0; g < p.groups.size(); ++g) {
+    std::vector<std::string> longer;
+    for (const auto& prefix : partial)
+      for (const auto& r : p.groups[g])
+        for (long long n = r.low; n <= r.high; ++n) {
+          std::string digits = std::to_string(n);
+          if (digits.size() < r.width) digits.insert(0, r.width - digits.size(), '0');
+          longer.push_back(prefix + digits + p.literals[g + 1]);
+        }
+    partial = std::move(longer);
+  }
+  for (auto& name : partial) {
+    if (!valid_host_name(name)) throw UsageError(where + "'" + excerpt(name) + "' is not a host name");
+    names.push_back(std::move(name));
+  }
+}
+
+}  // namespace
+
+std::vector<std::string> expand_slurm_nodelist(const std::string& text, const std::string& variable) {
+  const std::string where = variable + "='" + excerpt(text) + "': ";
+  if (text.size() > kMaxSlurmVariableBytes)
+    throw UsageError(variable + ": more than " + std::to_string(kMaxSlurmVariableBytes) +
+                     " bytes: exceeds the limit (docs/limits.md)");
   std::vector<Pattern> patterns;
   size_t total = 0;
-  for (const auto& item : items) {
+  for (const auto& item : split_entries(text, where)) {
     if (item.empty()) throw UsageError(where + "an empty entry: expected host or host[ranges] between commas");
-    Pattern p;
-    p.literals.emplace_back();
     size_t count = 1;
-    for (size_t i = 0; i < item.size(); ++i) {
-      if (item[i] != '[') {
-        p.literals.back() += item[i];
-        continue;
-      }
-      const size_t close = item.find(']', i);
-      const std::string body = item.substr(i + 1, close - i - 1);
-      std::vector<Range> group;
-      size_t group_size = 0;
-      for (const auto& part : split(body, ',')) {
-        const size_t dash = part.find('-');
-        const std::string low_text = part.substr(0, dash);
-        const std::string high_text = dash == std::string::npos ? low_text : part.substr(dash + 1);
-        Range r{number(low_text), number(high_text), low_text.size()};
-        if (r.low < 0 || r.high < 0 || r.high < r.low)
-          throw UsageError(where + "'[" + excerpt(body) + "]': expected ranges like 01-03,07 (found '" +
-                           excerpt(part) + "')");
-        group_size += static_cast<size_t>(r.high - r.low + 1);
-        if (group_size > kMaxHosts) break;  // the check below says so
-        group.push_back(r);
-      }
-      // Counted before anything is built: "n[0-999999999]" is refused, not expanded.
-      if (group_size > kMaxHosts || count * group_size > kMaxHosts)
-        count = kMaxHosts + 1;
-      else
-        count *= group_size;
-      if (count > kMaxHosts) break;
-      p.groups.push_back(std::move(group));
-      p.literals.emplace_back();
-      i = close;
-    }
+    patterns.push_back(parse_entry(item, where, count));
     total += count;
     if (total > kMaxHosts)
       throw UsageError(where + "more than " + std::to_string(kMaxHosts) + " hosts: exceeds the limit (docs/limits.md)");
-    patterns.push_back(std::move(p));
   }
-
   std::vector<std::string> names;
   names.reserve(total);
-  for (const auto& p : patterns) {
-    std::vector<std::string> partial = {p.literals[0]};
-    for (size_t g = 0; g < p.groups.size(); ++g) {
-      std::vector<std::string> longer;
-      for (const auto& prefix : partial)
-        for (const auto& r : p.groups[g])
-          for (long long n = r.low; n <= r.high; ++n) {
-            std::string digits = std::to_string(n);
-            if (digits.size() < r.width) digits.insert(0, r.width - digits.size(), '0');
-            longer.push_back(prefix + digits + p.literals[g + 1]);
-          }
-      partial = std::move(longer);
-    }
-    for (auto& name : partial) {
-      if (!valid_host_name(name)) throw UsageError(where + "'" + excerpt(name) + "' is not a host name");
-      names.push_back(std::move(name));
-    }
-  }
+  for (const auto& p : patterns) expand_entry(p, where, names);
   return names;
 }
 
