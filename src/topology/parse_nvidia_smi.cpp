@@ -187,6 +187,25 @@ class NvidiaSmiParser {
       fail(line.number, t[0].column,
            "expected the row of '" + col.name + "' (rows follow the order of the header on line " +
                std::to_string(header_line_) + "), found " + quoted(t[0].text));
+    parse_link_cells(line, r);
+    const size_t n = columns_.size();
+    const size_t rest = t.size() - 1 - n;
+    if (!col.gpu || affinity_.empty()) {
+      if (rest != 0)
+        fail(line.number, t[1 + n].column,
+             col.name + " row: expected " + std::to_string(n) + " link cells" +
+                 (col.gpu ? "" : " and no affinity fields (NIC rows have none)") +
+                 ", found more: " + quoted(t[1 + n].text));
+      return;
+    }
+    check_affinity_count(line, r, rest);
+    parse_affinity_fields(line, r);
+  }
+
+  // The row's n link cells: a link class each, 'X' on the diagonal only.
+  void parse_link_cells(const TextLine& line, size_t r) {
+    const auto& t = line.tokens;
+    const Column& col = columns_[r];
     const size_t n = columns_.size();
     for (size_t j = 0; j < n; ++j) {
       if (1 + j >= t.size())
@@ -215,25 +234,29 @@ class NvidiaSmiParser {
                  quoted(cell.text));
       cells_[r][j] = {*link, line.number, cell.column};
     }
-    const size_t rest = t.size() - 1 - n;
-    if (!col.gpu || affinity_.empty()) {
-      if (rest != 0)
-        fail(line.number, t[1 + n].column,
-             col.name + " row: expected " + std::to_string(n) + " link cells" +
-                 (col.gpu ? "" : " and no affinity fields (NIC rows have none)") +
-                 ", found more: " + quoted(t[1 + n].text));
-      return;
-    }
-    if (rest != affinity_.size()) {
-      std::string titles, found;
-      for (auto a : affinity_) titles += std::string(titles.empty() ? "" : ", ") + affinity_title(a);
-      for (size_t k = 1 + n; k < t.size(); ++k) found += (found.empty() ? "" : " ") + quoted(t[k].text);
-      fail(line.number, rest > 0 ? t[1 + n].column : t.back().end_column(),
-           col.name + " row: expected " + std::to_string(affinity_.size()) + " affinity fields (" + titles +
-               ") after the " + std::to_string(n) + " link cells, found " + std::to_string(rest) +
-               (found.empty() ? "" : " (" + found + ")") + ": the fields do not line up with the header on line " +
-               std::to_string(header_line_) + " (two fields run together, or one is missing)");
-    }
+  }
+
+  // The GPU row's affinity fields line up with the header's titles.
+  void check_affinity_count(const TextLine& line, size_t r, size_t rest) const {
+    const auto& t = line.tokens;
+    const Column& col = columns_[r];
+    const size_t n = columns_.size();
+    if (rest == affinity_.size()) return;
+    std::string titles, found;
+    for (auto a : affinity_) titles += std::string(titles.empty() ? "" : ", ") + affinity_title(a);
+    for (size_t k = 1 + n; k < t.size(); ++k) found += (found.empty() ? "" : " ") + quoted(t[k].text);
+    fail(line.number, rest > 0 ? t[1 + n].column : t.back().end_column(),
+         col.name + " row: expected " + std::to_string(affinity_.size()) + " affinity fields (" + titles +
+             ") after the " + std::to_string(n) + " link cells, found " + std::to_string(rest) +
+             (found.empty() ? "" : " (" + found + ")") + ": the fields do not line up with the header on line " +
+             std::to_string(header_line_) + " (two fields run together, or one is missing)");
+  }
+
+  // CPU Affinity, NUMA Affinity and GPU NUMA ID of GPU r.
+  void parse_affinity_fields(const TextLine& line, size_t r) {
+    const auto& t = line.tokens;
+    const Column& col = columns_[r];
+    const size_t n = columns_.size();
     const int gpu = static_cast<int>(r);
     for (size_t a = 0; a < affinity_.size(); ++a) {
       const Token& f = t[1 + n + a];
