@@ -117,9 +117,8 @@ class Exhaustive {
   NodeGrouping best_;
 };
 
-// Greedy start (drop the worst-connected GPUs, grow groups from the widest pair), then swaps
-// between groups and with unused GPUs while the score improves. O(passes * g^4) at worst.
-NodeGrouping heuristic(const BwMatrix& bw, const std::vector<int>& numa, int k, int t) {
+// The k GPUs kept: the worst-connected dropped one at a time.
+std::vector<int> drop_worst_connected(const BwMatrix& bw, const std::vector<int>& numa, int k) {
   const int g = static_cast<int>(bw.size());
   std::vector<int> used(g);
   for (int i = 0; i < g; ++i) used[i] = i;
@@ -134,6 +133,12 @@ NodeGrouping heuristic(const BwMatrix& bw, const std::vector<int>& numa, int k, 
     }
     used.erase(used.begin() + worst);
   }
+  return used;
+}
+
+// Groups of t grown greedily from the widest remaining pair, each adding the GPU best connected
+// to all its members.
+std::vector<std::vector<int>> grow_groups(const BwMatrix& bw, const std::vector<int>& used, int t) {
   std::vector<std::vector<int>> groups;
   std::vector<int> left = used;
   while (!left.empty()) {
@@ -162,6 +167,13 @@ NodeGrouping heuristic(const BwMatrix& bw, const std::vector<int>& numa, int k, 
     std::sort(group.begin(), group.end());
     groups.push_back(group);
   }
+  return groups;
+}
+
+// Swaps between groups, and of used GPUs for unused ones, while the score improves (50 passes at most).
+void improve_by_swaps(const BwMatrix& bw, const std::vector<int>& numa, std::vector<int>& used,
+                      std::vector<std::vector<int>>& groups) {
+  const int g = static_cast<int>(bw.size());
   auto score = [&](const std::vector<int>& u, const std::vector<std::vector<int>>& gs) {
     return grouping_score(bw, numa, u, gs);
   };
@@ -202,6 +214,14 @@ NodeGrouping heuristic(const BwMatrix& bw, const std::vector<int>& numa, int k, 
     }
     if (!improved) break;
   }
+}
+
+// Greedy start (drop the worst-connected GPUs, grow groups from the widest pair), then swaps
+// between groups and with unused GPUs while the score improves. O(passes * g^4) at worst.
+NodeGrouping heuristic(const BwMatrix& bw, const std::vector<int>& numa, int k, int t) {
+  std::vector<int> used = drop_worst_connected(bw, numa, k);
+  std::vector<std::vector<int>> groups = grow_groups(bw, used, t);
+  improve_by_swaps(bw, numa, used, groups);
   std::sort(used.begin(), used.end());
   for (auto& group : groups) std::sort(group.begin(), group.end());
   return {used, groups, false};
