@@ -135,6 +135,82 @@ int nearest_numa(const Node& node, const CpuList& cpus) {
 
 }  // namespace
 
+namespace {
+
+// NVML's view of the GPUs; nullopt (said in the diagnostics) without the library or devices.
+std::optional<detail::NvmlSnapshot> read_gpus_from_nvml(const DetectOptions& options, std::string& diagnostics) {
+  std::optional<detail::NvmlSnapshot> nvml;
+  if (options.nvml_library.empty()) {
+    add_diagnostic(diagnostics, "NVML disabled: no GPU information.");
+  } else {
+    std::string why;
+    nvml = detail::read_nvml(options.nvml_library, why);
+    if (!nvml)
+      add_diagnostic(diagnostics, "No GPUs: " + why + ".");
+    else if (nvml->devices.empty())
+      add_diagnostic(diagnostics, "No GPUs: NVML reports 0 devices.");
+    if (nvml && !nvml->driver_notes.empty()) add_diagnostic(diagnostics, "NVML: " + nvml->driver_notes + ".");
+  }
+  return nvml;
+}
+
+// The node's GPUs in NVML's order, placed in hwloc's PCI tree where it has them (gpu_places) and
+// given a NUMA node and CPUs.
+void add_gpus(const detail::NvmlSnapshot& snapshot, HwlocView& hw, Node& node,
+              std::vector<std::optional<PciPlace>>& gpu_places, std::map<std::string, int>& gpu_by_bus) {
+  const int g = static_cast<int>(snapshot.devices.size());
+  gpu_places.assign(g, std::nullopt);
+  for (int i = 0; i < g; ++i) {
+    const auto& dev = snapshot.devices[i];
+    Gpu gpu{i, dev.name, dev.bus_id, -1, dev.cpus};
+    if (hw.ok()) gpu_places[i] = hw.place_of_bus_id(dev.bus_id);
+    if (gpu_places[i] && gpu_places[i]->numa >= 0)
+      gpu.numa = gpu_places[i]->numa;
+    else if (!gpu.cpus.empty())
+      gpu.numa = nearest_numa(node, gpu.cpus);
+    if (gpu.cpus.empty() && gpu.numa >= 0 && node.numa_node(gpu.numa)) gpu.cpus = node.numa_node(gpu.numa)->cpus;
+    gpu_by_bus[dev.bus_id] = i;
+    node.gpus.push_back(std::move(gpu));
+  }
+}
+
+// The GPU x GPU link classes: NVLink counts (through NVSwitches too), else NVML's common
+// ancestor, else hwloc's PCI tree, else SYS.
+void link_gpus(const detail::NvmlSnapshot& snapshot, const std::vector<std::optional<PciPlace>>& gpu_places,
+               const std::map<std::string, int>& gpu_by_bus, Node& node) {
+  const int g = static_cast<int>(snapshot.devices.size());
+  // NVLinks to something other than a GPU of this node go to NVSwitches: a pair of GPUs gets the
+  // smaller of their switch-link counts, plus any direct links between them.
+  std::vector<int> switch_links(g, 0);
+  for (int i = 0; i < g; ++i)
+    for (const auto& [remote, count] : snapshot.devices[i].nvlinks)
+      if (!gpu_by_bus.count(remote)) switch_links[i] += count;
+  node.gpu_links.assign(g, std::vector<Link>(g));
+  for (int a = 0; a < g; ++a)
+    for (int b = 0; b < g; ++b) {
+      if (a == b) {
+        node.gpu_links[a][b] = {LinkClass::Self, 0};
+        continue;
+      }
+      int nv = std::min(switch_links[a], switch_links[b]);
+      auto direct = snapshot.devices[a].nvlinks.find(node.gpus[b].pci_bus_id);
+      if (direct != snapshot.devices[a].nvlinks.end()) nv += direct->second;
+      auto back = snapshot.devices[b].nvlinks.find(node.gpus[a].pci_bus_id);
+      if (direct == snapshot.devices[a].nvlinks.end() && back != snapshot.devices[b].nvlinks.end()) nv += back->second;
+      if (nv > 0) {
+        node.gpu_links[a][b] = {LinkClass::NV, std::min(nv, 64)};
+      } else if (auto l = detail::link_from_nvml_level(snapshot.common_ancestor[a][b])) {
+        node.gpu_links[a][b] = *l;
+      } else if (gpu_places[a] && gpu_places[b]) {
+        node.gpu_links[a][b] = detail::pcie_link(*gpu_places[a], *gpu_places[b]);
+      } else {
+        node.gpu_links[a][b] = {LinkClass::SYS, 0};
+      }
+    }
+}
+
+}  // namespace
+
 Detection detect_host(const DetectOptions& options) {
   Detection d;
   if (options.file_overrides_detection && !options.topology_file.empty()) {
@@ -153,18 +229,7 @@ Detection detect_host(const DetectOptions& options) {
       nic_places.push_back(place);
     }
   }
-  std::optional<detail::NvmlSnapshot> nvml;
-  if (options.nvml_library.empty()) {
-    add_diagnostic(d.diagnostics, "NVML disabled: no GPU information.");
-  } else {
-    std::string why;
-    nvml = detail::read_nvml(options.nvml_library, why);
-    if (!nvml)
-      add_diagnostic(d.diagnostics, "No GPUs: " + why + ".");
-    else if (nvml->devices.empty())
-      add_diagnostic(d.diagnostics, "No GPUs: NVML reports 0 devices.");
-    if (nvml && !nvml->driver_notes.empty()) add_diagnostic(d.diagnostics, "NVML: " + nvml->driver_notes + ".");
-  }
+  std::optional<detail::NvmlSnapshot> nvml = read_gpus_from_nvml(options, d.diagnostics);
   if ((!nvml || nvml->devices.empty()) && !options.topology_file.empty()) {
     add_diagnostic(d.diagnostics, "Using the topology file " + options.topology_file + ".");
     d.topology = load_topology_file(options.topology_file);
@@ -174,48 +239,12 @@ Detection detect_host(const DetectOptions& options) {
     return d;
   }
   const int g = nvml ? static_cast<int>(nvml->devices.size()) : 0;
-  std::vector<std::optional<PciPlace>> gpu_places(g);
+  std::vector<std::optional<PciPlace>> gpu_places;
   std::map<std::string, int> gpu_by_bus;
-  for (int i = 0; i < g; ++i) {
-    const auto& dev = nvml->devices[i];
-    Gpu gpu{i, dev.name, dev.bus_id, -1, dev.cpus};
-    if (hw.ok()) gpu_places[i] = hw.place_of_bus_id(dev.bus_id);
-    if (gpu_places[i] && gpu_places[i]->numa >= 0)
-      gpu.numa = gpu_places[i]->numa;
-    else if (!gpu.cpus.empty())
-      gpu.numa = nearest_numa(node, gpu.cpus);
-    if (gpu.cpus.empty() && gpu.numa >= 0 && node.numa_node(gpu.numa)) gpu.cpus = node.numa_node(gpu.numa)->cpus;
-    gpu_by_bus[dev.bus_id] = i;
-    node.gpus.push_back(std::move(gpu));
+  if (nvml) {
+    add_gpus(*nvml, hw, node, gpu_places, gpu_by_bus);
+    link_gpus(*nvml, gpu_places, gpu_by_bus, node);
   }
-  // NVLinks to something other than a GPU of this node go to NVSwitches: a pair of GPUs gets the
-  // smaller of their switch-link counts, plus any direct links between them.
-  std::vector<int> switch_links(g, 0);
-  for (int i = 0; i < g; ++i)
-    for (const auto& [remote, count] : nvml->devices[i].nvlinks)
-      if (!gpu_by_bus.count(remote)) switch_links[i] += count;
-  node.gpu_links.assign(g, std::vector<Link>(g));
-  for (int a = 0; a < g; ++a)
-    for (int b = 0; b < g; ++b) {
-      if (a == b) {
-        node.gpu_links[a][b] = {LinkClass::Self, 0};
-        continue;
-      }
-      int nv = std::min(switch_links[a], switch_links[b]);
-      auto direct = nvml->devices[a].nvlinks.find(node.gpus[b].pci_bus_id);
-      if (direct != nvml->devices[a].nvlinks.end()) nv += direct->second;
-      auto back = nvml->devices[b].nvlinks.find(node.gpus[a].pci_bus_id);
-      if (direct == nvml->devices[a].nvlinks.end() && back != nvml->devices[b].nvlinks.end()) nv += back->second;
-      if (nv > 0) {
-        node.gpu_links[a][b] = {LinkClass::NV, std::min(nv, 64)};
-      } else if (auto l = detail::link_from_nvml_level(nvml->common_ancestor[a][b])) {
-        node.gpu_links[a][b] = *l;
-      } else if (gpu_places[a] && gpu_places[b]) {
-        node.gpu_links[a][b] = detail::pcie_link(*gpu_places[a], *gpu_places[b]);
-      } else {
-        node.gpu_links[a][b] = {LinkClass::SYS, 0};
-      }
-    }
   node.nic_links.assign(g, std::vector<Link>(node.nics.size(), Link{LinkClass::SYS, 0}));
   for (int a = 0; a < g; ++a)
     for (size_t k = 0; k < node.nics.size(); ++k)
