@@ -528,6 +528,11 @@ CheckpointInfo Checkpointer::Impl::write_and_publish(ShardWrite write, Manifest 
     const std::string text = manifest_to_json(manifest);
     // Never publish what every load would refuse (a user's ShardedModule whose slices are not in
     // TP-rank order contradicts the world's TP ranks, say): the manifest's own parser judges it.
+    const uint64_t max_bytes = test_hooks().max_manifest_bytes > 0 ? test_hooks().max_manifest_bytes : kMaxManifestBytes;
+    if (errors.empty() && text.size() > max_bytes)  // a load reads no larger manifest
+      errors.push_back(where + ": the manifest to publish has " + std::to_string(text.size()) +
+                       " bytes; a manifest has at most " + std::to_string(max_bytes) +
+                       " (the state sections are too large: keep large state in tensors)");
     if (errors.empty()) {
       try {
         parse_manifest(text, where + ": the manifest to publish");

@@ -19,6 +19,7 @@
 #include "loom/train/checkpoint.h"
 #include "loom/train/checkpoint_state.h"
 #include "loom/train/checkpoint_storage.h"
+#include "train/checkpoint_hooks.h"
 #include "train/checkpoint_storage.h"
 
 namespace {
@@ -200,6 +201,22 @@ TEST(CheckpointStateProviders, ASectionWrittenTwiceOrNotJsonIsRefusedAtSave) {
   ckpt.state("broken", std::make_shared<SectionWriter>("broken", "{\"a\": "));
   expect_contains(expect_error<loom::CheckpointError>([&] { ckpt.save({.step = 1}); }),
                   {"state provider \"broken\" wrote section \"broken\" as text that is not JSON"});
+}
+
+// A manifest no load would read (over kMaxManifestBytes, from an oversized section) is never
+// published: the previous checkpoint stays the latest.
+TEST(CheckpointStateProviders, AManifestTooLargeToLoadIsNotPublished) {
+  const std::string where = location("mem", "too_large");
+  Checkpointer ckpt(nullptr, {.directory = where, .async = false});
+  ckpt.save({.step = 1});
+  auto& hooks = loom::detail::ckpt::test_hooks();
+  hooks.max_manifest_bytes = 64 << 10;  // the bound, scaled down from kMaxManifestBytes
+  auto big = std::make_shared<SectionWriter>("big", "\"" + std::string(65 << 10, 'x') + "\"");
+  ckpt.state("big", big);
+  const std::string message = expect_error<loom::CheckpointError>([&] { ckpt.save({.step = 2}); });
+  hooks.max_manifest_bytes = 0;
+  expect_contains(message, {"the manifest to publish has", "a manifest has at most 65536", "not published"});
+  EXPECT_EQ(Checkpointer::find_latest(where), where + "/step_000001");
 }
 
 // ---- Storages ---------------------------------------------------------------------------------
