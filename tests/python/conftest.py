@@ -33,6 +33,15 @@ def loom():
     torchloom.finalize()
 
 
+@pytest.fixture()
+def directory(loom, tmp_path):
+    """A fresh checkpoint directory, removed after the test."""
+    import shutil
+    path = str(tmp_path / "ckpt")
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
 @pytest.fixture(scope="session")
 def tcp_store(loom):
     """A function giving torch.distributed a store under mpirun, where no launcher sets

@@ -6,7 +6,6 @@ C++ writer."""
 import copy
 import os
 import re
-import shutil
 
 import pytest
 import torch
@@ -14,13 +13,6 @@ import torch.nn as nn
 
 import torchloom
 from manifest_seal import reseal
-
-
-@pytest.fixture()
-def directory(loom, tmp_path):
-    path = str(tmp_path / "ckpt")
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
 
 
 def make(optimizer_kind, seed):

@@ -6,7 +6,6 @@ is the C++ side), each resumed loader handing out exactly what an uninterrupted 
 in the Python provider's plan changes nothing. CTest runs it under mpirun -np 1."""
 import json
 import os
-import shutil
 import subprocess
 
 import pytest
@@ -82,13 +81,6 @@ class DataPosition(StateProvider):
         l, s = self.loader, self.saved
         l.seed, l.epoch, l.position = s["seed"], s["epoch"], s["position"]
         l.order.copy_(data["data/order"])
-
-
-@pytest.fixture()
-def directory(loom, tmp_path):
-    path = str(tmp_path / "ckpt")
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
 
 
 def uninterrupted(after, n):
