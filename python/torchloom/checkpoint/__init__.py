@@ -1,4 +1,5 @@
-"""Checkpoints from Python, at parity with C++: loom::Checkpointer underneath.
+"""Checkpoints from Python: loom::Checkpointer underneath (model, optimizer and ZeRO state under
+names of their own for now, docs/python.md).
 
 The C++ checkpointer writes sharded, atomic, verified safetensors checkpoints in the background
 (docs/checkpoint-format.md): every byte checksummed (the manifest too), every value checked before
