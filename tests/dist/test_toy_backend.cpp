@@ -177,6 +177,9 @@ TEST(ToyBackend, OtherOperationsAreRefusedByNameBeforeTheyAreNumbered) {
   auto toy = g_rt->comm(c10::DeviceType::CPU, "toy");
   const int n = toy->size();
   at::Tensor t = at::ones({4});
+  auto before = toy->all_reduce(t);
+  before->wait();
+  t.fill_(1);
   for (int i = 0; i < 2; ++i) {  // twice: a refusal consumes no sequence number
     try {
       (void)toy->reduce_scatter(at::empty({4}), at::ones({4 * n}));
@@ -189,8 +192,11 @@ TEST(ToyBackend, OtherOperationsAreRefusedByNameBeforeTheyAreNumbered) {
     }
   }
   EXPECT_THROW((void)toy->split(0, toy->rank(), "toy-part"), loom::UnsupportedError);
-  // The sequence goes on where it was on every rank: a collective after the refusals still pairs up.
-  toy->all_reduce(t)->wait();
+  // The sequence goes on where it was: the next collective is numbered right after the one before
+  // the refusals, and pairs up on every rank.
+  auto after = toy->all_reduce(t);
+  after->wait();
+  EXPECT_EQ(after->info().seq, before->info().seq + 1);
   EXPECT_TRUE(at::equal(t, at::full({4}, static_cast<float>(n))));
   EXPECT_FALSE(toy->is_broken());
 }
