@@ -54,7 +54,9 @@ void bind_checkpoint_state(py::module_& m) {
   py::class_<ckpt::LocalTensor>(m, "LocalTensor", "A tensor (or this rank's slice of one) as it is saved.")
       .def_readonly("name", &ckpt::LocalTensor::name)
       .def_readonly("tensor", &ckpt::LocalTensor::tensor)
-      .def_readonly("global_shape", &ckpt::LocalTensor::global_shape);
+      .def_readonly("global_shape", &ckpt::LocalTensor::global_shape)
+      .def_readonly("split_dim", &ckpt::LocalTensor::split_dim)
+      .def_readonly("offset", &ckpt::LocalTensor::offset);
   py::class_<ckpt::Need>(m, "Need", "A saved tensor a provider wants back (made by need_for).")
       .def_readonly("name", &ckpt::Need::name);
   py::class_<ckpt::SaveState>(m, "SaveState", "What this rank holds, as every provider described it.")
@@ -62,12 +64,15 @@ void bind_checkpoint_state(py::module_& m) {
       .def(
           "add_tensor",
           [](ckpt::SaveState& s, const std::string& name, const at::Tensor& tensor,
-             std::optional<std::vector<int64_t>> global_shape, int dim, int64_t offset) {
+             std::optional<std::vector<int64_t>> global_shape, int dim, int64_t offset, bool lowest_rank_writes) {
             s.tensors.push_back(ckpt::describe_slice(name, tensor, global_shape ? dim : -1,
                                                      global_shape.value_or(std::vector<int64_t>{}), offset));
+            s.tensors.back().lowest_rank_writes = lowest_rank_writes;
           },
           py::arg("name"), py::arg("tensor"), py::arg("global_shape") = py::none(), py::arg("dim") = -1,
-          py::arg("offset") = 0, "Saves `tensor` as `name`: whole, or as the slice at `offset` along `dim` of a tensor of global_shape.")
+          py::arg("offset") = 0, py::arg("lowest_rank_writes") = false,
+          "Saves `tensor` as `name`: whole, or as the slice at `offset` along `dim` of a tensor of global_shape "
+          "(lowest_rank_writes: a buffer every rank holds, of which the lowest rank's copy is saved).")
       .def(
           "set_section", [](ckpt::SaveState& s, const std::string& name, std::string json) { s.sections[name] = std::move(json); },
           py::arg("name"), py::arg("json"), "This provider's manifest section, as JSON text.")
@@ -81,6 +86,8 @@ void bind_checkpoint_state(py::module_& m) {
       .def_property_readonly("live", [](const ckpt::LoadContext& c) -> const ckpt::SaveState& { return c.live; },
                              py::return_value_policy::reference_internal)
       .def("record", &ckpt::LoadContext::record, py::return_value_policy::reference_internal, py::arg("name"))
+      .def("saved_names", &ckpt::LoadContext::saved_names, py::arg("prefix"),
+           "The saved tensors' names starting with prefix, sorted.")
       .def("section", &ckpt::LoadContext::section, py::arg("name"), "The JSON text of a section; '' when none.")
       .def("same_layout", &ckpt::LoadContext::same_layout);
   py::class_<ckpt::StateProvider, PyStateProvider, std::shared_ptr<ckpt::StateProvider>>(
@@ -96,6 +103,18 @@ void bind_checkpoint_state(py::module_& m) {
       },
       py::arg("live"), py::arg("record"), py::arg("needs"),
       "Appends the need for the live tensor (same name saved); the mismatch text when the record differs.");
+  m.def(
+      "need_like",
+      [](const std::string& saved, const ckpt::TensorRecord& record, const ckpt::LocalTensor* like,
+         py::list needs) -> std::optional<std::string> {
+        std::vector<ckpt::Need> found;
+        auto mismatch = ckpt::need_like(saved, record, like, found);
+        for (auto& need : found) needs.append(std::move(need));
+        return mismatch;
+      },
+      py::arg("saved"), py::arg("record"), py::arg("like"), py::arg("needs"),
+      "Appends the need for the saved tensor laid out as the live tensor `like` (None: whole); the "
+      "mismatch text when the global shapes differ.");
 }
 
 }  // namespace torchloom_py

@@ -268,6 +268,15 @@ void check_group(OptimizerKind kind, size_t g, const json& group, const torch::o
     well_formed = well_formed && ok;
   }
   if (!well_formed) return;
+  // A checkpoint saved from Python carries torch.optim's options too: implementation choices
+  // (foreach, fused, capturable, differentiable) do not change the update and are ignored; those
+  // that do and that LibTorch's optimizers lack are refused rather than silently dropped.
+  for (const char* key : {"maximize", "decoupled_weight_decay"}) {
+    const bool decoupled_adamw = kind == Kind::AdamW && std::string(key) == "decoupled_weight_decay";
+    if (options.contains(key) && options[key] != false && !decoupled_adamw)
+      problems.push_back(context_text + "option \"" + key + "\" is " + options[key].dump() + ", which LibTorch's " +
+                         optimizer_kind_name(kind) + " does not have");
+  }
   try {
     check_options_on_scratch(kind, live_group.options(), options);
   } catch (const std::exception& e) {
@@ -318,11 +327,7 @@ void plan_state_tensors(const LoadContext& context, std::vector<Need>& needs, st
     }
     // Shape alone: state may be kept in another dtype than its parameter (fp32 beside bf16). Every
     // state tensor of the optimizers supported has its parameter's shape.
-    if (r.shape == p->global_shape)
-      needs.push_back({name, &r, p->box(), p->tensor.sizes().vec()});
-    else
-      problems.push_back("optimizer state " + name + " " + shape_to_string(r.shape) + " does not match its parameter " +
-                         shape_to_string(p->global_shape));
+    if (auto mismatch = need_like(name, r, p, needs)) problems.push_back("optimizer state " + *mismatch);
   }
 }
 

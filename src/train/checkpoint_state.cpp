@@ -61,6 +61,19 @@ std::optional<std::string> need_for(const LocalTensor& live, const TensorRecord&
   return std::nullopt;
 }
 
+std::optional<std::string> need_like(const std::string& saved, const TensorRecord& record, const LocalTensor* like,
+                                     std::vector<Need>& needs) {
+  if (like == nullptr) {
+    needs.push_back({saved, &record, slice_box(record.shape, -1, 0, 0), record.shape});
+    return std::nullopt;
+  }
+  if (record.shape != like->global_shape)
+    return saved + " " + shape_to_string(record.shape) + " does not match " + like->name + " " +
+           shape_to_string(like->global_shape);
+  needs.push_back({saved, &record, like->box(), like->tensor.sizes().vec()});
+  return std::nullopt;
+}
+
 void copy_into(at::Tensor& live, const at::Tensor& source) {
   at::NoGradGuard no_grad;
   live.copy_(source);
@@ -90,6 +103,14 @@ LocalTensor describe_slice(const std::string& name, const at::Tensor& tensor, in
 const TensorRecord* LoadContext::record(const std::string& name) const {
   auto it = manifest.tensors.find(name);
   return it == manifest.tensors.end() ? nullptr : &it->second;
+}
+
+std::vector<std::string> LoadContext::saved_names(const std::string& prefix) const {
+  std::vector<std::string> names;
+  for (auto it = manifest.tensors.lower_bound(prefix); it != manifest.tensors.end() && it->first.rfind(prefix, 0) == 0;
+       ++it)
+    names.push_back(it->first);
+  return names;
 }
 
 std::string LoadContext::section(const std::string& name) const {

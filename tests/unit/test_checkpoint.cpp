@@ -827,7 +827,7 @@ TEST(CheckpointCorruption, EditedManifest) {
         r["shape"] = {32};
         r["split_dim"] = nullptr;
       },
-      {"optimizer state optim/fc1.weight/exp_avg [32] does not match its parameter [8, 4]"});
+      {"optimizer state optim/fc1.weight/exp_avg [32] does not match model/fc1.weight [8, 4]"});
   write_file(s.manifest, original.substr(0, original.size() / 2));
   expect_load_fails(s, {s.manifest, "is not a JSON object"});
 }

@@ -141,6 +141,8 @@ struct LoadContext {
 
   // The saved tensor of that name; nullptr when the checkpoint has none.
   const TensorRecord* record(const std::string& name) const;
+  // The saved tensors' names that start with `prefix`, sorted ("optim/": every optimizer state tensor).
+  std::vector<std::string> saved_names(const std::string& prefix) const;
   // The JSON text of a "state" section; "" when the checkpoint has none.
   std::string section(const std::string& name) const;
   const WorldLayout& saved_world() const;
@@ -187,6 +189,11 @@ std::vector<std::string> registered_state_providers();
 // Shared by providers: a need for the live tensor `live` (same name in the checkpoint) when the
 // record matches its global shape and dtype; otherwise a mismatch line is returned.
 std::optional<std::string> need_for(const LocalTensor& live, const TensorRecord& record, std::vector<Need>& needs);
+// A need for the saved tensor `saved` laid out as the live tensor `like` is (its box and local
+// shape: an optimizer's state follows its parameter's slice, in a dtype of its own); the whole
+// tensor when `like` is nullptr. A mismatch line when the saved global shape is not like's.
+std::optional<std::string> need_like(const std::string& saved, const TensorRecord& record, const LocalTensor* like,
+                                     std::vector<Need>& needs);
 // A tensor as saved: whole (dim < 0), or this rank's slice of a tensor of `global_shape` along
 // `dim` at `offset` (CheckpointError when it is not such a slice).
 LocalTensor describe_slice(const std::string& name, const at::Tensor& tensor, int dim,
