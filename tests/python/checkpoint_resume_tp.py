@@ -86,11 +86,11 @@ def check_consolidated(work_dir, ckpt_dir, model, opt):
     assert done.returncode == 0, done.stderr
     assert "tensors" in done.stdout and not done.stderr, (done.stdout, done.stderr)
     tensors = load_file(out)
-    names = {f"model.{n}" for n, _ in model.named_parameters()}
+    names = {n for n, _ in model.named_parameters()}  # as a C++ model's (model/<name>, without model/)
     assert names <= set(tensors), sorted(tensors)
     for n, p in model.named_parameters():
-        assert torch.equal(tensors[f"model.{n}"], p.detach()), n
-        assert torch.equal(tensors[f"optim/model.{n}/exp_avg"], opt.state[p]["exp_avg"]), n
+        assert torch.equal(tensors[n], p.detach()), n
+        assert torch.equal(tensors[f"optim/{n}/exp_avg"], opt.state[p]["exp_avg"]), n
     assert not any(k.startswith("rng") or k.startswith("objects/") for k in tensors), sorted(tensors)
     # A damaged checkpoint: exit status 2 and the reason, no output file.
     bad = subprocess.run([sys.executable, "-m", "torchloom.checkpoint", "consolidate", work_dir + "/nowhere",

@@ -143,22 +143,23 @@ def _same(a, b):
 
 
 def _forge_optimizer_state_tensor(m):
-    state = m["state"]["objects"]["torch.optim/optimizer"]["state"]
-    first = next(iter(state.values()))
-    first["exp_avg"] = {"__tensor__": "optim/nowhere/exp_avg"}
+    """One parameter's exp_avg renamed: its state lacks a tensor AdamW keeps (the load used to fail
+    on such state after the model had changed)."""
+    name = sorted(k for k in m["tensors"] if k.startswith("optim/") and k.endswith("/exp_avg"))[0]
+    m["tensors"][name[:-len("exp_avg")] + "exp_avgs"] = m["tensors"].pop(name)
 
 
 @pytest.mark.parametrize("forgery, message", [
     # Hyper-parameters torch.optim's load_state_dict would take as they are.
-    (lambda m: m["state"]["objects"]["torch.optim/optimizer"]["param_groups"][0]["options"].update(lr=-1.0),
+    (lambda m: m["state"]["optimizer"]["param_groups"][0]["options"].update(lr=-1.0),
      "the saved options are not valid for AdamW: Invalid learning rate"),
-    (lambda m: m["state"]["objects"]["torch.optim/optimizer"]["param_groups"][0]["options"].update(betas="x"),
+    (lambda m: m["state"]["optimizer"]["param_groups"][0]["options"].update(betas="x"),
      "the saved options are not valid for AdamW"),
     # One the constructor takes but float32 parameters cannot: the first step after it would fail.
-    (lambda m: m["state"]["objects"]["torch.optim/optimizer"]["param_groups"][0]["options"].update(weight_decay=1e308),
+    (lambda m: m["state"]["optimizer"]["param_groups"][0]["options"].update(weight_decay=1e308),
      "option 'weight_decay' is 1e+308, which the parameters' dtype torch.float32 cannot hold"),
     # A tensor the checkpoint does not hold (the load used to fail on it after the model changed).
-    (_forge_optimizer_state_tensor, "refers to tensor 'optim/nowhere/exp_avg', which the checkpoint does not hold"),
+    (_forge_optimizer_state_tensor, "lacks exp_avg, which AdamW with these options keeps for every parameter"),
     # A scheduler value of the wrong kind.
     (lambda m: m["state"]["objects"]["lr_scheduler"].update(last_epoch="x"), "OneCycleLR state 'last_epoch' is 'x'"),
 ])

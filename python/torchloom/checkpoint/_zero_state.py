@@ -1,10 +1,10 @@
 """torchloom.ZeroRedundancyOptimizer's sharded state in a checkpoint, in the format of any other
-torch.optim optimizer (optim/<param>/<key>, sliced like the parameter; param_groups by name), so a
-ZeRO checkpoint loads at another data-parallel size, with or without ZeRO, and a plain one loads
-into ZeRO. The Python counterpart of src/train/checkpoint_zero_state.cpp.
+optimizer (_optimizer_state.py: optim/<param>/<key>, sliced like the parameter; steps and
+param_groups by name), so a ZeRO checkpoint loads at another data-parallel size, with or without
+ZeRO, and a plain one loads into ZeRO. The Python counterpart of src/train/checkpoint_zero_state.cpp.
 
 Save (collective over the ZeRO group): each bucket's state is all-gathered one key at a time and
-each rank registers the parameters whose first element lies in its shard (about 1/N of the state);
+each rank adds the parameters whose first element lies in its shard (about 1/N of the state);
 every rank describes every parameter's state in the same JSON. fp32 master weights of bf16/fp16
 parameters are saved as master/<param>, so a resumed run steps from the same values.
 Load: only the parameters overlapping this rank's shards are read; their overlapping elements are
@@ -77,46 +77,50 @@ def _agree_on_state(zero: Any, layout: ZeroLayout) -> None:
         raise ValueError(f"the ZeRO shards' optimizer state differs between buckets (they stepped differently): {mine}")
 
 
-def encode(zero: Any, names: List[str], slices: List[Slice], register: Callable[[str, torch.Tensor, Slice], None],
-           encode_value: Callable[[Any, str], Any]) -> Dict[str, Any]:
-    """The optimizer's JSON (the same on every rank); registers this rank's tensors with `register`."""
+def encode(zero: Any, names: List[str], slices: List[Slice], add: Callable[[str, torch.Tensor, Slice], None],
+           step_of: Callable[[Any], Optional[int]], encode_value: Callable[[Any, str], Any]) -> Dict[str, Any]:
+    """The optimizer section (the same on every rank) without its param_groups; adds this rank's
+    tensors with `add`. A step (every shard holds the same) goes into "steps", as C++ keeps it."""
     layout = ZeroLayout(zero)
     _agree_on_state(zero, layout)
     zero.wait_parameters()  # the parameters are saved beside this state: every all-gather done
-    state: Dict[str, Dict[str, Any]] = {}
-    masters: Dict[str, str] = {}
+    steps: Dict[str, int] = {}
+    values: Dict[str, Dict[str, Any]] = {}
     for b, shard in enumerate(layout.shards):
         s = layout.shard_numel[b]
         per_shard = zero.optim.state.get(shard, {})
         for key in sorted(per_shard):
             value = per_shard[key]
+            if key == "step" and step_of(value) is not None:
+                for i in layout.members[b]:
+                    steps[names[i]] = step_of(value)
+                continue
             shaped = torch.is_tensor(value) and value.dim() == 1 and value.numel() == s
             full = layout.gather(b, value) if shaped else None
             for i in layout.members[b]:
                 saved = f"optim/{names[i]}/{key}"
                 if not torch.is_tensor(value):
-                    state.setdefault(names[i], {})[key] = encode_value(value, saved)
+                    if value is not None:
+                        values.setdefault(names[i], {})[key] = encode_value(value, saved)
                     continue
-                state.setdefault(names[i], {})[key] = {"__tensor__": saved}
                 if layout.owner(i) != layout.rank:
                     continue
                 if shaped:
                     _, offset, numel = layout.placements[i]
-                    register(saved, full[offset:offset + numel].view(layout.params[i].shape).clone(), slices[i])
-                else:  # a scalar tensor (Adam's step): every shard holds the same
-                    register(saved, value.detach().clone(), None)
+                    add(saved, full[offset:offset + numel].view(layout.params[i].shape).clone(), slices[i])
+                else:  # a scalar tensor: every shard holds the same
+                    add(saved, value.detach().clone(), None)
         if layout.masters[b]:
             full = layout.gather(b, shard)
             for i in layout.members[b]:
-                masters[names[i]] = f"master/{names[i]}"
                 if layout.owner(i) == layout.rank:
                     _, offset, numel = layout.placements[i]
-                    register(masters[names[i]], full[offset:offset + numel].view(layout.params[i].shape).clone(),
-                             slices[i])
-    encoded: Dict[str, Any] = {"type": type(zero.optim).__name__, "state": state}
-    if masters:
-        encoded["master"] = masters
-    return encoded
+                    add(f"master/{names[i]}", full[offset:offset + numel].view(layout.params[i].shape).clone(),
+                        slices[i])
+    section: Dict[str, Any] = {"type": type(zero.optim).__name__, "steps": steps}
+    if values:
+        section["state"] = values
+    return section
 
 
 def needed(zero: Any, names: List[str]) -> Set[str]:
@@ -125,13 +129,21 @@ def needed(zero: Any, names: List[str]) -> Set[str]:
     return {names[i] for i in range(len(names)) if layout.overlap(i)[0] < layout.overlap(i)[1]}
 
 
-def shard_state_dict(zero: Any, encoded: Dict[str, Any], names: List[str], options: Dict[str, Any],
-                     decode: Callable[[Any, str], Any]) -> Dict[str, Any]:
-    """torch.optim's state_dict for the shard optimizer from a saved one (any DP size, ZeRO or not):
-    each shard's state assembled from the overlapping parameters' saved state. ValueError when a
-    saved tensor does not fit its parameter."""
+def has_masters(zero: Any, param: torch.Tensor) -> bool:
+    """Whether the parameter's bucket keeps fp32 master weights (bf16/fp16 parameters)."""
     layout = ZeroLayout(zero)
-    saved_state = encoded.get("state") or {}
+    for i, p in enumerate(layout.params):
+        if p is param:
+            return layout.masters[layout.placements[i][0]]
+    return False
+
+
+def shard_state_dict(zero: Any, saved_state: Dict[str, Dict[str, Any]], names: List[str],
+                     options: Dict[str, Any]) -> Dict[str, Any]:
+    """torch.optim's state_dict for the shard optimizer from each parameter's saved state (any DP
+    size, ZeRO or not): each shard's state assembled from the overlapping parameters'. ValueError
+    when a saved tensor does not fit its parameter."""
+    layout = ZeroLayout(zero)
     state: Dict[int, Dict[str, Any]] = {}
     for b, shard in enumerate(layout.shards):
         s = layout.shard_numel[b]
@@ -143,7 +155,6 @@ def shard_state_dict(zero: Any, encoded: Dict[str, Any], names: List[str], optio
                 continue
             _, offset, numel = layout.placements[i]
             for key, value in per_param.items():
-                value = decode(value, names[i])
                 if torch.is_tensor(value) and value.dim() > 0:
                     if value.numel() != numel:
                         raise ValueError(f"optimizer state {key!r} of {names[i]} has {value.numel()} elements; the "
@@ -160,41 +171,37 @@ def shard_state_dict(zero: Any, encoded: Dict[str, Any], names: List[str], optio
     return {"state": state, "param_groups": [dict(options, params=list(range(len(layout.shards))))]}
 
 
-def _masters_read_here(layout: ZeroLayout, encoded: Dict[str, Any], names: List[str],
-                       tensors: Dict[str, torch.Tensor]) -> Iterator[Tuple[int, str, str]]:
-    """(parameter index, name, saved key) of each saved master weight this rank reads: those of
-    parameters with fp32 masters overlapping its shards. ValueError when "master" is not an object."""
-    saved = encoded.get("master") or {}
-    if not isinstance(saved, dict):
-        raise ValueError(f"the checkpoint's ZeRO master weights are a {type(saved).__name__}, expected an object")
+def _masters_read_here(layout: ZeroLayout, names: List[str],
+                       masters: Dict[str, torch.Tensor]) -> Iterator[Tuple[int, str, torch.Tensor]]:
+    """(parameter index, name, saved tensor) of each saved master weight this rank reads: those of
+    parameters with fp32 masters overlapping its shards."""
     for i, name in enumerate(names):
         begin, end = layout.overlap(i)
-        key = saved.get(name)
-        if layout.masters[layout.placements[i][0]] and begin < end and key in tensors:
-            yield i, name, key
+        if layout.masters[layout.placements[i][0]] and begin < end and name in masters:
+            yield i, name, masters[name]
 
 
-def check_masters(zero: Any, encoded: Dict[str, Any], names: List[str], tensors: Dict[str, torch.Tensor]) -> None:
+def check_masters(zero: Any, names: List[str], masters: Dict[str, torch.Tensor]) -> None:
     """Before anything changes: every saved master weight this rank will read has its parameter's
     number of elements (a forged or truncated one would fail half-way through load_masters, after
     the model and the optimizer state were replaced). ValueError naming the parameter."""
     layout = ZeroLayout(zero)
-    for i, name, key in _masters_read_here(layout, encoded, names, tensors):
-        numel, found = layout.placements[i][2], tensors[key]
+    for i, name, found in _masters_read_here(layout, names, masters):
+        numel = layout.placements[i][2]
         if found.numel() != numel:
-            raise ValueError(f"the master weights {key} have shape {list(found.shape)} ({found.numel()} elements); "
-                             f"the parameter {name} has shape {list(layout.params[i].shape)} ({numel} elements)")
+            raise ValueError(f"the master weights master/{name} have shape {list(found.shape)} ({found.numel()} "
+                             f"elements); the parameter {name} has shape {list(layout.params[i].shape)} ({numel} elements)")
 
 
-def load_masters(zero: Any, encoded: Dict[str, Any], names: List[str], tensors: Dict[str, torch.Tensor]) -> None:
+def load_masters(zero: Any, names: List[str], masters: Dict[str, torch.Tensor]) -> None:
     """The masters take the (already loaded) parameters' values, then the saved masters' where the
     checkpoint has them."""
     layout = ZeroLayout(zero)
     zero._zero.refresh_master_weights()
     with torch.no_grad():
-        for i, _, key in _masters_read_here(layout, encoded, names, tensors):
+        for i, _, found in _masters_read_here(layout, names, masters):
             b, offset, _ = layout.placements[i]
             begin, end = layout.overlap(i)
             s = layout.shard_numel[b]
             layout.shards[b][begin - layout.rank * s:end - layout.rank * s].copy_(
-                tensors[key].reshape(-1)[begin - offset:end - offset])
+                found.reshape(-1)[begin - offset:end - offset])
