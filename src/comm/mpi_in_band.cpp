@@ -80,6 +80,155 @@ void InBandChannel::all_reduce(const Op& op, uint64_t fingerprint, void* data, i
   if (!agreed) report(op, fingerprint);
 }
 
+namespace {
+
+// One round of InBandChannel::exchange in pieces: every receive posted first, so that the peer's
+// pieces land directly in their slots, then the sends. Returns false at the first piece received
+// that is not the expected one (another call's message, or poison): the peer sends no more
+// pieces this rank expects, so their receives are withdrawn (pieces of another call may stay
+// unreceived: the communicator is broken after this). The sends read the caller's data: they are
+// complete when this returns, and only then may received values be combined into it.
+template <typename Piece, typename SendBytes, typename Slot, typename Expected>
+bool swap_pieces(MPI_Comm comm, const Op& op, int peer, int receiving, int sending, int send_tag, int slot_bytes,
+                 Piece piece, SendBytes send_bytes, Slot slot, Expected expected) {
+  std::array<MPI_Request, kMaxPieces> receives, sends;
+  for (int i = 0; i < receiving; ++i)
+    check_mpi(MPI_Irecv(slot(i), slot_bytes, MPI_BYTE, peer, MPI_ANY_TAG, comm, &receives[i]), op,
+              "MPI_Irecv (in-band agreement)");
+  for (int i = 0; i < sending; ++i)
+    check_mpi(MPI_Isend(piece(i), send_bytes(i), MPI_BYTE, peer, send_tag, comm, &sends[i]), op,
+              "MPI_Isend (in-band agreement)");
+  bool agreed = true;
+  for (int i = 0; i < receiving && agreed; ++i) {
+    MPI_Status status;
+    check_mpi(MPI_Wait(&receives[i], &status), op, "MPI_Wait (in-band agreement)");
+    if (expected(status, i)) continue;
+    agreed = false;
+    for (int j = i + 1; j < receiving; ++j) {
+      MPI_Cancel(&receives[j]);
+      MPI_Wait(&receives[j], MPI_STATUS_IGNORE);
+    }
+  }
+  if (sending > 0)
+    check_mpi(MPI_Waitall(sending, sends.data(), MPI_STATUSES_IGNORE), op, "MPI_Waitall (in-band agreement)");
+  return agreed;
+}
+
+// One recursive-halving all-reduce's messages (InBandChannel::halve): this rank's sends and
+// receives, and whether it is poisoned (it found a message it did not expect).
+class Halving {
+ public:
+  Halving(MPI_Comm comm, const Op& op, const SignatureWords& mine, int my_tag, int poison_tag, char* bytes, char* slot,
+          int slot_bytes, MPI_Datatype type, int type_size, MPI_Op reduce)
+      : comm_(comm), op_(op), mine_(mine), my_tag_(my_tag), poison_tag_(poison_tag), bytes_(bytes), slot_(slot),
+        slot_bytes_(slot_bytes), type_(type), type_size_(type_size), reduce_(reduce) {}
+
+  bool poisoned() const { return poisoned_; }
+  char* slot() const { return slot_; }
+
+  // Sends this rank's part, or its signature under the poison tag once poisoned; blocking: a
+  // peer always takes one message from this rank in each round.
+  void send(const char* part, int64_t part_bytes, int peer, const char* call) {
+    if (poisoned_)
+      check_mpi(MPI_Send(mine_.data(), sizeof(mine_), MPI_BYTE, peer, poison_tag_, comm_), op_, call);
+    else
+      check_mpi(MPI_Send(part, static_cast<int>(part_bytes), MPI_BYTE, peer, my_tag_, comm_), op_, call);
+  }
+
+  // Takes one message from `peer` into `into` when it is the expected one, into the slot otherwise
+  // (which poisons this rank). The message is probed first: no byte of another call lands in the
+  // caller's buffer, whatever its size.
+  bool receive(char* into, int64_t expected_bytes, int peer, const char* call) {
+    MPI_Message message = MPI_MESSAGE_NULL;
+    MPI_Status status;
+    check_mpi(MPI_Mprobe(peer, MPI_ANY_TAG, comm_, &message, &status), op_, call);
+    int received = 0;
+    MPI_Get_count(&status, MPI_BYTE, &received);
+    // Every sender on the channel bounds its messages by the same maximum, the slot's size.
+    if (received > slot_bytes_)
+      throw CommError(op_.info.describe() + ": in-band message of " + std::to_string(received) +
+                      " bytes exceeds the channel's " + std::to_string(slot_bytes_));
+    const bool expected = !poisoned_ && status.MPI_TAG == my_tag_ && received == expected_bytes;
+    check_mpi(MPI_Mrecv(expected ? into : slot_, received, MPI_BYTE, &message, MPI_STATUS_IGNORE), op_, call);
+    if (!expected) poisoned_ = true;
+    return expected;
+  }
+
+  // Reduce-scatter by recursive halving over ranks [0, p2): in each round the segment this rank
+  // owns halves; it sends its peer the half the peer keeps and reduces the peer's copy of its own
+  // half into the caller's buffer. The rounds pair ranks as the doubling schedule and the
+  // agreement do (masks 1, 2, 4, ...), so a rank on another path meets the same peer in the same
+  // round. Returns the number of rounds.
+  int reduce_scatter(int rank, int p2, int64_t count) {
+    Segment own{0, count};
+    int rounds = 0;
+    for (int mask = 1; mask < p2; mask <<= 1, ++rounds) {
+      const int peer = rank ^ mask;
+      const Segment lower{own.first, own.count / 2};
+      const Segment upper{own.first + lower.count, own.count - lower.count};
+      const bool keep_lower = (rank & mask) == 0;
+      const Segment keep = keep_lower ? lower : upper;
+      const Segment give = keep_lower ? upper : lower;
+      MPI_Status status;
+      if (poisoned_)
+        check_mpi(MPI_Sendrecv(mine_.data(), sizeof(mine_), MPI_BYTE, peer, poison_tag_, slot_, slot_bytes_, MPI_BYTE,
+                               peer, MPI_ANY_TAG, comm_, &status),
+                  op_, "MPI_Sendrecv (in-band all-reduce)");
+      else
+        check_mpi(MPI_Sendrecv(bytes_ + give.first * type_size_, static_cast<int>(give.count * type_size_), MPI_BYTE,
+                               peer, my_tag_, slot_, slot_bytes_, MPI_BYTE, peer, MPI_ANY_TAG, comm_, &status),
+                  op_, "MPI_Sendrecv (in-band all-reduce)");
+      int received = 0;
+      MPI_Get_count(&status, MPI_BYTE, &received);
+      if (poisoned_ || status.MPI_TAG != my_tag_ || received != keep.count * type_size_)
+        poisoned_ = true;
+      else
+        check_mpi(MPI_Reduce_local(slot_, bytes_ + keep.first * type_size_, static_cast<int>(keep.count), type_,
+                                   reduce_),
+                  op_, "MPI_Reduce_local");
+      kept_[rounds] = keep;
+      given_[rounds] = give;
+      own = keep;
+    }
+    return rounds;
+  }
+
+  // All-gather back along the same rounds: the peer owns the other half of the segment both split
+  // in that round. It is received into place only when probed to be that half's size, from the
+  // peer whose own copy of this rank's half was checked in the same round.
+  void all_gather(int rank, int rounds) {
+    for (int r = rounds - 1; r >= 0; --r) {
+      const int peer = rank ^ (1 << r);
+      MPI_Request sent = MPI_REQUEST_NULL;
+      check_mpi(MPI_Isend(bytes_ + kept_[r].first * type_size_, static_cast<int>(kept_[r].count * type_size_), MPI_BYTE,
+                          peer, my_tag_, comm_, &sent),
+                op_, "MPI_Isend (in-band all-reduce)");
+      receive(bytes_ + given_[r].first * type_size_, given_[r].count * type_size_, peer, "MPI_Mrecv (in-band all-reduce)");
+      check_mpi(MPI_Wait(&sent, MPI_STATUS_IGNORE), op_, "MPI_Wait (in-band all-reduce)");
+    }
+  }
+
+ private:
+  struct Segment {
+    int64_t first = 0, count = 0;  // elements
+  };
+  MPI_Comm comm_;
+  const Op& op_;
+  const SignatureWords& mine_;
+  const int my_tag_, poison_tag_;
+  char* const bytes_;
+  char* const slot_;
+  const int slot_bytes_;
+  const MPI_Datatype type_;
+  const int type_size_;
+  const MPI_Op reduce_;
+  bool poisoned_ = false;
+  // What each round kept and gave away: the all-gather walks them back.
+  std::array<Segment, 32> kept_{}, given_{};
+};
+
+}  // namespace
+
 bool InBandChannel::halve(const Op& op, uint64_t fingerprint, void* data, int count, MPI_Datatype type, MPI_Op reduce) {
   const SignatureWords mine = signature_words(op.info, fingerprint);
   int type_size = 1;
@@ -88,108 +237,27 @@ bool InBandChannel::halve(const Op& op, uint64_t fingerprint, void* data, int co
   if (total_bytes > max_message_bytes_)
     throw InvalidArgumentError(op.info.describe() + ": " + std::to_string(total_bytes) +
                                " bytes exceed the in-band channel's " + std::to_string(max_message_bytes_));
-  const int my_tag = tag_of(fingerprint, kData);
-  const int poison_tag = tag_of(fingerprint, kPoison);
   char* bytes = static_cast<char*>(data);
-  char* slot = slots();
-  bool poisoned = false;
-  // Sends this rank's part, or its signature under the poison tag once poisoned; blocking: a
-  // peer always takes one message from this rank in each round.
-  auto send = [&](const char* part, int64_t part_bytes, int peer, const char* call) {
-    if (poisoned)
-      check_mpi(MPI_Send(mine.data(), sizeof(mine), MPI_BYTE, peer, poison_tag, comm_), op, call);
-    else
-      check_mpi(MPI_Send(part, static_cast<int>(part_bytes), MPI_BYTE, peer, my_tag, comm_), op, call);
-  };
-  // Takes one message from `peer` into `into` when it is the expected one, into the slot otherwise
-  // (which poisons this rank). The message is probed first: no byte of another call lands in the
-  // caller's buffer, whatever its size.
-  auto receive = [&](char* into, int64_t expected_bytes, int peer, const char* call) {
-    MPI_Message message = MPI_MESSAGE_NULL;
-    MPI_Status status;
-    check_mpi(MPI_Mprobe(peer, MPI_ANY_TAG, comm_, &message, &status), op, call);
-    int received = 0;
-    MPI_Get_count(&status, MPI_BYTE, &received);
-    // Every sender on the channel bounds its messages by the same maximum, the slot's size.
-    if (received > max_message_bytes_)
-      throw CommError(op.info.describe() + ": in-band message of " + std::to_string(received) +
-                      " bytes exceeds the channel's " + std::to_string(max_message_bytes_));
-    const bool expected = !poisoned && status.MPI_TAG == my_tag && received == expected_bytes;
-    check_mpi(MPI_Mrecv(expected ? into : slot, received, MPI_BYTE, &message, MPI_STATUS_IGNORE), op, call);
-    if (!expected) poisoned = true;
-    return expected;
-  };
+  Halving run(comm_, op, mine, tag_of(fingerprint, kData), tag_of(fingerprint, kPoison), bytes, slots(),
+              max_message_bytes_, type, type_size, reduce);
 
   // Ranks beyond the largest power of two fold into a partner first and get the result back last.
   if (rank_ >= p2_) {
-    send(bytes, total_bytes, rank_ - p2_, "MPI_Send (in-band all-reduce, fold)");
-    receive(bytes, total_bytes, rank_ - p2_, "MPI_Mrecv (in-band all-reduce, result)");
-    return !poisoned;
+    run.send(bytes, total_bytes, rank_ - p2_, "MPI_Send (in-band all-reduce, fold)");
+    run.receive(bytes, total_bytes, rank_ - p2_, "MPI_Mrecv (in-band all-reduce, result)");
+    return !run.poisoned();
   }
   const bool has_extra = rank_ + p2_ < size_;
-  if (has_extra && receive(slot, total_bytes, rank_ + p2_, "MPI_Mrecv (in-band all-reduce, fold)"))
-    check_mpi(MPI_Reduce_local(slot, bytes, count, type, reduce), op, "MPI_Reduce_local");
-
-  // Reduce-scatter by recursive halving: in each round the segment this rank owns halves; it
-  // sends its peer the half the peer keeps and reduces the peer's copy of its own half into the
-  // caller's buffer. The rounds pair ranks as the doubling schedule and the agreement do (masks 1,
-  // 2, 4, ...), so a rank on another path meets the same peer in the same round.
-  struct Segment {
-    int64_t first = 0, count = 0;  // elements
-  };
-  // What each round kept and gave away: the all-gather walks them back.
-  std::array<Segment, 32> kept{}, given{};
-  Segment own{0, count};
-  int rounds = 0;
-  for (int mask = 1; mask < p2_; mask <<= 1, ++rounds) {
-    const int peer = rank_ ^ mask;
-    const Segment lower{own.first, own.count / 2};
-    const Segment upper{own.first + lower.count, own.count - lower.count};
-    const bool keep_lower = (rank_ & mask) == 0;
-    const Segment keep = keep_lower ? lower : upper;
-    const Segment give = keep_lower ? upper : lower;
-    const int64_t keep_bytes = keep.count * type_size;
-    MPI_Status status;
-    if (poisoned)
-      check_mpi(MPI_Sendrecv(mine.data(), sizeof(mine), MPI_BYTE, peer, poison_tag, slot, max_message_bytes_, MPI_BYTE,
-                             peer, MPI_ANY_TAG, comm_, &status),
-                op, "MPI_Sendrecv (in-band all-reduce)");
-    else
-      check_mpi(MPI_Sendrecv(bytes + give.first * type_size, static_cast<int>(give.count * type_size), MPI_BYTE, peer,
-                             my_tag, slot, max_message_bytes_, MPI_BYTE, peer, MPI_ANY_TAG, comm_, &status),
-                op, "MPI_Sendrecv (in-band all-reduce)");
-    int received = 0;
-    MPI_Get_count(&status, MPI_BYTE, &received);
-    if (poisoned || status.MPI_TAG != my_tag || received != keep_bytes) {
-      poisoned = true;
-    } else {
-      check_mpi(MPI_Reduce_local(slot, bytes + keep.first * type_size, static_cast<int>(keep.count), type, reduce), op,
-                "MPI_Reduce_local");
-    }
-    kept[rounds] = keep;
-    given[rounds] = give;
-    own = keep;
-  }
+  if (has_extra && run.receive(run.slot(), total_bytes, rank_ + p2_, "MPI_Mrecv (in-band all-reduce, fold)"))
+    check_mpi(MPI_Reduce_local(run.slot(), bytes, count, type, reduce), op, "MPI_Reduce_local");
+  const int rounds = run.reduce_scatter(rank_, p2_, count);
   // A disagreement anywhere among the first p2 ranks has reached every one of them by now: the
   // ranks that agreed within each group of 2^k exchanged with a whole other group in round k+1,
   // and every later round doubles the poisoned set (a rank on the doubling path, with as many
   // rounds, is poisoned as well). So either all of them skip the all-gather or none does.
-  if (!poisoned) {
-    // All-gather back along the same rounds: the peer owns the other half of the segment both
-    // split in that round. It is received into place only when probed to be that half's size,
-    // from the peer whose own copy of this rank's half was checked in the same round.
-    for (int r = rounds - 1; r >= 0; --r) {
-      const int peer = rank_ ^ (1 << r);
-      MPI_Request sent = MPI_REQUEST_NULL;
-      check_mpi(MPI_Isend(bytes + kept[r].first * type_size, static_cast<int>(kept[r].count * type_size), MPI_BYTE,
-                          peer, my_tag, comm_, &sent),
-                op, "MPI_Isend (in-band all-reduce)");
-      receive(bytes + given[r].first * type_size, given[r].count * type_size, peer, "MPI_Mrecv (in-band all-reduce)");
-      check_mpi(MPI_Wait(&sent, MPI_STATUS_IGNORE), op, "MPI_Wait (in-band all-reduce)");
-    }
-  }
-  if (has_extra) send(bytes, total_bytes, rank_ + p2_, "MPI_Send (in-band all-reduce, result)");
-  return !poisoned;
+  if (!run.poisoned()) run.all_gather(rank_, rounds);
+  if (has_extra) run.send(bytes, total_bytes, rank_ + p2_, "MPI_Send (in-band all-reduce, result)");
+  return !run.poisoned();
 }
 
 bool InBandChannel::exchange(const Op& op, uint64_t fingerprint, void* data, int count, MPI_Datatype type,
@@ -245,34 +313,10 @@ bool InBandChannel::exchange(const Op& op, uint64_t fingerprint, void* data, int
         check_mpi(MPI_Recv(slot(0), max_message_bytes_, MPI_BYTE, round.peer, MPI_ANY_TAG, comm_, &status), op,
                   "MPI_Recv (in-band agreement)");
       if (round.receive && !expected(status, 0)) poisoned = true;
-    } else {
-      // Pieces: every receive posted first, so that the peer's pieces land directly in their slots.
-      std::array<MPI_Request, kMaxPieces> receives, sends;
-      const int receiving = round.receive ? messages : 0;
-      for (int i = 0; i < receiving; ++i)
-        check_mpi(MPI_Irecv(slot(i), max_message_bytes_, MPI_BYTE, round.peer, MPI_ANY_TAG, comm_, &receives[i]), op,
-                  "MPI_Irecv (in-band agreement)");
-      const int sending = round.send ? messages : 0;
-      for (int i = 0; i < sending; ++i)
-        check_mpi(MPI_Isend(payload + i * piece, send_bytes(i), MPI_BYTE, round.peer, send_tag, comm_, &sends[i]), op,
-                  "MPI_Isend (in-band agreement)");
-      for (int i = 0; i < receiving; ++i) {
-        MPI_Status status;
-        check_mpi(MPI_Wait(&receives[i], &status), op, "MPI_Wait (in-band agreement)");
-        if (expected(status, i)) continue;
-        // Another call's message, or poison. The peer sends no more pieces that this rank
-        // expects: withdraw their receives. (Pieces of another call may stay unreceived: the
-        // communicator is broken after this.)
-        poisoned = true;
-        for (int j = i + 1; j < receiving; ++j) {
-          MPI_Cancel(&receives[j]);
-          MPI_Wait(&receives[j], MPI_STATUS_IGNORE);
-        }
-        break;
-      }
-      // The sends read `data`: only once they are done may the received values be combined into it.
-      if (sending > 0)
-        check_mpi(MPI_Waitall(sending, sends.data(), MPI_STATUSES_IGNORE), op, "MPI_Waitall (in-band agreement)");
+    } else if (!swap_pieces(comm_, op, round.peer, round.receive ? messages : 0, round.send ? messages : 0, send_tag,
+                            max_message_bytes_, [&](int i) { return payload + i * piece; }, send_bytes, slot,
+                            expected)) {
+      poisoned = true;
     }
     if (round.receive && !poisoned && !data) {
       // The tag carries part of the fingerprint; the words carry all of it, and the count.

@@ -350,27 +350,8 @@ void NcclCommunicator::enqueue(loom::detail::Op& op, const at::Tensor& scratch, 
            "ncclReduceScatter");
       return;
     }
-    case OpType::AllToAll: {
-      const at::Tensor& in = op.inputs[0];
-      at::Tensor& out = op.outputs[0];
-      const size_t chunk = static_cast<size_t>(in.numel() / size());
-      if (chunk == 0) return;
-      const size_t chunk_bytes = chunk * in.element_size();
-      const ncclDataType_t type = nccl_datatype(in.scalar_type());
-      char* received = scratch.defined() ? bytes_of(scratch) : bytes_of(out);
-      group(deadline, give_up, info, [&] {
-        for (int r = 0; r < size(); ++r) {
-          ncclResult_t result = ncclSend(bytes_of(in) + r * chunk_bytes, chunk, type, r, comm, stream);
-          if (result == ncclSuccess) result = ncclRecv(received + r * chunk_bytes, chunk, type, r, comm, stream);
-          if (result != ncclSuccess && result != ncclInProgress) return result;
-        }
-        return ncclSuccess;
-      });
-      if (scratch.defined())
-        check_cuda(cudaMemcpyAsync(out.data_ptr(), scratch.data_ptr(), out.nbytes(), cudaMemcpyDeviceToDevice, stream),
-                   "cudaMemcpyAsync");
-      return;
-    }
+    case OpType::AllToAll:
+      return enqueue_all_to_all(op, scratch, deadline, give_up);
     case OpType::Send: {
       const at::Tensor& t = op.inputs[0];
       if (t.numel() == 0) return;
@@ -384,19 +365,7 @@ void NcclCommunicator::enqueue(loom::detail::Op& op, const at::Tensor& scratch, 
       return;
     }
     case OpType::SendRecvBatch:
-      // One group: NCCL starts every send and receive together, so no order of them can deadlock.
-      group(deadline, give_up, info, [&] {
-        for (const auto& p : op.batch) {
-          if (p.tensor.numel() == 0) continue;
-          const ncclDataType_t type = nccl_datatype(p.tensor.scalar_type());
-          const ncclResult_t result = p.kind == P2POp::Kind::Send
-                                          ? ncclSend(p.tensor.data_ptr(), p.tensor.numel(), type, p.peer, comm, stream)
-                                          : ncclRecv(p.tensor.data_ptr(), p.tensor.numel(), type, p.peer, comm, stream);
-          if (result != ncclSuccess && result != ncclInProgress) return result;
-        }
-        return ncclSuccess;
-      });
-      return;
+      return enqueue_send_recv_batch(op, deadline, give_up);
     case OpType::Barrier:
       // Any byte will do: max of garbage is still a completed all-reduce on every rank.
       nccl(ncclAllReduce(scratch.data_ptr(), scratch.data_ptr(), 1, ncclUint8, ncclMax, comm, stream),
@@ -405,6 +374,48 @@ void NcclCommunicator::enqueue(loom::detail::Op& op, const at::Tensor& scratch, 
     case OpType::Split:
       return;  // issue_split
   }
+}
+
+void NcclCommunicator::enqueue_all_to_all(loom::detail::Op& op, const at::Tensor& scratch, Clock::time_point deadline,
+                                          const std::function<bool()>& give_up) {
+  const cudaStream_t stream = stream_.stream();
+  const ncclComm_t comm = handle_->comm;
+  const at::Tensor& in = op.inputs[0];
+  at::Tensor& out = op.outputs[0];
+  const size_t chunk = static_cast<size_t>(in.numel() / size());
+  if (chunk == 0) return;
+  const size_t chunk_bytes = chunk * in.element_size();
+  const ncclDataType_t type = nccl_datatype(in.scalar_type());
+  char* received = scratch.defined() ? bytes_of(scratch) : bytes_of(out);
+  group(deadline, give_up, op.info, [&] {
+    for (int r = 0; r < size(); ++r) {
+      ncclResult_t result = ncclSend(bytes_of(in) + r * chunk_bytes, chunk, type, r, comm, stream);
+      if (result == ncclSuccess) result = ncclRecv(received + r * chunk_bytes, chunk, type, r, comm, stream);
+      if (result != ncclSuccess && result != ncclInProgress) return result;
+    }
+    return ncclSuccess;
+  });
+  if (scratch.defined())
+    check_cuda(cudaMemcpyAsync(out.data_ptr(), scratch.data_ptr(), out.nbytes(), cudaMemcpyDeviceToDevice, stream),
+               "cudaMemcpyAsync");
+}
+
+void NcclCommunicator::enqueue_send_recv_batch(loom::detail::Op& op, Clock::time_point deadline,
+                                               const std::function<bool()>& give_up) {
+  const cudaStream_t stream = stream_.stream();
+  const ncclComm_t comm = handle_->comm;
+  // One group: NCCL starts every send and receive together, so no order of them can deadlock.
+  group(deadline, give_up, op.info, [&] {
+    for (const auto& p : op.batch) {
+      if (p.tensor.numel() == 0) continue;
+      const ncclDataType_t type = nccl_datatype(p.tensor.scalar_type());
+      const ncclResult_t result = p.kind == P2POp::Kind::Send
+                                      ? ncclSend(p.tensor.data_ptr(), p.tensor.numel(), type, p.peer, comm, stream)
+                                      : ncclRecv(p.tensor.data_ptr(), p.tensor.numel(), type, p.peer, comm, stream);
+      if (result != ncclSuccess && result != ncclInProgress) return result;
+    }
+    return ncclSuccess;
+  });
 }
 
 void NcclCommunicator::group(Clock::time_point deadline, const std::function<bool()>& give_up, const OpInfo& info,

@@ -51,6 +51,10 @@ class NcclCommunicator final : public Communicator {
   at::Tensor scratch_for(const loom::detail::Op& op);
   void enqueue(loom::detail::Op& op, const at::Tensor& scratch, Clock::time_point deadline,
                const std::function<bool()>& give_up);
+  // enqueue()'s grouped operations: one NCCL group of sends and receives each.
+  void enqueue_all_to_all(loom::detail::Op& op, const at::Tensor& scratch, Clock::time_point deadline,
+                          const std::function<bool()>& give_up);
+  void enqueue_send_recv_batch(loom::detail::Op& op, Clock::time_point deadline, const std::function<bool()>& give_up);
   void group(Clock::time_point deadline, const std::function<bool()>& give_up, const OpInfo& info,
              const std::function<ncclResult_t()>& calls);
   void issue_split(loom::detail::Op& op, const std::shared_ptr<Work>& work);
