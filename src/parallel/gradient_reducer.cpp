@@ -318,18 +318,29 @@ struct GradientReducer::Impl : std::enable_shared_from_this<GradientReducer::Imp
     issue_in_order(/*during_backward=*/false);
 
     std::string error;
+    const std::vector<uint8_t> globally_used = agree_on_used(missing, error);
+    wait_for_buckets();
+    const size_t unused = hand_out_gradients(globally_used);
+    stats.last_unused_parameters = unused;
+    stats.last_buckets_issued_during_backward = issued_during_backward;
+    ++stats.synchronized_iterations;
+    if (options.rebuild_buckets && !rebuilt) rebuild_from_observed_order(missing);
+    reset_iteration();
+    if (!error.empty()) throw InvalidArgumentError(error);
+  }
+
+  // Which parameters any rank used this iteration (1: used). Without find_unused_parameters every
+  // one must have been: `error` names the missing ones (thrown after the iteration is reset).
+  std::vector<uint8_t> agree_on_used(const std::vector<size_t>& missing, std::string& error) {
     std::vector<uint8_t> globally_used(params.size(), 1);
     if (options.find_unused_parameters) {
-      if (options.static_graph && static_used) {
-        globally_used = *static_used;
-      } else {
-        std::vector<int64_t> used(params.size(), 1);
-        for (size_t i : missing) used[i] = 0;
-        used = all_reduce_values(*group, used, ReduceOp::Max, {"used-parameter agreement"});
-        ++stats.used_set_agreements;
-        for (size_t i = 0; i < params.size(); ++i) globally_used[i] = used[i] != 0;
-        if (options.static_graph) static_used = globally_used;
-      }
+      if (options.static_graph && static_used) return *static_used;
+      std::vector<int64_t> used(params.size(), 1);
+      for (size_t i : missing) used[i] = 0;
+      used = all_reduce_values(*group, used, ReduceOp::Max, {"used-parameter agreement"});
+      ++stats.used_set_agreements;
+      for (size_t i = 0; i < params.size(); ++i) globally_used[i] = used[i] != 0;
+      if (options.static_graph) static_used = globally_used;
     } else if (!missing.empty()) {
       std::ostringstream s;
       s << where() << ": parameters";
@@ -339,6 +350,12 @@ struct GradientReducer::Impl : std::enable_shared_from_this<GradientReducer::Imp
            "when the model does not use every parameter in every iteration";
       error = s.str();
     }
+    return globally_used;
+  }
+
+  // Waits for every issued bucket (and runs the hooks' finishing work), timing what backward did
+  // not hide.
+  void wait_for_buckets() {
     const auto waiting_since = trace::now();
     bool host_waits = true;
     for (size_t b = 0; b < buckets.size(); ++b) {
@@ -351,12 +368,16 @@ struct GradientReducer::Impl : std::enable_shared_from_this<GradientReducer::Imp
       if (bucket.reduction.finish) bucket.reduction.finish();
       if (trace::enabled() && bucket.reduction.work) record_bucket(b);
     }
-    // What backward did not hide: the wait for the last buckets (and any hook's finishing work).
     // A device wait returns at once (the stream waits): not a measurement.
     if (host_waits)
       stats.wait_seconds += std::chrono::duration<double>(trace::now() - waiting_since).count();
     else
       ++stats.unmeasured_iterations;
+  }
+
+  // Each parameter's .grad becomes its reduced gradient (a view of its bucket, or a copy); none for
+  // a parameter no rank used. Returns how many no rank used.
+  size_t hand_out_gradients(const std::vector<uint8_t>& globally_used) {
     size_t unused = 0;
     for (size_t i = 0; i < params.size(); ++i) {
       at::Tensor& grad = params[i].mutable_grad();
@@ -381,12 +402,7 @@ struct GradientReducer::Impl : std::enable_shared_from_this<GradientReducer::Imp
     }
     if (options.release_buckets)
       for (size_t b = 0; b < buckets.size(); ++b) release(b);
-    stats.last_unused_parameters = unused;
-    stats.last_buckets_issued_during_backward = issued_during_backward;
-    ++stats.synchronized_iterations;
-    if (options.rebuild_buckets && !rebuilt) rebuild_from_observed_order(missing);
-    reset_iteration();
-    if (!error.empty()) throw InvalidArgumentError(error);
+    return unused;
   }
 
   void record_bucket(size_t b) {

@@ -4,6 +4,7 @@
 
 #include <climits>
 #include <cstring>
+#include <functional>
 
 #include "topology/pcie_path.h"
 
@@ -143,6 +144,99 @@ std::optional<Link> link_from_nvml_level(int level) {
   }
 }
 
+namespace {
+
+// The NVML entry points read_nvml calls; the optional ones (name, affinity, NVLink, common
+// ancestor) may be null, and what they would say is then left out.
+struct NvmlApi {
+  InitFn init = nullptr;
+  ShutdownFn shutdown = nullptr;
+  ErrorStringFn error_string = nullptr;
+  GetCountFn get_count = nullptr;
+  GetHandleFn get_handle = nullptr;
+  GetNameFn get_name = nullptr;
+  GetPciInfoFn get_pci = nullptr;
+  GetNvLinkStateFn nvlink_state = nullptr;
+  GetNvLinkRemotePciFn nvlink_remote = nullptr;
+  GetCpuAffinityFn cpu_affinity = nullptr;
+  GetCommonAncestorFn common_ancestor = nullptr;
+
+  explicit NvmlApi(const Library& lib)
+      : init(lib.symbol<InitFn>({"nvmlInit_v2", "nvmlInit"})),
+        shutdown(lib.symbol<ShutdownFn>({"nvmlShutdown"})),
+        error_string(lib.symbol<ErrorStringFn>({"nvmlErrorString"})),
+        get_count(lib.symbol<GetCountFn>({"nvmlDeviceGetCount_v2", "nvmlDeviceGetCount"})),
+        get_handle(lib.symbol<GetHandleFn>({"nvmlDeviceGetHandleByIndex_v2", "nvmlDeviceGetHandleByIndex"})),
+        get_name(lib.symbol<GetNameFn>({"nvmlDeviceGetName"})),
+        get_pci(lib.symbol<GetPciInfoFn>({"nvmlDeviceGetPciInfo_v3", "nvmlDeviceGetPciInfo_v2"})),
+        nvlink_state(lib.symbol<GetNvLinkStateFn>({"nvmlDeviceGetNvLinkState"})),
+        nvlink_remote(lib.symbol<GetNvLinkRemotePciFn>({"nvmlDeviceGetNvLinkRemotePciInfo_v2"})),
+        cpu_affinity(lib.symbol<GetCpuAffinityFn>({"nvmlDeviceGetCpuAffinity"})),
+        common_ancestor(lib.symbol<GetCommonAncestorFn>({"nvmlDeviceGetTopologyCommonAncestor"})) {}
+
+  bool complete() const { return init && shutdown && get_count && get_handle && get_pci; }
+
+  std::string describe(nvmlReturn_t r) const {
+    std::string s = "NVML error " + std::to_string(r);
+    if (error_string) {
+      const char* text = error_string(r);
+      if (text) s += " (" + std::string(text) + ")";
+    }
+    return s;
+  }
+};
+
+// The CPUs NVML reports close to the device; empty (and a note) when the call fails.
+std::vector<int> affinity_cpus(const NvmlApi& api, nvmlDevice_t handle, unsigned index,
+                               const std::function<void(const std::string&)>& note) {
+  constexpr unsigned kBits = sizeof(unsigned long) * CHAR_BIT;
+  constexpr unsigned kWords = (kMaxCpu + 1) / kBits;
+  std::vector<unsigned long> mask(kWords, 0);
+  std::vector<int> cpus;
+  if (nvmlReturn_t r = api.cpu_affinity(handle, kWords, mask.data()); r != NVML_SUCCESS) {
+    note("nvmlDeviceGetCpuAffinity(" + std::to_string(index) + "): " + api.describe(r));
+    return cpus;
+  }
+  for (unsigned w = 0; w < kWords; ++w)
+    for (unsigned b = 0; b < kBits; ++b)
+      if (mask[w] & (1ul << b)) cpus.push_back(static_cast<int>(w * kBits + b));
+  return cpus;
+}
+
+// Device `index`: its PCI bus id, name, CPUs and active NVLinks (by the remote end's bus id).
+// nullopt and `why` when a call every device must answer fails.
+std::optional<NvmlDevice> read_device(const NvmlApi& api, unsigned index, nvmlDevice_t& handle, std::string& why,
+                                      const std::function<void(const std::string&)>& note) {
+  NvmlDevice dev;
+  if (nvmlReturn_t r = api.get_handle(index, &handle); r != NVML_SUCCESS) {
+    why = "nvmlDeviceGetHandleByIndex(" + std::to_string(index) + ") failed: " + api.describe(r);
+    return std::nullopt;
+  }
+  nvmlPciInfo_t pci{};
+  if (nvmlReturn_t r = api.get_pci(handle, &pci); r != NVML_SUCCESS) {
+    why = "nvmlDeviceGetPciInfo(" + std::to_string(index) + ") failed: " + api.describe(r);
+    return std::nullopt;
+  }
+  dev.bus_id = bus_id_of(pci);
+  if (api.get_name) {
+    char name[96] = {};
+    if (api.get_name(handle, name, sizeof(name) - 1) == NVML_SUCCESS) dev.name = name;
+  }
+  if (api.cpu_affinity) dev.cpus = affinity_cpus(api, handle, index, note);
+  if (api.nvlink_state && api.nvlink_remote) {
+    for (unsigned link = 0; link < NVML_NVLINK_MAX_LINKS; ++link) {
+      int active = 0;
+      if (api.nvlink_state(handle, link, &active) != NVML_SUCCESS || active != NVML_FEATURE_ENABLED) continue;
+      nvmlPciInfo_t remote{};
+      if (api.nvlink_remote(handle, link, &remote) != NVML_SUCCESS) continue;
+      ++dev.nvlinks[bus_id_of(remote)];
+    }
+  }
+  return dev;
+}
+
+}  // namespace
+
 std::optional<NvmlSnapshot> read_nvml(const std::string& library, std::string& why) {
   Library lib(library);
   if (!lib) {
@@ -150,94 +244,44 @@ std::optional<NvmlSnapshot> read_nvml(const std::string& library, std::string& w
     why = "cannot load " + library + ": " + (err ? err : "unknown dlopen error");
     return std::nullopt;
   }
-  auto init = lib.symbol<InitFn>({"nvmlInit_v2", "nvmlInit"});
-  auto shutdown = lib.symbol<ShutdownFn>({"nvmlShutdown"});
-  auto error_string = lib.symbol<ErrorStringFn>({"nvmlErrorString"});
-  auto get_count = lib.symbol<GetCountFn>({"nvmlDeviceGetCount_v2", "nvmlDeviceGetCount"});
-  auto get_handle = lib.symbol<GetHandleFn>({"nvmlDeviceGetHandleByIndex_v2", "nvmlDeviceGetHandleByIndex"});
-  auto get_name = lib.symbol<GetNameFn>({"nvmlDeviceGetName"});
-  auto get_pci = lib.symbol<GetPciInfoFn>({"nvmlDeviceGetPciInfo_v3", "nvmlDeviceGetPciInfo_v2"});
-  auto nvlink_state = lib.symbol<GetNvLinkStateFn>({"nvmlDeviceGetNvLinkState"});
-  auto nvlink_remote = lib.symbol<GetNvLinkRemotePciFn>({"nvmlDeviceGetNvLinkRemotePciInfo_v2"});
-  auto cpu_affinity = lib.symbol<GetCpuAffinityFn>({"nvmlDeviceGetCpuAffinity"});
-  auto common_ancestor = lib.symbol<GetCommonAncestorFn>({"nvmlDeviceGetTopologyCommonAncestor"});
-  if (!init || !shutdown || !get_count || !get_handle || !get_pci) {
+  const NvmlApi api(lib);
+  if (!api.complete()) {
     why = library + " lacks nvmlInit/nvmlShutdown/nvmlDeviceGetCount/nvmlDeviceGetHandleByIndex/nvmlDeviceGetPciInfo";
     return std::nullopt;
   }
-  auto describe = [&](nvmlReturn_t r) {
-    std::string s = "NVML error " + std::to_string(r);
-    if (error_string) {
-      const char* text = error_string(r);
-      if (text) s += " (" + std::string(text) + ")";
-    }
-    return s;
-  };
-  if (nvmlReturn_t r = init(); r != NVML_SUCCESS) {
-    why = "nvmlInit failed: " + describe(r);
+  if (nvmlReturn_t r = api.init(); r != NVML_SUCCESS) {
+    why = "nvmlInit failed: " + api.describe(r);
     return std::nullopt;
   }
   NvmlSnapshot snap;
   unsigned count = 0;
-  if (nvmlReturn_t r = get_count(&count); r != NVML_SUCCESS) {
-    why = "nvmlDeviceGetCount failed: " + describe(r);
-    shutdown();
+  if (nvmlReturn_t r = api.get_count(&count); r != NVML_SUCCESS) {
+    why = "nvmlDeviceGetCount failed: " + api.describe(r);
+    api.shutdown();
     return std::nullopt;
   }
-  std::vector<nvmlDevice_t> handles(count, nullptr);
   auto note = [&](const std::string& s) {
     if (snap.driver_notes.size() < 2000) snap.driver_notes += (snap.driver_notes.empty() ? "" : "; ") + s;
   };
+  std::vector<nvmlDevice_t> handles(count, nullptr);
   for (unsigned i = 0; i < count; ++i) {
-    NvmlDevice dev;
-    if (nvmlReturn_t r = get_handle(i, &handles[i]); r != NVML_SUCCESS) {
-      why = "nvmlDeviceGetHandleByIndex(" + std::to_string(i) + ") failed: " + describe(r);
-      shutdown();
+    auto dev = read_device(api, i, handles[i], why, note);
+    if (!dev) {
+      api.shutdown();
       return std::nullopt;
     }
-    nvmlPciInfo_t pci{};
-    if (nvmlReturn_t r = get_pci(handles[i], &pci); r != NVML_SUCCESS) {
-      why = "nvmlDeviceGetPciInfo(" + std::to_string(i) + ") failed: " + describe(r);
-      shutdown();
-      return std::nullopt;
-    }
-    dev.bus_id = bus_id_of(pci);
-    if (get_name) {
-      char name[96] = {};
-      if (get_name(handles[i], name, sizeof(name) - 1) == NVML_SUCCESS) dev.name = name;
-    }
-    if (cpu_affinity) {
-      constexpr unsigned kWords = (kMaxCpu + 1) / (sizeof(unsigned long) * CHAR_BIT);
-      std::vector<unsigned long> mask(kWords, 0);
-      if (nvmlReturn_t r = cpu_affinity(handles[i], kWords, mask.data()); r == NVML_SUCCESS) {
-        for (unsigned w = 0; w < kWords; ++w)
-          for (unsigned b = 0; b < sizeof(unsigned long) * CHAR_BIT; ++b)
-            if (mask[w] & (1ul << b)) dev.cpus.push_back(static_cast<int>(w * sizeof(unsigned long) * CHAR_BIT + b));
-      } else {
-        note("nvmlDeviceGetCpuAffinity(" + std::to_string(i) + "): " + describe(r));
-      }
-    }
-    if (nvlink_state && nvlink_remote) {
-      for (unsigned link = 0; link < NVML_NVLINK_MAX_LINKS; ++link) {
-        int active = 0;
-        if (nvlink_state(handles[i], link, &active) != NVML_SUCCESS || active != NVML_FEATURE_ENABLED) continue;
-        nvmlPciInfo_t remote{};
-        if (nvlink_remote(handles[i], link, &remote) != NVML_SUCCESS) continue;
-        ++dev.nvlinks[bus_id_of(remote)];
-      }
-    }
-    snap.devices.push_back(std::move(dev));
+    snap.devices.push_back(std::move(*dev));
   }
   snap.common_ancestor.assign(count, std::vector<int>(count, -1));
-  if (common_ancestor) {
+  if (api.common_ancestor) {
     for (unsigned a = 0; a < count; ++a)
       for (unsigned b = a + 1; b < count; ++b) {
         int level = -1;
-        if (common_ancestor(handles[a], handles[b], &level) == NVML_SUCCESS)
+        if (api.common_ancestor(handles[a], handles[b], &level) == NVML_SUCCESS)
           snap.common_ancestor[a][b] = snap.common_ancestor[b][a] = level;
       }
   }
-  shutdown();
+  api.shutdown();
   return snap;
 }
 
