@@ -15,8 +15,13 @@ using checkpoint::LoadedTensors;
 using checkpoint::LocalTensor;
 using checkpoint::Need;
 using checkpoint::need_for;
+using checkpoint::need_like;
 using checkpoint::SaveState;
 using checkpoint::StateProvider;
+
+// The library's own providers by name, in the order a Checkpointer builds them
+// (checkpoint_builtin_providers.cpp): the registry starts with these.
+std::vector<std::pair<std::string, checkpoint::StateProviderFactory>> builtin_state_providers();
 
 }  // namespace loom::detail::ckpt
 

@@ -9,9 +9,8 @@
 #include <mutex>
 
 #include "loom/error.h"
-#include "loom/train/checkpoint.h"
 #include "train/checkpoint_manifest.h"
-#include "train/checkpoint_providers.h"
+#include "train/checkpoint_provider.h"
 
 namespace loom::checkpoint {
 
@@ -127,34 +126,14 @@ bool LoadContext::same_layout() const {
 
 namespace {
 
-using namespace detail::ckpt;
-
 struct Registry {
   std::mutex mutex;
   std::vector<std::pair<std::string, StateProviderFactory>> factories;
 };
 
-template <typename Provider>
-Provider& built_in(Checkpointer& owner, const char* name) {
-  return owner.provider<Provider>(name);
-}
-
-// The library's own kinds of state, registered like any other (the optimizer's state is saved by
-// the model's parameter names, so those two find the model's provider).
+// The library's own kinds of state first, registered like any other.
 Registry& registry() {
-  static Registry r{{},
-                    {{"model", [](Checkpointer&) { return std::make_unique<ModelState>(); }},
-                     {"extra", [](Checkpointer&) { return std::make_unique<ExtraTensors>(); }},
-                     {"optimizer",
-                      [](Checkpointer& c) { return std::make_unique<OptimizerState>(built_in<ModelState>(c, "model")); }},
-                     {"zero",
-                      [](Checkpointer& c) {
-                        return std::make_unique<ZeroOptimizerState>(built_in<ModelState>(c, "model"));
-                      }},
-                     {"scaler", [](Checkpointer&) { return std::make_unique<ScalerState>(); }},
-                     {"rng", [](Checkpointer&) { return std::make_unique<RngState>(); }},
-                     {"accumulation", [](Checkpointer&) { return std::make_unique<AccumulationState>(); }},
-                     {"objects", [](Checkpointer&) { return std::make_unique<UserObjects>(); }}}};
+  static Registry r{{}, detail::ckpt::builtin_state_providers()};
   return r;
 }
 
