@@ -1,0 +1,86 @@
+// Pipeline schedules as data: for each pipeline rank, the ordered list of what it does (the
+// forward or backward of micro-batch m on a stage; groups of sends and receives started together),
+// generated for GPipe, 1F1B and interleaved 1F1B, and proven before anything runs. The prover
+// replays every rank's list with rendezvous messages (a send completes only when its receive is
+// posted, the strictest transport), checks that each computation has its input when it runs and
+// that every stage computes every micro-batch once, and refuses a plan that would deadlock, naming
+// the rank and the action each stuck rank waits at. It also times the plan (a forward one unit, a
+// backward two), which gives the bubble the schedule promises.
+//
+//   auto plan = loom::pp::make_schedule(loom::pp::Schedule::OneFOneB, {.ranks = 4, .micro_batches = 8});
+//   loom::pp::Proof proof = loom::pp::prove(plan);   // InvalidArgumentError when it would not finish
+//   for (const auto& action : plan.actions[rank]) ...  // what the executor runs on pipeline rank `rank`
+//
+// Stages: with V virtual stages per rank, global stage s lives on rank s % ranks (chunk s / ranks),
+// as Megatron-Core places them, so each rank holds V chunks spread along the model.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace loom::pp {
+
+enum class Schedule {
+  GPipe,            // every forward, then every backward
+  OneFOneB,         // 1F1B: a warm-up of forwards, then one forward and one backward alternately
+  Interleaved1F1B,  // 1F1B over virtual stages (micro-batches a multiple of the ranks)
+};
+const char* schedule_name(Schedule schedule);
+
+struct PipelineShape {
+  int ranks = 1;           // pipeline ranks
+  int micro_batches = 1;   // per step
+  int virtual_stages = 1;  // model chunks per rank (Interleaved1F1B: 2 or more)
+  int stages() const { return ranks * virtual_stages; }
+  int rank_of_stage(int stage) const { return stage % ranks; }
+};
+
+// An activation goes to the next stage, its gradient back to the previous one.
+enum class Carries { Activation, Gradient };
+
+struct Message {
+  Carries carries = Carries::Activation;
+  int micro_batch = 0;
+  int from_stage = 0;
+  int to_stage = 0;
+  bool operator==(const Message& other) const = default;
+};
+
+struct Action {
+  enum class Kind { Forward, Backward, Communicate };
+  Kind kind = Kind::Forward;
+  int micro_batch = 0;  // Forward and Backward
+  int stage = 0;        // Forward and Backward: the global stage
+  // Communicate: started together and complete together (one group: no order among them can
+  // deadlock against the peers' groups).
+  std::vector<Message> sends, receives;
+  // "F3@s1", "B3@s1", "send A3 s1>s2, recv G2 s2>s1".
+  std::string describe() const;
+};
+
+struct PipelinePlan {
+  Schedule schedule = Schedule::OneFOneB;
+  PipelineShape shape;
+  std::vector<std::vector<Action>> actions;  // per pipeline rank, in order
+};
+
+// The plan of `schedule` for `shape`. InvalidArgumentError naming what does not fit: a count below
+// 1, virtual stages with GPipe or 1F1B, fewer than 2 with Interleaved1F1B, or micro-batches that
+// are not a multiple of the ranks for it.
+PipelinePlan make_schedule(Schedule schedule, PipelineShape shape);
+
+// What proving a plan found: its length and bubble under unit costs (forward 1, backward 2).
+struct Proof {
+  double makespan = 0;        // time units from the first action to the last
+  double bubble = 0;          // the idle fraction of every rank's time, averaged: 1 - busy / makespan
+  int64_t messages = 0;       // point-to-point messages the plan sends
+  std::vector<double> busy;   // per rank
+};
+
+// Replays the plan (see the top of this file). InvalidArgumentError naming the first problem: a
+// computation before its input arrived, one missing or repeated, a message nobody receives, or a
+// deadlock (each stuck rank with the action it waits at).
+Proof prove(const PipelinePlan& plan);
+
+}  // namespace loom::pp

@@ -1,0 +1,220 @@
+// The proof of a pipeline plan (loom::pp::prove): every rank's actions replayed together with
+// rendezvous messages and unit costs, until every rank is done or none can move.
+#include <algorithm>
+
+#include "loom/error.h"
+#include "loom/parallel/pipeline_schedule.h"
+
+namespace loom::pp {
+
+namespace {
+
+constexpr double kForwardCost = 1.0;
+constexpr double kBackwardCost = 2.0;
+
+// One rank during the replay.
+struct RankState {
+  size_t next = 0;            // index of the action it is at
+  double clock = 0;           // when it reached it
+  bool posted = false;        // a Communicate action: its group is posted
+  std::vector<bool> matched;  // per message of the group: sends first, then receives
+  double matched_at = 0;      // the latest match in the group
+};
+
+class Replay {
+ public:
+  explicit Replay(const PipelinePlan& plan)
+      : plan_(plan),
+        shape_(plan.shape),
+        stages_(shape_.stages()),
+        ranks_(static_cast<size_t>(shape_.ranks)),
+        forward_(cells(), 0),
+        backward_(cells(), 0),
+        arrived_(2 * cells(), false) {
+    if (plan.actions.size() != static_cast<size_t>(shape_.ranks))
+      fail("the plan lists " + std::to_string(plan.actions.size()) + " ranks; its shape has " +
+           std::to_string(shape_.ranks));
+    proof_.busy.assign(ranks_.size(), 0.0);
+  }
+
+  Proof run() {
+    for (;;) {
+      bool moved = false;
+      for (int r = 0; r < shape_.ranks; ++r) moved = advance(r) || moved;
+      moved = match() || moved;
+      bool all_done = true;
+      for (int r = 0; r < shape_.ranks; ++r) all_done = all_done && done(r);
+      if (all_done) break;
+      if (!moved) deadlock();
+    }
+    for (int m = 0; m < shape_.micro_batches; ++m)
+      for (int s = 0; s < stages_; ++s)
+        if (forward_[cell(m, s)] != 1 || backward_[cell(m, s)] != 1)
+          fail("micro-batch " + std::to_string(m) + " on stage " + std::to_string(s) + " runs its forward " +
+               std::to_string(forward_[cell(m, s)]) + " and its backward " + std::to_string(backward_[cell(m, s)]) +
+               " time(s); expected once each");
+    for (const auto& r : ranks_) proof_.makespan = std::max(proof_.makespan, r.clock);
+    double idle = 0;
+    for (double busy : proof_.busy) idle += proof_.makespan > 0 ? 1.0 - busy / proof_.makespan : 0.0;
+    proof_.bubble = idle / static_cast<double>(ranks_.size());
+    return proof_;
+  }
+
+ private:
+  size_t cells() const { return static_cast<size_t>(shape_.micro_batches) * static_cast<size_t>(stages_); }
+  size_t cell(int m, int s) const { return static_cast<size_t>(m) * static_cast<size_t>(stages_) + static_cast<size_t>(s); }
+  // Whether a message has arrived at its stage (activations, then gradients).
+  std::vector<bool>::reference arrived(const Message& m) {
+    return arrived_[(m.carries == Carries::Gradient ? cells() : 0) + cell(m.micro_batch, m.to_stage)];
+  }
+  bool done(int r) const { return ranks_[static_cast<size_t>(r)].next >= plan_.actions[static_cast<size_t>(r)].size(); }
+  const Action& current(int r) const { return plan_.actions[static_cast<size_t>(r)][ranks_[static_cast<size_t>(r)].next]; }
+
+  [[noreturn]] void fail(const std::string& why) const {
+    throw InvalidArgumentError(std::string("pipeline plan ") + schedule_name(plan_.schedule) + " (ranks " +
+                               std::to_string(shape_.ranks) + ", micro-batches " + std::to_string(shape_.micro_batches) +
+                               ", virtual stages " + std::to_string(shape_.virtual_stages) + "): " + why);
+  }
+  [[noreturn]] void fail_at(int r, const std::string& why) const {
+    fail("rank " + std::to_string(r) + ", action " + std::to_string(ranks_[static_cast<size_t>(r)].next) + " (" +
+         current(r).describe() + "): " + why);
+  }
+
+  bool valid_micro_batch_and_stage(int m, int s) const {
+    return m >= 0 && m < shape_.micro_batches && s >= 0 && s < stages_;
+  }
+
+  // Runs rank r's computations up to its next Communicate action (posting that group).
+  bool advance(int r) {
+    RankState& st = ranks_[static_cast<size_t>(r)];
+    bool moved = false;
+    while (!done(r)) {
+      const Action& a = current(r);
+      if (a.kind == Action::Kind::Communicate) {
+        if (!st.posted) post(r, a);
+        return moved;
+      }
+      compute(r, a);
+      ++st.next;
+      moved = true;
+    }
+    return moved;
+  }
+
+  void compute(int r, const Action& a) {
+    RankState& st = ranks_[static_cast<size_t>(r)];
+    const int m = a.micro_batch, s = a.stage;
+    if (!valid_micro_batch_and_stage(m, s)) fail_at(r, "no such micro-batch or stage");
+    if (shape_.rank_of_stage(s) != r) fail_at(r, "stage " + std::to_string(s) + " lives on rank " +
+                                                     std::to_string(shape_.rank_of_stage(s)));
+    const bool forward = a.kind == Action::Kind::Forward;
+    if (forward) {
+      const bool input = s == 0 || (shape_.rank_of_stage(s - 1) == r ? forward_[cell(m, s - 1)] > 0
+                                                                       : arrived({Carries::Activation, m, s - 1, s}));
+      if (!input) fail_at(r, "its input activation has not arrived");
+      ++forward_[cell(m, s)];
+    } else {
+      if (forward_[cell(m, s)] == 0) fail_at(r, "the forward of this micro-batch on this stage has not run");
+      const bool last = s == stages_ - 1;
+      const bool gradient = last || (shape_.rank_of_stage(s + 1) == r ? backward_[cell(m, s + 1)] > 0
+                                                                      : arrived({Carries::Gradient, m, s + 1, s}));
+      if (!gradient) fail_at(r, "its output gradient has not arrived");
+      ++backward_[cell(m, s)];
+    }
+    const double cost = forward ? kForwardCost : kBackwardCost;
+    st.clock += cost;
+    proof_.busy[static_cast<size_t>(r)] += cost;
+  }
+
+  // A group is posted: its sends must carry what this rank has computed, to another rank.
+  void post(int r, const Action& a) {
+    RankState& st = ranks_[static_cast<size_t>(r)];
+    for (const Message& m : a.sends) {
+      if (!valid_micro_batch_and_stage(m.micro_batch, m.from_stage) || !valid_micro_batch_and_stage(m.micro_batch, m.to_stage))
+        fail_at(r, "a message names no such micro-batch or stage");
+      const bool activation = m.carries == Carries::Activation;
+      if (m.to_stage != m.from_stage + (activation ? 1 : -1) || shape_.rank_of_stage(m.from_stage) != r ||
+          shape_.rank_of_stage(m.to_stage) == r)
+        fail_at(r, "sends " + std::string(activation ? "an activation" : "a gradient") +
+                       " that is not this rank's to the next rank's (" + std::to_string(m.from_stage) + " to " +
+                       std::to_string(m.to_stage) + ")");
+      const int produced = activation ? forward_[cell(m.micro_batch, m.from_stage)]
+                                      : backward_[cell(m.micro_batch, m.from_stage)];
+      if (produced == 0) fail_at(r, "sends what it has not computed yet");
+    }
+    for (const Message& m : a.receives)
+      if (!valid_micro_batch_and_stage(m.micro_batch, m.to_stage) || shape_.rank_of_stage(m.to_stage) != r)
+        fail_at(r, "receives a message for a stage of another rank");
+    st.posted = true;
+    st.matched.assign(a.sends.size() + a.receives.size(), false);
+    st.matched_at = st.clock;
+  }
+
+  // Pairs every posted send with its posted receive; completes the groups all of whose messages
+  // are paired.
+  bool match() {
+    bool moved = false;
+    for (int r = 0; r < shape_.ranks; ++r) {
+      RankState& st = ranks_[static_cast<size_t>(r)];
+      if (done(r) || !st.posted) continue;
+      const Action& a = current(r);
+      for (size_t i = 0; i < a.sends.size(); ++i) {
+        if (st.matched[i]) continue;
+        const int peer = shape_.rank_of_stage(a.sends[i].to_stage);
+        RankState& ps = ranks_[static_cast<size_t>(peer)];
+        if (done(peer) || !ps.posted) continue;
+        const Action& b = current(peer);
+        for (size_t j = 0; j < b.receives.size(); ++j) {
+          const size_t slot = b.sends.size() + j;
+          if (ps.matched[slot] || !(b.receives[j] == a.sends[i])) continue;
+          const double at = std::max(st.clock, ps.clock);
+          st.matched[i] = ps.matched[slot] = true;
+          st.matched_at = std::max(st.matched_at, at);
+          ps.matched_at = std::max(ps.matched_at, at);
+          arrived(a.sends[i]) = true;
+          ++proof_.messages;
+          moved = true;
+          break;
+        }
+      }
+    }
+    for (int r = 0; r < shape_.ranks; ++r) {
+      RankState& st = ranks_[static_cast<size_t>(r)];
+      if (done(r) || !st.posted) continue;
+      if (!std::all_of(st.matched.begin(), st.matched.end(), [](bool m) { return m; })) continue;
+      st.clock = st.matched_at;
+      st.posted = false;
+      ++st.next;
+      moved = true;
+    }
+    return moved;
+  }
+
+  [[noreturn]] void deadlock() const {
+    std::string stuck;
+    for (int r = 0; r < shape_.ranks; ++r) {
+      if (done(r)) continue;
+      stuck += "\n  rank " + std::to_string(r) + " waits at action " +
+               std::to_string(ranks_[static_cast<size_t>(r)].next) + " (" + current(r).describe() + ")";
+    }
+    std::string finished;
+    for (int r = 0; r < shape_.ranks; ++r)
+      if (done(r)) finished += (finished.empty() ? "" : ", ") + std::to_string(r);
+    fail("would deadlock: no rank can move" + (finished.empty() ? std::string() : " (finished: ranks " + finished + ")") +
+         stuck);
+  }
+
+  const PipelinePlan& plan_;
+  const PipelineShape shape_;
+  const int stages_;
+  std::vector<RankState> ranks_;
+  std::vector<int> forward_, backward_;  // runs per (micro-batch, stage)
+  std::vector<bool> arrived_;
+  Proof proof_;
+};
+
+}  // namespace
+
+Proof prove(const PipelinePlan& plan) { return Replay(plan).run(); }
+
+}  // namespace loom::pp
