@@ -1,6 +1,8 @@
 // The proof of a pipeline plan (loom::pp::prove): every rank's actions replayed together with
 // rendezvous messages and unit costs, until every rank is done or none can move.
 #include <algorithm>
+#include <cstdint>
+#include <string>
 
 #include "loom/error.h"
 #include "loom/parallel/pipeline_schedule.h"
@@ -21,11 +23,24 @@ struct RankState {
   double matched_at = 0;      // the latest match in the group
 };
 
+// The plan's shape, refused before anything is sized by it (a hand-made plan may say anything).
+const PipelineShape& checked_shape(const PipelinePlan& plan) {
+  const PipelineShape& s = plan.shape;
+  constexpr int kMost = 1 << 16;
+  if (s.ranks < 1 || s.micro_batches < 1 || s.virtual_stages < 1 || s.ranks > kMost || s.micro_batches > kMost ||
+      s.virtual_stages > kMost || int64_t{s.ranks} * s.virtual_stages * s.micro_batches > (int64_t{1} << 26))
+    throw InvalidArgumentError(std::string("pipeline plan ") + schedule_name(plan.schedule) + ": ranks " +
+                               std::to_string(s.ranks) + ", micro-batches " + std::to_string(s.micro_batches) +
+                               ", virtual stages " + std::to_string(s.virtual_stages) +
+                               ": expected each at least 1 and at most 2^26 (stage, micro-batch) pairs");
+  return s;
+}
+
 class Replay {
  public:
   explicit Replay(const PipelinePlan& plan)
       : plan_(plan),
-        shape_(plan.shape),
+        shape_(checked_shape(plan)),
         stages_(shape_.stages()),
         ranks_(static_cast<size_t>(shape_.ranks)),
         forward_(cells(), 0),

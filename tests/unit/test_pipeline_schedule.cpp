@@ -117,6 +117,13 @@ TEST(PipelineSchedule, WrongPlansAreRefusedBeforeTheyRun) {
     std::swap(actions[0], actions[1]);
     expect_refused(plan, {"rank 1, action 0 (F0@s1): its input activation has not arrived"});
   }
+  {  // a hand-made shape that sizes nothing
+    PipelinePlan plan = good;
+    plan.shape.micro_batches = -3;
+    expect_refused(plan, {"micro-batches -3", "expected each at least 1"});
+    plan.shape = {.ranks = 2, .micro_batches = 1 << 16, .virtual_stages = 1 << 16};
+    expect_refused(plan, {"at most 2^26"});
+  }
   {  // a forward run twice
     PipelinePlan plan = good;
     plan.actions[0].insert(plan.actions[0].begin(), plan.actions[0].front());
