@@ -17,6 +17,10 @@
 
 # The public headers of core, used by every layer.
 set(LOOM_CORE_PUBLIC loom/config.h loom/env.h loom/error.h loom/log.h loom/trace.h loom/world.h)
+# The parallel layout (named dimensions and their groups, no tensors) is core's too, though its
+# header lives beside the parallel layer's: every layer from the placement planner to the checkpoint
+# manifest takes it. Layers that see all of loom/parallel get it with that directory.
+set(LOOM_LAYOUT_PUBLIC loom/parallel/layout.h)
 
 # loom_layer_include_dir(<layer> <entry>...): makes build/layers/<layer>/ and sets
 # LOOM_LAYER_INCLUDE_DIR_<layer> to it. Entries are paths under include/ (a file or a directory),
@@ -66,14 +70,14 @@ function(loom_layer_include_dir layer)
   set(LOOM_LAYER_INCLUDE_DIR_${layer} ${root} PARENT_SCOPE)
 endfunction()
 
-loom_layer_include_dir(core ${LOOM_CORE_PUBLIC} src:core)
-loom_layer_include_dir(topology ${LOOM_CORE_PUBLIC} loom/topology src:topology)
-loom_layer_include_dir(comm ${LOOM_CORE_PUBLIC} loom/topology loom/comm src:comm)
-loom_layer_include_dir(runtime ${LOOM_CORE_PUBLIC} loom/topology loom/comm loom/runtime.h src:runtime)
+loom_layer_include_dir(core ${LOOM_CORE_PUBLIC} ${LOOM_LAYOUT_PUBLIC} src:core)
+loom_layer_include_dir(topology ${LOOM_CORE_PUBLIC} ${LOOM_LAYOUT_PUBLIC} loom/topology src:topology)
+loom_layer_include_dir(comm ${LOOM_CORE_PUBLIC} ${LOOM_LAYOUT_PUBLIC} loom/topology loom/comm src:comm)
+loom_layer_include_dir(runtime ${LOOM_CORE_PUBLIC} ${LOOM_LAYOUT_PUBLIC} loom/topology loom/comm loom/runtime.h src:runtime)
 loom_layer_include_dir(parallel ${LOOM_CORE_PUBLIC} loom/comm loom/parallel src:parallel)
-loom_layer_include_dir(amp ${LOOM_CORE_PUBLIC} loom/comm loom/amp src:amp)
+loom_layer_include_dir(amp ${LOOM_CORE_PUBLIC} ${LOOM_LAYOUT_PUBLIC} loom/comm loom/amp src:amp)
 loom_layer_include_dir(train ${LOOM_CORE_PUBLIC} loom/topology loom/comm loom/parallel loom/amp loom/train src:train)
-loom_layer_include_dir(launcher ${LOOM_CORE_PUBLIC} loom/topology src:launcher)
+loom_layer_include_dir(launcher ${LOOM_CORE_PUBLIC} ${LOOM_LAYOUT_PUBLIC} loom/topology src:launcher)
 
 # loom_layer(<layer> <source>...): the layer's object library, loom_<layer>, with the settings every
 # LibTorch-facing layer shares (third-party include directories are the same for all: the layering

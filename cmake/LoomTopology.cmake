@@ -60,6 +60,7 @@ if(TARGET torchloom)
 endif()
 
 add_library(loom_launcher STATIC
+  $<TARGET_OBJECTS:loom_core_base>
   ${LOOM_TOPOLOGY_DIR}/src/launcher/launcher_args.cpp
   ${LOOM_TOPOLOGY_DIR}/src/launcher/hosts.cpp
   ${LOOM_TOPOLOGY_DIR}/src/launcher/slurm.cpp
@@ -81,6 +82,7 @@ install(TARGETS loomrun RUNTIME DESTINATION ${CMAKE_INSTALL_BINDIR})
 
 if(LOOM_BUILD_BENCHMARKS)
   add_executable(placement_bench ${LOOM_TOPOLOGY_DIR}/benchmarks/placement_bench.cpp)
+  target_sources(placement_bench PRIVATE $<TARGET_OBJECTS:loom_core_base>)
   target_link_libraries(placement_bench PRIVATE loom_topology nlohmann_json::nlohmann_json CLI11::CLI11)
   target_compile_definitions(placement_bench PRIVATE LOOM_SOURCE_DIR="${LOOM_TOPOLOGY_DIR}")
   set_target_properties(placement_bench PROPERTIES RUNTIME_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/benchmarks)

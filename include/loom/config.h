@@ -50,6 +50,7 @@ struct Config {
   std::string metrics;                               // LOOM_METRICS (empty: off)
   double metrics_interval = 5;                       // LOOM_METRICS_INTERVAL, seconds
   int tensor_parallel = 1;                           // LOOM_TP
+  int pipeline_parallel = 1;                         // LOOM_PP
   int ranks_per_node = 0;                            // LOOM_RANKS_PER_NODE (0: unset)
 };
 

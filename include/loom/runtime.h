@@ -73,8 +73,8 @@ class Runtime {
   // made current by init(); nullopt without a device communicator.
   std::optional<int> cuda_device() const { return cuda_device_; }
   // The machine(s) as init() found them (NVML + hwloc on each node, or LOOM_TOPOLOGY), and the
-  // placement planned on them for LOOM_TP (nullptr when no GPU was described): the device and CPUs
-  // of every rank, and the TP groups and DP rings that ParallelState builds at that degree.
+  // placement planned on them for LOOM_TP and LOOM_PP (nullptr when no GPU was described): the device
+  // and CPUs of every rank, and the TP groups, pipelines and DP rings ParallelState builds at those degrees.
   //   if (rt->plan()) std::cout << loom::topo::explain(*rt->plan(), 64 << 20);
   const topo::Topology& topology() const { return topology_; }
   const topo::Plan* plan() const { return plan_ ? &*plan_ : nullptr; }
@@ -101,13 +101,13 @@ class Runtime {
 const topo::Plan* placement_plan();
 
 // The DP groups of the placement plan, each in its planned ring order, when the plan was made for
-// `tensor_parallel` and the whole job; empty otherwise. Hand them to ParallelState, which takes no
-// plan of its own (it builds groups from what it is given):
+// `tensor_parallel` and `pipeline_parallel` (LOOM_TP, LOOM_PP) and the whole job; empty otherwise.
+// Hand them to ParallelState, which takes no plan of its own (it builds groups from what it is given):
 //   loom::ParallelConfig config;
 //   config.tensor_parallel = 2;
 //   config.dp_rings = loom::planned_dp_rings(config.tensor_parallel);
 //   loom::ParallelState ps(rt->world_comm(), config);
-std::vector<std::vector<int>> planned_dp_rings(int tensor_parallel);
+std::vector<std::vector<int>> planned_dp_rings(int tensor_parallel, int pipeline_parallel = 1);
 
 // Idempotent: later calls return the same runtime. Throws loom::ConfigError (on every rank) for a
 // malformed or inconsistent launch environment or configuration.

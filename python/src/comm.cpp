@@ -200,8 +200,64 @@ void bind_comm(py::module_& m) {
                std::to_string(c.size()) + " (" + c.backend() + ")>";
       });
 
-  py::class_<loom::ParallelGroups>(m, "ParallelGroups", "TP and DP groups (loom::ParallelGroups).",
-      destroyed_without_gil())
+  using Names = std::vector<std::string>;
+  auto views = [](const Names& names) { return std::vector<std::string_view>(names.begin(), names.end()); };
+  py::class_<loom::ParallelLayout>(m, "ParallelLayout",
+      "Named parallel dimensions, outermost first (loom::ParallelLayout): ParallelLayout([('dp', 2), ('tp', 2)]).")
+      .def(py::init([](const std::vector<std::pair<std::string, int>>& dims) {
+             std::vector<loom::LayoutDimension> d;
+             for (const auto& [name, size] : dims) d.push_back({name, size});
+             return loom::ParallelLayout(std::move(d));
+           }),
+           py::arg("dimensions") = std::vector<std::pair<std::string, int>>{})
+      .def_static("parse", &loom::ParallelLayout::parse, py::arg("text"), "ParallelLayout.parse('dp=4,pp=2,tp=2')")
+      .def_static("standard", &loom::ParallelLayout::standard, py::arg("world_size"), py::arg("tensor_parallel"),
+                  py::arg("pipeline_parallel") = 1, py::arg("order") = std::string(loom::ParallelLayout::kStandardOrder),
+                  "Data-parallel replicas outermost, then pipeline stages, tensor-parallel ranks innermost.")
+      .def_static("arrange", [](int world_size, const std::string& order, const std::map<std::string, int>& sizes) {
+             std::vector<loom::LayoutDimension> d;
+             for (const auto& [name, size] : sizes) d.push_back({name, size});
+             return loom::ParallelLayout::arrange(world_size, order, d);
+           }, py::arg("world_size"), py::arg("order"), py::arg("sizes"),
+           "The dimensions named in order, sized from sizes; one unsized dimension takes the rest of the world.")
+      .def_property_readonly("dimensions", [](const loom::ParallelLayout& l) {
+             std::vector<std::pair<std::string, int>> out;
+             for (const auto& d : l.dimensions()) out.emplace_back(d.name, d.size);
+             return out;
+           })
+      .def_property_readonly("world_size", &loom::ParallelLayout::world_size)
+      .def("has", [](const loom::ParallelLayout& l, const std::string& name) { return l.has(name); }, py::arg("name"))
+      .def("size", [](const loom::ParallelLayout& l, const std::string& name) { return l.size(name); }, py::arg("name"),
+           "The dimension's size; 1 for one the layout lacks.")
+      .def("coordinates", &loom::ParallelLayout::coordinates, py::arg("position"))
+      .def("coordinate", [](const loom::ParallelLayout& l, int position, const std::string& name) {
+             return l.coordinate(position, name);
+           }, py::arg("position"), py::arg("name"))
+      .def("position", &loom::ParallelLayout::position, py::arg("coordinates"))
+      .def("group", [views](const loom::ParallelLayout& l, int position, const Names& names) {
+             return l.group(position, views(names));
+           }, py::arg("position"), py::arg("names"),
+           "The positions differing from position only along names, in coordinate order.")
+      .def("group_index", [views](const loom::ParallelLayout& l, int position, const Names& names) {
+             return l.group_index(position, views(names));
+           }, py::arg("position"), py::arg("names"))
+      .def("rank_in_group", [views](const loom::ParallelLayout& l, int position, const Names& names) {
+             return l.rank_in_group(position, views(names));
+           }, py::arg("position"), py::arg("names"))
+      .def("groups", [views](const loom::ParallelLayout& l, const Names& names) { return l.groups(views(names)); },
+           py::arg("names"))
+      .def("describe", &loom::ParallelLayout::describe, py::arg("position"))
+      .def("__str__", &loom::ParallelLayout::to_string)
+      .def("__repr__", [](const loom::ParallelLayout& l) { return "ParallelLayout.parse('" + l.to_string() + "')"; })
+      .def("__eq__", [](const loom::ParallelLayout& a, const loom::ParallelLayout& b) { return a == b; }, py::is_operator());
+
+  py::class_<loom::ParallelGroups>(m, "ParallelGroups",
+      "One communicator per dimension of a parallel layout (loom::ParallelGroups).", destroyed_without_gil())
+      .def_readonly("layout", &loom::ParallelGroups::layout)
+      .def_readonly("position", &loom::ParallelGroups::position)
+      .def("group", [](const loom::ParallelGroups& g, const std::string& name) { return g.group(name); }, py::arg("name"))
+      .def("rank", [](const loom::ParallelGroups& g, const std::string& name) { return g.rank(name); }, py::arg("name"))
+      .def("size", [](const loom::ParallelGroups& g, const std::string& name) { return g.size(name); }, py::arg("name"))
       .def_readonly("tp_degree", &loom::ParallelGroups::tp_degree)
       .def_readonly("dp_degree", &loom::ParallelGroups::dp_degree)
       .def_readonly("tp_rank", &loom::ParallelGroups::tp_rank)
@@ -209,9 +265,22 @@ void bind_comm(py::module_& m) {
       .def_readonly("order", &loom::ParallelGroups::order)
       .def_readonly("tensor_parallel", &loom::ParallelGroups::tensor_parallel)
       .def_readonly("data_parallel", &loom::ParallelGroups::data_parallel);
-  m.def("make_parallel_groups", &loom::make_parallel_groups, py::arg("world"), py::arg("tp_degree"),
-        py::arg("order") = std::vector<int>{}, py::arg("dp_rings") = std::vector<std::vector<int>>{}, release_gil(),
+  m.def("make_parallel_groups",
+        py::overload_cast<loom::Communicator&, int, const std::vector<int>&, const std::vector<std::vector<int>>&>(
+            &loom::make_parallel_groups),
+        py::arg("world"), py::arg("tp_degree"), py::arg("order") = std::vector<int>{},
+        py::arg("dp_rings") = std::vector<std::vector<int>>{}, release_gil(),
         "Collective over world: TP groups of tp_degree consecutive ranks (in order) and DP groups across them.");
+  m.def("make_parallel_groups",
+        [](loom::Communicator& world, const loom::ParallelLayout& layout, const std::vector<int>& order,
+           const std::map<std::string, std::vector<std::vector<int>>>& rings) {
+          loom::GroupRings r(rings.begin(), rings.end());
+          py::gil_scoped_release release;
+          return loom::make_parallel_groups(world, layout, order, r);
+        },
+        py::arg("world"), py::arg("layout"), py::arg("order") = std::vector<int>{},
+        py::arg("rings") = std::map<std::string, std::vector<std::vector<int>>>{},
+        "Collective over world: one communicator per dimension of layout.");
 
   py::class_<loom::Runtime, std::shared_ptr<loom::Runtime>>(m, "Runtime", "What loom::init() started.",
       destroyed_without_gil())
@@ -246,8 +315,8 @@ void bind_comm(py::module_& m) {
         if (!plan) return std::nullopt;
         return loom::topo::plan_to_json(*plan);
       }, "The placement plan loom::init() made, as JSON; None without one.");
-  m.def("planned_dp_rings", &loom::planned_dp_rings, py::arg("tensor_parallel"),
-        "The placement plan's DP groups in ring order when it was made for this TP degree, else []: "
+  m.def("planned_dp_rings", &loom::planned_dp_rings, py::arg("tensor_parallel"), py::arg("pipeline_parallel") = 1,
+        "The placement plan's DP groups in ring order when it was made for these TP and PP degrees, else []: "
         "ParallelState(world, tp, dp_rings=torchloom.planned_dp_rings(tp)).");
   m.def("explain_placement", [](double bytes) -> std::optional<std::string> {
         const loom::topo::Plan* plan = loom::placement_plan();

@@ -213,13 +213,15 @@ void bind_tensor_parallel(py::module_& m) {
       py::arg("seed"), py::arg("tp_rank"), py::arg("tracker") = nullptr);
 
   py::class_<loom::ParallelState, std::shared_ptr<loom::ParallelState>>(m, "ParallelState",
-                                                                        "TP and DP groups (loom::ParallelState).",
+                                                                        "DP, PP and TP groups (loom::ParallelState).",
                                                                         destroyed_without_gil())
       .def(py::init([](std::shared_ptr<loom::Communicator> world, int tensor_parallel, std::vector<int> order,
                        std::vector<std::vector<int>> dp_rings, int64_t hidden_size, int64_t num_heads,
-                       int64_t ffn_hidden_size, int64_t vocab_size) {
+                       int64_t ffn_hidden_size, int64_t vocab_size, int pipeline_parallel, std::string layout_order) {
              loom::ParallelConfig c;
              c.tensor_parallel = tensor_parallel;
+             c.pipeline_parallel = pipeline_parallel;
+             c.layout_order = std::move(layout_order);
              c.order = std::move(order);
              c.dp_rings = std::move(dp_rings);
              c.hidden_size = hidden_size;
@@ -231,7 +233,13 @@ void bind_tensor_parallel(py::module_& m) {
            }),
            py::arg("world"), py::arg("tensor_parallel") = 1, py::arg("order") = std::vector<int>{},
            py::arg("dp_rings") = std::vector<std::vector<int>>{}, py::arg("hidden_size") = 0,
-           py::arg("num_heads") = 0, py::arg("ffn_hidden_size") = 0, py::arg("vocab_size") = 0)
+           py::arg("num_heads") = 0, py::arg("ffn_hidden_size") = 0, py::arg("vocab_size") = 0,
+           py::arg("pipeline_parallel") = 1, py::arg("layout_order") = std::string(loom::ParallelLayout::kStandardOrder))
+      .def_property_readonly("pp_degree", &loom::ParallelState::pp_degree)
+      .def_property_readonly("pp_rank", &loom::ParallelState::pp_rank)
+      .def_property_readonly("pp_group", &loom::ParallelState::pp_group)
+      .def_property_readonly("layout", &loom::ParallelState::layout)
+      .def_property_readonly("groups", &loom::ParallelState::groups, py::return_value_policy::reference_internal)
       .def_property_readonly("tp_degree", &loom::ParallelState::tp_degree)
       .def_property_readonly("tp_rank", &loom::ParallelState::tp_rank)
       .def_property_readonly("dp_degree", &loom::ParallelState::dp_degree)

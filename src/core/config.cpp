@@ -34,6 +34,7 @@ Config parse_config(const Environment& e) {
   c.metrics = env::raw(e, "LOOM_METRICS").value_or("");
   c.metrics_interval = env::real(e, "LOOM_METRICS_INTERVAL", 0, 3600);
   c.tensor_parallel = static_cast<int>(env::integer(e, "LOOM_TP", 1, 4096));
+  c.pipeline_parallel = static_cast<int>(env::integer(e, "LOOM_PP", 1, 4096));
   if (env::raw(e, "LOOM_RANKS_PER_NODE")) c.ranks_per_node = static_cast<int>(env::integer(e, "LOOM_RANKS_PER_NODE", 1, 4096));
   return c;
 }

@@ -70,6 +70,10 @@ const std::vector<Variable>& all_variables() {
       {"LOOM_TP", "1",
        "Tensor-parallel degree the placement plan groups ranks for (1 to 4096; loomrun --tp sets it). "
        "Pass `loom::planned_dp_rings(tp)` as `ParallelConfig::dp_rings` to build the planned DP rings."},
+      {"LOOM_PP", "1",
+       "Pipeline stages the placement plan groups ranks for (1 to 4096; loomrun --pp sets it): the layout is "
+       "dp,pp,tp, outermost first, so each pipeline's stages are consecutive tensor-parallel blocks. Pass "
+       "`loom::planned_dp_rings(tp, pp)` as `ParallelConfig::dp_rings` to build the planned DP rings."},
       {"LOOM_RANKS_PER_NODE", "",
        "Ranks on each node of the placement plan (1 to 4096; loomrun sets it). Unset: the ranks MPI finds on each "
        "node, or, with a topology file that describes more nodes than the job runs on, each node's GPUs in turn."},

@@ -85,14 +85,15 @@ std::optional<Options> without_dead_hosts(const Options& o, const std::vector<bo
       slots += o.hosts[i].slots;
     }
   next.hostfile.clear();  // the live hosts go to mpirun as -H
-  next.np = std::min(o.np, slots) / o.tp * o.tp;
+  const int replica = o.tp * o.pp;  // the ranks of one data-parallel replica
+  next.np = std::min(o.np, slots) / replica * replica;
   if (next.hosts.empty()) {
     why = "no host answered";
     return std::nullopt;
   }
   if (next.np < 1) {
-    why = "the hosts that answered hold " + std::to_string(slots) + " slot(s), fewer than one tensor-parallel group of " +
-          std::to_string(o.tp);
+    why = "the hosts that answered hold " + std::to_string(slots) + " slot(s), fewer than one replica of " +
+          std::to_string(replica) + " ranks (--tp " + std::to_string(o.tp) + " x --pp " + std::to_string(o.pp) + ")";
     return std::nullopt;
   }
   return next;

@@ -181,6 +181,7 @@ void add_cli_options(CLI::App& app, Options& o, CliValues& cli) {
   app.add_option("-H,--host", cli.host_list, "hosts and slots: host1:8,host2:8");
   app.add_option("--hostfile", o.hostfile, "Open MPI hostfile (host slots=N per line)");
   app.add_option("--tp", o.tp, "tensor-parallel degree (LOOM_TP)")->check(a_number);
+  app.add_option("--pp", o.pp, "pipeline stages (LOOM_PP); the layout is dp,pp,tp, outermost first")->check(a_number);
   app.add_option("--topology", o.topology, "topology file: JSON, nvidia-smi topo -m text or NCCL XML (LOOM_TOPOLOGY)");
   app.add_option("--timeline", o.timeline, "timeline path prefix (LOOM_TIMELINE)");
   app.add_option("--timeout", o.timeout, "operation timeout in seconds (LOOM_TIMEOUT)");
@@ -204,7 +205,7 @@ void add_cli_options(CLI::App& app, Options& o, CliValues& cli) {
       ->check(a_number);
   app.add_flag("--drop-dead-hosts", o.drop_dead_hosts,
                "with --max-restarts: before a restart, leave out the hosts that no longer answer (mpirun cannot start "
-               "`true` there within 15 s) and run at the ranks the others hold, a multiple of --tp");
+               "`true` there within 15 s) and run at the ranks the others hold, a multiple of --tp x --pp");
 }
 
 // CLI11's message as loomrun says it: "Could not convert: --np = two" -> "-np two: expected an integer".
@@ -225,7 +226,7 @@ std::string usage_text(const CLI::ParseError& e, bool have_separator) {
   return what;
 }
 
-// The job's shape: ranks, TP degree, hosts, timeout, restarts.
+// The job's shape: ranks, TP and PP degrees, hosts, timeout, restarts.
 void check_shape(const CLI::App& app, Options& o, const std::string& host_list) {
   if (app.count("--np") == 0) throw UsageError("-np is missing: how many ranks to start (e.g. -np 4)");
   if (app.count("--np") > 0 && o.np < 1) throw UsageError("-np " + std::to_string(o.np) + ": expected at least 1 rank");
@@ -233,6 +234,12 @@ void check_shape(const CLI::App& app, Options& o, const std::string& host_list) 
   if (o.np >= 1 && o.np % o.tp != 0)
     throw UsageError("-np " + std::to_string(o.np) + " is not divisible by --tp " + std::to_string(o.tp) +
                      ": every rank belongs to one tensor-parallel group of " + std::to_string(o.tp));
+  if (o.pp < 1) throw UsageError("--pp " + std::to_string(o.pp) + ": expected at least 1");
+  if (o.np >= 1 && o.np % (static_cast<long long>(o.tp) * o.pp) != 0)
+    throw UsageError("-np " + std::to_string(o.np) + " is not divisible by --tp " + std::to_string(o.tp) + " x --pp " +
+                     std::to_string(o.pp) + " = " + std::to_string(static_cast<long long>(o.tp) * o.pp) +
+                     ": every data-parallel replica holds " + std::to_string(o.pp) + " stages of " +
+                     std::to_string(o.tp) + " ranks");
   if (!host_list.empty() && !o.hostfile.empty()) throw UsageError("give either -H or --hostfile, not both");
   if (!host_list.empty()) o.hosts = parse_host_list(host_list);
   if (app.count("-H") > 0 && host_list.empty()) throw UsageError("-H '': expected host or host:slots entries");
@@ -310,6 +317,7 @@ Parsed parse_arguments(const std::vector<std::string>& raw, const std::string& e
   }
   o.allow_oversubscribe = !cli.no_oversubscribe;
   o.tp_given = app.count("--tp") > 0;
+  o.pp_given = app.count("--pp") > 0;
   check_shape(app, o, cli.host_list);
   check_output_and_program(app, o, have_separator);
   if (o.topology.empty()) o.topology = env_topology;

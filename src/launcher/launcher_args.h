@@ -1,6 +1,6 @@
 // loomrun's command line: what the user asked for, checked, before anything is started.
 //
-//   loomrun -np N [-H host1:slots,host2:slots | --hostfile FILE] [--tp T] [--topology FILE]
+//   loomrun -np N [-H host1:slots,host2:slots | --hostfile FILE] [--tp T] [--pp P] [--topology FILE]
 //           [--timeline PATH] [--timeout S] [-x NAME[=VALUE]]... [--mca KEY VALUE]... [--mpi-arg ARG]...
 //           [--output-dir DIR] [--tag-output] [--max-restarts N [--drop-dead-hosts]]
 //           [--dry-run] [--plan [--json] [--svg FILE]] -- program args...
@@ -41,6 +41,8 @@ struct Options {
   std::string hostfile;     // the --hostfile path (passed on to mpirun)
   int tp = 1;
   bool tp_given = false;
+  int pp = 1;
+  bool pp_given = false;
   std::string topology;  // --topology, else LOOM_TOPOLOGY from the environment (absolute path)
   std::string timeline;
   std::string timeout;  // seconds, as given (checked: 0.001 to 86400)

@@ -115,7 +115,9 @@ void place_on_cpus(const Options& o, const LaunchContext& ctx, const std::vector
     int ranks_per_node = 0;
     if (!local && std::all_of(hosts.begin(), hosts.end(), [&](const Host& h) { return h.slots == hosts[0].slots; }))
       ranks_per_node = std::min(hosts[0].slots, o.np);
-    launch.plan = topo::plan(*launch.topology, {o.np, o.tp, ranks_per_node, o.message_bytes});
+    topo::PlanRequest request{o.np, o.tp, ranks_per_node, o.message_bytes};
+    request.pp_degree = o.pp;
+    launch.plan = topo::plan(*launch.topology, request);
     const auto& ranks = launch.plan->layout.ranks;
     const bool bindable =
         !as_described && std::all_of(ranks.begin(), ranks.end(), [](const auto& r) { return !r.cpus.empty(); });
@@ -159,6 +161,7 @@ void pass_environment(const Options& o, const LaunchContext& ctx, std::vector<st
   if (!o.timeline.empty()) set["LOOM_TIMELINE"] = o.timeline;
   if (!o.timeout.empty()) set["LOOM_TIMEOUT"] = o.timeout;
   if (o.tp_given) set["LOOM_TP"] = std::to_string(o.tp);
+  if (o.pp_given) set["LOOM_PP"] = std::to_string(o.pp);
   if (o.max_restarts > 0) {
     set["LOOM_RESTART_COUNT"] = std::to_string(ctx.attempt);
     set["TORCHELASTIC_RESTART_COUNT"] = std::to_string(ctx.attempt);  // what torchrun's programs read

@@ -31,6 +31,8 @@ ParallelState::ParallelState(std::shared_ptr<Communicator> world, const Parallel
                                std::to_string(t) + "; found " + std::to_string(world_->size()) + " ranks (" +
                                std::to_string(world_->size()) + " % " + std::to_string(t) + " = " +
                                std::to_string(world_->size() % t) + ")");
+  // The layout checks the degrees against the world (on every rank alike) and names the dimension.
+  const ParallelLayout layout = ParallelLayout::standard(world_->size(), t, config.pipeline_parallel, config.layout_order);
   if (config.hidden_size) detail::require_divisible(where, "hidden size", config.hidden_size, t);
   if (config.num_heads) detail::require_divisible(where, "number of attention heads", config.num_heads, t);
   if (config.ffn_hidden_size) detail::require_divisible(where, "MLP hidden size", config.ffn_hidden_size, t);
@@ -40,7 +42,9 @@ ParallelState::ParallelState(std::shared_ptr<Communicator> world, const Parallel
     throw InvalidArgumentError(where + ": hidden size must be divisible by the number of attention heads " +
                                std::to_string(config.num_heads) + "; found " + std::to_string(config.hidden_size));
   agree_on_config(config);
-  groups_ = make_parallel_groups(*world_, t, config.order, config.dp_rings);
+  GroupRings rings;
+  if (!config.dp_rings.empty()) rings[std::string(kDataParallelDim)] = config.dp_rings;
+  groups_ = make_parallel_groups(*world_, layout, config.order, rings);
 }
 
 // Ranks built with different configurations would split into groups that do not match (and wait
@@ -49,19 +53,25 @@ void ParallelState::agree_on_config(const ParallelConfig& config) const {
   const int n = world_->size();
   if (n == 1) return;
   const uint64_t order_hash = fnv1a(config.order.data(), config.order.size() * sizeof(int));
-  const int64_t mine[] = {config.tensor_parallel, config.hidden_size,    config.num_heads,
-                          config.ffn_hidden_size, config.vocab_size,     static_cast<int64_t>(order_hash)};
-  const char* names[] = {"tensor_parallel", "hidden_size", "num_heads", "ffn_hidden_size", "vocab_size", "order"};
-  constexpr int kFields = 6;
+  const uint64_t layout_hash = fnv1a(config.layout_order.data(), config.layout_order.size());
+  const int64_t mine[] = {config.tensor_parallel,  config.pipeline_parallel,           config.hidden_size,
+                          config.num_heads,        config.ffn_hidden_size,             config.vocab_size,
+                          static_cast<int64_t>(layout_hash), static_cast<int64_t>(order_hash)};
+  const char* names[] = {"tensor_parallel", "pipeline_parallel", "hidden_size", "num_heads",
+                         "ffn_hidden_size", "vocab_size",        "layout_order", "order"};
+  constexpr int kFields = 8;
   const std::vector<int64_t> words = all_gather_values(*world_, mine, {"ParallelState agreement"});
   for (int f = 0; f < kFields; ++f)
     for (int r = 0; r < n; ++r)
       if (words[r * kFields + f] != mine[f]) {
-        const bool order = f == kFields - 1;
-        throw MismatchError(ErrorContext("ParallelState")(
-            std::string("ranks were built with different configurations: ") + names[f] + " is " +
-            (order ? "a different permutation" : std::to_string(mine[f])) + " on this rank but " +
-            (order ? "another" : std::to_string(words[r * kFields + f])) + " on rank " + std::to_string(r)));
+        // The last two are hashes: say what this rank has and that the other's differs.
+        const std::string here = f == kFields - 1   ? std::string("a different permutation")
+                                 : f == kFields - 2 ? "\"" + config.layout_order + "\""
+                                                    : std::to_string(mine[f]);
+        const std::string there = f >= kFields - 2 ? std::string("another") : std::to_string(words[r * kFields + f]);
+        throw MismatchError(ErrorContext("ParallelState")(std::string("ranks were built with different configurations: ") +
+                                                          names[f] + " is " + here + " on this rank but " + there +
+                                                          " on rank " + std::to_string(r)));
       }
 }
 

@@ -55,6 +55,7 @@ Placement plan_placement(Communicator& world, const World& w, const Config& conf
   topo::PlanRequest request;
   request.world_size = w.size;
   request.tp_degree = config.tensor_parallel;
+  request.pp_degree = config.pipeline_parallel;
   if (config.ranks_per_node > 0)
     request.ranks_per_node = config.ranks_per_node;
   else if (static_cast<int>(p.topology.nodes.size()) == w.num_nodes && w.size == w.num_nodes * w.local_size)

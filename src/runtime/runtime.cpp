@@ -316,10 +316,10 @@ const topo::Plan* placement_plan() {
   return g_runtime ? g_runtime->plan() : nullptr;
 }
 
-std::vector<std::vector<int>> planned_dp_rings(int tensor_parallel) {
+std::vector<std::vector<int>> planned_dp_rings(int tensor_parallel, int pipeline_parallel) {
   std::vector<std::vector<int>> rings;
   const topo::Plan* plan = placement_plan();
-  if (!plan || plan->request.tp_degree != tensor_parallel) return rings;
+  if (!plan || plan->request.tp_degree != tensor_parallel || plan->request.pp_degree != pipeline_parallel) return rings;
   for (const auto& group : plan->layout.dp_groups) rings.push_back(group.ranks);
   return rings;
 }

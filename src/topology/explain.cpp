@@ -94,6 +94,32 @@ void group_table(std::ostringstream& out, const Plan& plan, const std::vector<Ri
       << pad(fixed(worst_n), 11) << (worst_p > 0 ? fixed(worst_n / worst_p, 2) : "-") << "\n";
 }
 
+// A pipeline's slowest hop between consecutive stages (the ring's closing link, last stage back to
+// the first, carries nothing).
+Link slowest_hop(const Ring& pipeline, const LinkCosts& costs) {
+  Ring path = pipeline;
+  if (!path.links.empty()) path.links.pop_back();
+  return bottleneck(path, costs);
+}
+
+void pipeline_table(std::ostringstream& out, const Plan& plan) {
+  out << "Pipelines, ranks stage by stage (activations cross the slowest hop)\n";
+  out << "  " << pad("group", 6) << pad("ranks", 14) << pad("planned devices", 26) << pad("hop", 6)
+      << pad("naive devices", 26) << "hop\n";
+  const auto& planned = plan.layout.pp_groups;
+  for (size_t g = 0; g < planned.size() && g <= kMaxRows; ++g) {
+    if (g == kMaxRows) {
+      out << "  ... " << planned.size() - kMaxRows << " more\n";
+      break;
+    }
+    const Ring& naive = plan.naive.pp_groups[g];
+    out << "  " << pad(std::to_string(g), 6) << pad(shorten(rank_list(planned[g].ranks, false), 13), 14)
+        << pad(shorten(devices(plan, plan.layout, planned[g]), 25), 26)
+        << pad(to_string(slowest_hop(planned[g], plan.costs)), 6) << pad(shorten(devices(plan, plan.naive, naive), 25), 26)
+        << to_string(slowest_hop(naive, plan.costs)) << "\n";
+  }
+}
+
 }  // namespace
 
 std::string explain(const Plan& plan, double bytes) {
@@ -102,15 +128,19 @@ std::string explain(const Plan& plan, double bytes) {
   const int t = plan.request.tp_degree;
   const int nodes_used = static_cast<int>(
       std::count_if(plan.ranks_per_node.begin(), plan.ranks_per_node.end(), [](int k) { return k > 0; }));
-  out << "Placement: " << L.ranks.size() << " ranks, TP " << t << " x DP " << L.ranks.size() / t << " on " << nodes_used
-      << " node" << (nodes_used == 1 ? "" : "s") << "\n";
+  const int stages = plan.request.pp_degree;
+  const int replicas = static_cast<int>(L.ranks.size()) / t / stages;
+  out << "Placement: " << L.ranks.size() << " ranks, TP " << t << (stages > 1 ? " x PP " + std::to_string(stages) : "")
+      << " x DP " << replicas << " on " << nodes_used << " node" << (nodes_used == 1 ? "" : "s") << "\n";
+  out << "Layout: " << plan.request.layout().to_string() << " (outermost first; TP ranks are consecutive)\n";
   out << "  " << pad("rank", 6) << pad("host", 16) << pad("GPU", 5) << pad("CPUs", 22) << pad("TP group", 10)
-      << "DP group\n";
+      << (stages > 1 ? pad("stage", 7) : "") << "DP group\n";
   for (size_t r = 0; r < L.ranks.size() && r < kMaxRows; ++r) {
     const auto& p = L.ranks[r];
     out << "  " << pad(std::to_string(r), 6) << pad(shorten(plan.hostnames[p.node], 15), 16)
         << pad(std::to_string(p.device), 5) << pad(shorten(p.cpus.empty() ? "-" : format_cpu_list(p.cpus), 21), 22)
-        << pad(std::to_string(p.tp_group), 10) << p.dp_group << "\n";
+        << pad(std::to_string(p.tp_group), 10) << (stages > 1 ? pad(std::to_string(p.pp_index), 7) : "") << p.dp_group
+        << "\n";
   }
   if (L.ranks.size() > kMaxRows) out << "  ... " << L.ranks.size() - kMaxRows << " more ranks\n";
   std::string unused;
@@ -123,6 +153,10 @@ std::string explain(const Plan& plan, double bytes) {
   group_table(out, plan, L.tp_groups, plan.naive.tp_groups, bytes, "TP groups", false);
   out << "\n";
   group_table(out, plan, L.dp_groups, plan.naive.dp_groups, bytes, "DP rings, ranks in ring order", true);
+  if (stages > 1) {
+    out << "\n";
+    pipeline_table(out, plan);
+  }
   out << "\nModel: time = 2(n-1) x slowest link latency + 2(n-1)/n x bytes / bottleneck bandwidth; link figures "
          "from the topology's link costs (docs/topology.md).\n";
   return out.str();
@@ -133,6 +167,8 @@ std::string plan_to_json(const Plan& plan, int indent) {
   json j;
   j["world_size"] = plan.request.world_size;
   j["tp_degree"] = plan.request.tp_degree;
+  j["pp_degree"] = plan.request.pp_degree;
+  j["layout"] = plan.request.layout().to_string();
   j["ranks"] = json::array();
   for (const auto& p : plan.layout.ranks)
     j["ranks"].push_back({{"rank", p.rank},
@@ -155,6 +191,12 @@ std::string plan_to_json(const Plan& plan, int indent) {
     j["dp_groups"].push_back(sorted);
     j["dp_rings"].push_back(g.ranks);
     j["dp_bottlenecks"].push_back(to_string(bottleneck(g, plan.costs)));
+  }
+  j["pp_groups"] = json::array();
+  j["pp_hops"] = json::array();
+  for (const auto& g : plan.layout.pp_groups) {
+    j["pp_groups"].push_back(g.ranks);
+    j["pp_hops"].push_back(to_string(slowest_hop(g, plan.costs)));
   }
   j["unused_gpus"] = json::array();
   for (size_t n = 0; n < plan.unused_gpus.size(); ++n)

@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <map>
 
+#include "loom/error.h"
 #include "topology/grouping.h"
 #include "topology/ordering.h"
 
@@ -172,20 +173,47 @@ void fill_links(const Topology& topo, Layout& layout) {
   };
   for (auto& r : layout.tp_groups) fill(r);
   for (auto& r : layout.dp_groups) fill(r);
+  for (auto& r : layout.pp_groups) fill(r);
 }
 
-void fill_group_indices(Layout& layout, int t) {
+// Each rank's groups and places in them, the TP groups (consecutive blocks) and the pipelines
+// (stage by stage), from the parallel layout; positions are ranks.
+void fill_group_indices(Layout& layout, const loom::ParallelLayout& parallel) {
   const int world = static_cast<int>(layout.ranks.size());
+  const int t = parallel.size("tp");
   layout.tp_groups.assign(world / t, {});
   for (int r = 0; r < world; ++r) {
     auto& p = layout.ranks[r];
     p.rank = r;
     p.tp_group = r / t;
     p.tp_index = r % t;
-    p.dp_group = r % t;
-    p.dp_index = r / t;
+    p.dp_group = parallel.group_index(r, {"dp"});
+    p.dp_index = parallel.coordinate(r, "dp");
+    p.pp_group = parallel.group_index(r, {"pp"});
+    p.pp_index = parallel.coordinate(r, "pp");
     layout.tp_groups[r / t].ranks.push_back(r);
   }
+  layout.pp_groups.clear();
+  for (auto& members : parallel.groups({"pp"})) layout.pp_groups.push_back(Ring{std::move(members), {}});
+}
+
+// The DP groups as rings: each group's members (which share a TP index j) in the order ring j's
+// path visits their TP blocks. paths[j] lists blocks (rank / t) in visiting order; empty paths
+// keep the members in rank order.
+std::vector<Ring> dp_rings(const loom::ParallelLayout& parallel, const std::vector<std::vector<int>>& paths) {
+  const int t = parallel.size("tp");
+  std::vector<Ring> rings;
+  for (auto& members : parallel.groups({"dp"})) {
+    const int j = members.front() % t;
+    if (!paths.empty()) {
+      std::vector<int> step_of_block(parallel.world_size() / t, 0);
+      for (size_t k = 0; k < paths[j].size(); ++k) step_of_block[paths[j][k]] = static_cast<int>(k);
+      std::sort(members.begin(), members.end(),
+                [&](int a, int b) { return step_of_block[a / t] < step_of_block[b / t]; });
+    }
+    rings.push_back(Ring{std::move(members), {}});
+  }
+  return rings;
 }
 
 // The CPUs of `base` split among `parts` ranks: every contiguous run of ids is cut into `parts`
@@ -230,6 +258,17 @@ void bind_cpus(const Topology& topo, Layout& layout) {
 
 }  // namespace
 
+loom::ParallelLayout PlanRequest::layout() const {
+  try {
+    loom::ParallelLayout parallel = loom::ParallelLayout::standard(world_size, tp_degree, pp_degree, layout_order);
+    if (parallel.dimensions().back().name != "tp")
+      throw PlanError("layout order \"" + layout_order + "\": the planner needs tp innermost (TP groups are consecutive ranks)");
+    return parallel;
+  } catch (const loom::Error& e) {
+    throw PlanError(e.what());
+  }
+}
+
 Plan plan(const Topology& topology, const PlanRequest& request) {
   if (request.world_size < 1)
     throw PlanError("world_size=" + std::to_string(request.world_size) + ": expected at least 1");
@@ -240,6 +279,7 @@ Plan plan(const Topology& topology, const PlanRequest& request) {
                     " is not divisible by tp_degree=" + std::to_string(request.tp_degree));
   if (topology.nodes.empty()) throw PlanError("the topology describes no node");
   validate(topology);
+  const loom::ParallelLayout parallel = request.layout();
   const int t = request.tp_degree;
   Plan result;
   result.request = request;
@@ -252,7 +292,7 @@ Plan plan(const Topology& topology, const PlanRequest& request) {
 
   Layout& layout = result.layout;
   layout.ranks.resize(request.world_size);
-  layout.dp_groups.assign(t, {});
+  std::vector<std::vector<int>> paths(t);  // per TP index: the TP blocks in the order its ring visits them
   result.unused_gpus.assign(topology.nodes.size(), {});
   int group_base = 0;
   for (size_t n = 0; n < topology.nodes.size(); ++n) {
@@ -271,11 +311,12 @@ Plan plan(const Topology& topology, const PlanRequest& request) {
         p.device = np.slots[i][j];
       }
     for (int j = 0; j < t; ++j)
-      for (int i : np.dp_order[j]) layout.dp_groups[j].ranks.push_back((group_base + i) * t + j);
+      for (int i : np.dp_order[j]) paths[j].push_back(group_base + i);
     result.unused_gpus[n] = np.unused;
     group_base += m;
   }
-  fill_group_indices(layout, t);
+  fill_group_indices(layout, parallel);
+  layout.dp_groups = dp_rings(parallel, paths);
   bind_cpus(topology, layout);
   fill_links(topology, layout);
 
@@ -288,9 +329,8 @@ Plan plan(const Topology& topology, const PlanRequest& request) {
       naive.ranks[r].node = static_cast<int>(n);
       naive.ranks[r].device = d;
     }
-  fill_group_indices(naive, t);
-  naive.dp_groups.assign(t, {});
-  for (int rank = 0; rank < request.world_size; ++rank) naive.dp_groups[rank % t].ranks.push_back(rank);
+  fill_group_indices(naive, parallel);
+  naive.dp_groups = dp_rings(parallel, {});
   fill_links(topology, naive);
   return result;
 }

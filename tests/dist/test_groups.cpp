@@ -2,6 +2,7 @@
 #include <gtest/gtest.h>
 
 #include "loom/comm/groups.h"
+#include "loom/parallel/layout.h"
 #include "loom/comm/nccl.h"
 #include "test_util.h"
 
@@ -72,6 +73,64 @@ TEST(Groups, LayoutFollowsAGivenOrder) {
   at::Tensor t = at::full({1}, comm->rank(), at::kLong);
   groups.tensor_parallel->all_reduce(t)->wait();
   EXPECT_EQ(t.item<int64_t>(), comm->rank() % 2 == 0 ? 0 + 2 : 1 + 3);
+}
+
+// Every dimension of a three-dimensional layout is a communicator holding exactly the world ranks
+// whose positions agree on the other coordinates (found here by comparing coordinates, not by the
+// layout's group arithmetic), under a placement order that is not the identity; the library's own
+// dimensions a layout lacks are groups of one.
+TEST(Groups, EveryDimensionOfALayoutIsAGroupOfTheRanksAgreeingElsewhere) {
+  auto comm = test::world();
+  const int n = comm->size();
+  std::vector<int> reversed(n);
+  for (int p = 0; p < n; ++p) reversed[p] = n - 1 - p;
+  for (const char* order : {"dp,pp,tp", "pp,dp,tp", "tp,pp,dp"})
+    for (int tp = 1; tp <= n; ++tp)
+      for (int pp = 1; pp * tp <= n; ++pp) {
+        if (n % (tp * pp)) continue;
+        const ParallelLayout layout = ParallelLayout::standard(n, tp, pp, order);
+        auto groups = make_parallel_groups(*comm, layout, reversed);
+        const int me = n - 1 - comm->rank();  // my position
+        EXPECT_EQ(groups.position, me);
+        for (const auto& d : layout.dimensions()) {
+          int64_t expected = 0;
+          int members = 0;
+          for (int p = 0; p < n; ++p) {
+            bool same = true;
+            for (const auto& other : layout.dimensions())
+              if (other.name != d.name) same = same && layout.coordinate(p, other.name) == layout.coordinate(me, other.name);
+            if (same) expected += reversed[p], ++members;
+          }
+          const auto& group = groups.group(d.name);
+          EXPECT_EQ(group->size(), members) << layout.to_string() << " " << d.name;
+          EXPECT_EQ(group->rank(), layout.coordinate(me, d.name)) << layout.to_string() << " " << d.name;
+          at::Tensor t = at::full({1}, comm->rank(), at::kLong);
+          group->all_reduce(t)->wait();
+          EXPECT_EQ(t.item<int64_t>(), expected) << layout.to_string() << " " << d.name;
+        }
+        EXPECT_EQ(groups.tp_degree, tp);
+        EXPECT_EQ(groups.data_parallel->size(), n / tp / pp);
+      }
+  // A layout without the library's dimensions: each of dp, pp and tp is this rank alone.
+  auto custom = make_parallel_groups(*comm, ParallelLayout({{"cp", n}}));
+  EXPECT_EQ(custom.group("cp")->size(), n);
+  for (const char* own : {"dp", "pp", "tp"}) EXPECT_EQ(custom.group(own)->size(), 1) << own;
+  EXPECT_THROW(custom.group("ep"), InvalidArgumentError);
+}
+
+TEST(Groups, LayoutOfAnotherWorldSizeOrRingsForAnAbsentDimensionAreRefused) {
+  auto comm = test::world();
+  const int n = comm->size();
+  try {
+    make_parallel_groups(*comm, ParallelLayout({{"dp", n + 1}}));
+    FAIL() << "expected InvalidArgumentError";
+  } catch (const InvalidArgumentError& e) {
+    EXPECT_NE(std::string(e.what()).find("the layout dp=" + std::to_string(n + 1) + " holds " + std::to_string(n + 1) +
+                                         " ranks; the world has " + std::to_string(n)),
+              std::string::npos)
+        << e.what();
+  }
+  EXPECT_THROW(make_parallel_groups(*comm, ParallelLayout({{"dp", n}}), {}, {{"pp", {}}}), InvalidArgumentError);
 }
 
 TEST(Groups, WrongDegreeOrOrderIsAnError) {

@@ -257,6 +257,33 @@ def test_collectives_and_groups(loom):
         assert groups.tp_rank == r % 2 and groups.dp_rank == r // 2
 
 
+def test_parallel_layout_groups_hold_the_ranks_agreeing_elsewhere(loom):
+    # Every dimension's communicator holds exactly the ranks whose coordinates agree on the other
+    # dimensions, counted here in Python from itertools.product (dp outermost, tp innermost).
+    import itertools
+    comm = loom.world_comm()
+    n, r = comm.size, comm.rank
+    for tp, pp in [(t, p) for t in (1, 2) for p in (1, 2) if n % (t * p) == 0]:
+        ps = torchloom.ParallelState(comm, tensor_parallel=tp, pipeline_parallel=pp)
+        dp = n // (tp * pp)
+        assert str(ps.layout) == f"dp={dp},pp={pp},tp={tp}"
+        coords = list(itertools.product(range(dp), range(pp), range(tp)))  # position -> (dp, pp, tp)
+        mine = coords[r]
+        assert (ps.dp_rank, ps.pp_rank, ps.tp_rank) == mine
+        for axis, name, group in [(0, "dp", ps.dp_group), (1, "pp", ps.pp_group), (2, "tp", ps.tp_group)]:
+            members = [q for q, c in enumerate(coords) if all(c[i] == mine[i] for i in range(3) if i != axis)]
+            x = torch.tensor([float(r)])
+            group.all_reduce(x).wait()
+            assert group.size == len(members) and x.item() == float(sum(members)), (name, tp, pp)
+            assert ps.groups.group(name).size == len(members)
+            assert ps.layout.group(r, [name]) == members
+    with pytest.raises(torchloom.InvalidArgumentError, match="the pp size 3"):
+        torchloom.ParallelLayout.standard(4, 1, 3)
+    layout = torchloom.ParallelLayout([("dp", n)])
+    groups = torchloom.make_parallel_groups(comm, layout)
+    assert groups.group("dp").size == n and groups.group("pp").size == 1 and groups.position == r
+
+
 def test_tensor_parallel_layers_equal_plain_layers(loom):
     comm = loom.world_comm()
     tp = comm.size if comm.size <= 2 else 2

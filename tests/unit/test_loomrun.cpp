@@ -92,6 +92,9 @@ TEST(Loomrun, HostListArgvAndOptionsBecomeEnvironment) {
               kForwarded,
               {"-x", "LOOM_TIMELINE=/tmp/tl", "-x", "LOOM_TIMEOUT=30", "-x", "LOOM_TP=2", "./train", "a b"}}));
   EXPECT_TRUE(l.notes.empty());
+  // --pp reaches the ranks as LOOM_PP.
+  Launch piped = build_launch(parse({"-np", "8", "--tp", "2", "--pp", "2", "--", "./train"}), context());
+  EXPECT_NE(std::find(piped.argv.begin(), piped.argv.end(), "LOOM_PP=2"), piped.argv.end());
   // Oversubscribed hosts.
   Launch over = build_launch(parse({"-np", "20", "-H", "a:8,b:8", "--", "x"}), context());
   EXPECT_NE(std::find(over.argv.begin(), over.argv.end(), "--oversubscribe"), over.argv.end());
@@ -118,6 +121,9 @@ TEST(Loomrun, BadArgumentsSayWhatIsWrong) {
   EXPECT_EQ(usage_error({"-np", "6", "--tp", "4", "--", "x"}),
             "-np 6 is not divisible by --tp 4: every rank belongs to one tensor-parallel group of 4");
   EXPECT_EQ(usage_error({"-np", "2", "--tp", "0", "--", "x"}), "--tp 0: expected at least 1");
+  EXPECT_EQ(usage_error({"-np", "2", "--pp", "0", "--", "x"}), "--pp 0: expected at least 1");
+  EXPECT_EQ(usage_error({"-np", "8", "--tp", "2", "--pp", "3", "--", "x"}),
+            "-np 8 is not divisible by --tp 2 x --pp 3 = 6: every data-parallel replica holds 3 stages of 2 ranks");
   EXPECT_EQ(usage_error({"-np", "2", "-H", "host:abc", "--", "x"}),
             "-H 'host:abc': 'host:abc' is not host or host:slots (slots must be a positive integer, found 'abc')");
   EXPECT_EQ(usage_error({"-np", "2", "-H", ":4", "--", "x"}),
@@ -490,7 +496,13 @@ TEST(Loomrun, DropDeadHostsShrinksTheJobToTheLiveHosts) {
   // Only c is left at TP 4: 2 slots cannot hold one TP group.
   Options tp4 = parse({"-np", "8", "-H", "a:4,b:4,c:2", "--tp", "4", "--max-restarts", "1", "--drop-dead-hosts", "--", "x"});
   EXPECT_FALSE(without_dead_hosts(tp4, {false, false, true}, why).has_value());
-  EXPECT_NE(why.find("fewer than one tensor-parallel group of 4"), std::string::npos) << why;
+  EXPECT_NE(why.find("fewer than one replica of 4 ranks (--tp 4 x --pp 1)"), std::string::npos) << why;
+  // With pipelines a replica is tp x pp ranks: a and c hold 6 slots, one replica of 2 x 2 = 4 ranks.
+  Options pp2 = parse({"-np", "8", "-H", "a:4,b:4,c:2", "--tp", "2", "--pp", "2", "--max-restarts", "1",
+                       "--drop-dead-hosts", "--", "x"});
+  auto shrunk = without_dead_hosts(pp2, {true, false, true}, why);
+  ASSERT_TRUE(shrunk.has_value()) << why;
+  EXPECT_EQ(shrunk->np, 4);
   EXPECT_FALSE(without_dead_hosts(tp4, {false, false, false}, why).has_value());
   EXPECT_EQ(why, "no host answered");
 }

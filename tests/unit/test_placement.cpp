@@ -312,6 +312,66 @@ TEST(Placement, MultiNodeRingsCrossNodesTheMinimumNumberOfTimes) {
   for (const auto& ring : spread.layout.tp_groups) EXPECT_EQ(bottleneck(ring, spread.costs), (Link{LinkClass::NV, 2}));
 }
 
+// With pipelines (layout "dp,pp,tp"): rank r is stage (r / T) % P of replica r / (T P); each
+// pipeline is P consecutive TP blocks along the best ring through a node, so on 8-GPU nodes it never
+// leaves its node; DP rings hold one stage of every replica and still cross nodes the minimum number
+// of times; TP groups stay the exhaustive optimum.
+TEST(Placement, PipelinesStayInsideANodeAndDpRingsTakeOneStageOfEveryReplica) {
+  const Topology cluster = topology_from_json(replicated_json("dgx1_v100_1nic_oneflow.txt", 4), "4x8.json");
+  for (auto [t, pp] : std::vector<std::pair<int, int>>{{1, 2}, {2, 2}, {2, 4}, {1, 8}, {4, 2}}) {
+    SCOPED_TRACE("TP=" + std::to_string(t) + " PP=" + std::to_string(pp));
+    PlanRequest request{32, t, 0, 1 << 20};
+    request.pp_degree = pp;
+    const Plan p = plan(cluster, request);
+    const int replicas = 32 / t / pp;
+    ASSERT_EQ(static_cast<int>(p.layout.pp_groups.size()), replicas * t);
+    for (int r = 0; r < 32; ++r) {
+      EXPECT_EQ(p.layout.ranks[r].pp_index, r / t % pp);
+      EXPECT_EQ(p.layout.ranks[r].dp_index, r / (t * pp));
+      EXPECT_EQ(p.layout.ranks[r].tp_group, r / t);
+    }
+    for (int d = 0; d < replicas; ++d)
+      for (int j = 0; j < t; ++j) {
+        std::vector<int> expected;
+        for (int s = 0; s < pp; ++s) expected.push_back((d * pp + s) * t + j);
+        const Ring& pipeline = p.layout.pp_groups[p.layout.ranks[expected[0]].pp_group];
+        EXPECT_EQ(pipeline.ranks, expected);
+        std::set<int> nodes;
+        for (int r : pipeline.ranks) nodes.insert(p.layout.ranks[r].node);
+        EXPECT_EQ(nodes.size(), 1u) << "pipeline of replica " << d << " leaves its node";
+      }
+    ASSERT_EQ(static_cast<int>(p.layout.dp_groups.size()), pp * t);
+    for (const auto& ring : p.layout.dp_groups) {
+      std::vector<int> members = ring.ranks;
+      std::sort(members.begin(), members.end());
+      std::vector<int> expected;
+      for (int d = 0; d < replicas; ++d) expected.push_back(d * t * pp + members[0] % (t * pp));
+      EXPECT_EQ(members, expected);
+      auto [hops, nodes] = crossings(p, ring);
+      EXPECT_EQ(hops, minimum_crossings(nodes));
+      for (size_t i = 1; i < ring.ranks.size(); ++i)
+        EXPECT_LE(p.layout.ranks[ring.ranks[i - 1]].node, p.layout.ranks[ring.ranks[i]].node);
+    }
+    for (int node = 0; node < 4; ++node)
+      EXPECT_EQ(planned_score(p, cluster, node), exhaustive_optimum(cluster.nodes[node], cluster.costs, 8, t));
+    auto j = nlohmann::json::parse(plan_to_json(p));
+    EXPECT_EQ(j["layout"], "dp=" + std::to_string(replicas) + ",pp=" + std::to_string(pp) + ",tp=" + std::to_string(t));
+    EXPECT_EQ(j["pp_groups"].size(), p.layout.pp_groups.size());
+    EXPECT_NE(explain(p, 1 << 20).find("Pipelines, ranks stage by stage"), std::string::npos);
+  }
+  PlanRequest odd{32, 2, 0, 1 << 20};
+  odd.pp_degree = 3;
+  EXPECT_THROW(plan(cluster, odd), PlanError);
+  PlanRequest tp_outside{32, 2, 0, 1 << 20};
+  tp_outside.layout_order = "tp,pp,dp";
+  try {
+    plan(cluster, tp_outside);
+    ADD_FAILURE() << "expected PlanError";
+  } catch (const PlanError& e) {
+    EXPECT_NE(std::string(e.what()).find("the planner needs tp innermost"), std::string::npos) << e.what();
+  }
+}
+
 TEST(Placement, NodesThatDiffer) {
   // merge_nodes output as loom::init builds it: an 8-GPU DGX-1, a 4-GPU Azure box, a 2-GPU workstation.
   Topology t =

@@ -349,7 +349,11 @@ void model_parallel_seed(uint64_t seed, int tp_rank, RngTracker& tracker = rng_t
 
 struct ParallelConfig {
   int tensor_parallel = 1;
-  // Layout order of the world's ranks (a permutation); empty: 0..n-1.
+  int pipeline_parallel = 1;
+  // The dimensions outermost first (loom::ParallelLayout::arrange): data-parallel replicas take the
+  // rest of the world. The standard order keeps TP ranks consecutive and pipeline neighbours next.
+  std::string layout_order = std::string(ParallelLayout::kStandardOrder);
+  // Layout order of the world's ranks (a permutation: position p is world rank order[p]); empty: 0..n-1.
   std::vector<int> order;
   // Each DP group's world ranks in ring order (a placement plan's DP groups:
   // loom::planned_dp_rings(tensor_parallel)). Empty: ascending ranks.
@@ -361,10 +365,15 @@ struct ParallelConfig {
   int64_t vocab_size = 0;
 };
 
-// The TP and DP groups of this process, built from the world communicator (a collective: every
-// rank constructs it with the same configuration). Wrong divisibility is a
-// loom::InvalidArgumentError raised on every rank before any communication, e.g.
+// The groups of this process for every dimension of its layout (data, pipeline and tensor
+// parallel), built from the world communicator (a collective: every rank constructs it with the
+// same configuration). Wrong divisibility is a loom::InvalidArgumentError raised on every rank
+// before any communication, e.g.
 //   [rank 3] ParallelState: hidden size must be a positive multiple of the tensor-parallel degree 4; found 10 (10 % 4 = 2)
+//
+//   loom::ParallelState ps(rt->world_comm(), {.tensor_parallel = 2, .pipeline_parallel = 2});
+//   ps.layout().to_string();   // "dp=2,pp=2,tp=2" on 8 ranks
+//   ps.pp_rank();              // this rank's pipeline stage
 class ParallelState {
  public:
   ParallelState(std::shared_ptr<Communicator> world, const ParallelConfig& config);
@@ -374,11 +383,16 @@ class ParallelState {
   int tp_rank() const { return groups_.tp_rank; }
   int dp_degree() const { return groups_.dp_degree; }
   int dp_rank() const { return groups_.dp_rank; }
+  int pp_degree() const { return groups_.size(kPipelineParallelDim); }
+  int pp_rank() const { return groups_.rank(kPipelineParallelDim); }
   const std::shared_ptr<Communicator>& world() const { return world_; }
   // The group to hand every tensor-parallel layer.
   const TensorParallelGroup& tp_group() const { return groups_.tensor_parallel; }
   // The group to hand the GradientReducer / DistributedDataParallel.
   const std::shared_ptr<Communicator>& dp_group() const { return groups_.data_parallel; }
+  // The pipeline this rank is a stage of, stage by stage (its rank in the group is its stage).
+  const std::shared_ptr<Communicator>& pp_group() const { return groups_.group(kPipelineParallelDim); }
+  const ParallelLayout& layout() const { return groups_.layout; }
   const ParallelGroups& groups() const { return groups_; }
 
   // model_parallel_seed(seed, tp_rank(), tracker).

@@ -8,10 +8,13 @@
 //   plan.layout.tp_groups[0].ranks;              // {0, 1}: world ranks, in ring order
 //   std::cout << loom::topo::explain(plan, 64 << 20);   // per group: devices, link, time vs naive
 //
-// Conventions (those of loom::make_parallel_groups): TP groups are consecutive blocks of world ranks
-// ({0..T-1}, {T..2T-1}, ...); DP group j holds the ranks at position j of every TP group. The plan
-// chooses which GPU each rank gets, so the blocks land on well-connected GPUs; DP rings are given in
-// ring order (Ring::ranks), which a communicator may use as its rank order.
+// Conventions (those of loom::make_parallel_groups over the request's loom::ParallelLayout, whose
+// innermost dimension must be tp): TP groups are consecutive blocks of world ranks ({0..T-1},
+// {T..2T-1}, ...); the other dimensions (dp, pp) group the blocks as the layout says. The plan
+// chooses which GPU each rank gets, so the blocks land on well-connected GPUs; consecutive blocks
+// follow the best ring through each node, so with the standard order "dp,pp,tp" pipeline
+// neighbours are next to each other and a DP ring takes every P-th block. DP rings are given in
+// ring order (Ring::ranks), which a communicator may use as its rank order; pipelines in stage order.
 //
 // Rules, in order of priority, for the GPUs of one node:
 //   1. every TP group lies inside one node;
@@ -35,6 +38,7 @@
 #include <string>
 #include <vector>
 
+#include "loom/parallel/layout.h"
 #include "loom/topology/topology.h"
 
 namespace loom::topo {
@@ -44,6 +48,10 @@ struct PlanRequest {
   int tp_degree = 1;
   int ranks_per_node = 0;                     // 0: fill each node's GPUs (in node order) before the next
   std::uint64_t message_bytes = 64ull << 20;  // the message size explain() and plan_to_json() model
+  int pp_degree = 1;                          // pipeline stages
+  std::string layout_order = "dp,pp,tp";      // loom::ParallelLayout::arrange's order; tp innermost
+  // ParallelLayout::standard(world_size, tp_degree, pp_degree, layout_order): what the plan groups.
+  loom::ParallelLayout layout() const;
 };
 
 // A request the topology cannot serve (world not divisible by TP, not enough GPUs, TP larger than a
@@ -60,8 +68,10 @@ struct RankPlacement {
   CpuList cpus;      // CPUs to bind to (empty: no binding known)
   int tp_group = 0;  // index into Layout::tp_groups
   int tp_index = 0;  // position in the TP group (= rank % tp_degree)
-  int dp_group = 0;  // index into Layout::dp_groups (= tp_index)
-  int dp_index = 0;  // position in the DP group (= rank / tp_degree)
+  int dp_group = 0;  // index into Layout::dp_groups (= tp_index without pipelines)
+  int dp_index = 0;  // the rank's dp coordinate (= rank / tp_degree without pipelines)
+  int pp_group = 0;  // index into Layout::pp_groups
+  int pp_index = 0;  // the rank's pipeline stage
 };
 
 // A group as a ring: ranks in ring order, links[i] joins ranks[i] and ranks[(i + 1) % n].
@@ -73,7 +83,9 @@ struct Ring {
 struct Layout {
   std::vector<RankPlacement> ranks;  // indexed by world rank
   std::vector<Ring> tp_groups;       // TP group g holds ranks g*T .. g*T+T-1 (ring order)
-  std::vector<Ring> dp_groups;       // DP group j holds ranks j, T+j, 2T+j, ... (ring order)
+  std::vector<Ring> dp_groups;       // in ParallelLayout::groups({"dp"}) order, members in ring order
+                                     // (without pipelines: DP group j holds ranks j, T+j, 2T+j, ...)
+  std::vector<Ring> pp_groups;       // in ParallelLayout::groups({"pp"}) order, members stage by stage
 };
 
 struct Plan {
@@ -116,11 +128,13 @@ struct ModelledTimes {
 ModelledTimes modelled_times(const Plan& plan, double bytes);
 
 // Human-readable: the rank table, then per TP group and DP ring its members, devices, bottleneck
-// link and modelled all-reduce time next to the naive layout's, and the ratio naive/planned.
+// link and modelled all-reduce time next to the naive layout's, and the ratio naive/planned; with
+// pipelines, each pipeline's ranks stage by stage and its slowest hop between stages.
 std::string explain(const Plan& plan, double bytes);
 
-// {"world_size", "tp_degree", "ranks": [{rank, node, hostname, device, cpus}], "tp_groups",
-//  "dp_groups" (ascending ranks), "dp_rings" (ring order), "unused_gpus",
+// {"world_size", "tp_degree", "pp_degree", "layout" ("dp=2,pp=2,tp=2"), "ranks": [{rank, node,
+//  hostname, device, cpus}], "tp_groups", "dp_groups" (ascending ranks), "dp_rings" (ring order),
+//  "pp_groups" (stage order), "pp_hops" (each pipeline's slowest hop), "unused_gpus",
 //  "modelled": {tp_allreduce_us, dp_allreduce_us, naive_tp_allreduce_us, naive_dp_allreduce_us, message_bytes}}
 std::string plan_to_json(const Plan& plan, int indent = 2);
 
