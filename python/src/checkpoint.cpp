@@ -57,6 +57,9 @@ void bind_checkpoint(py::module_& m) {
       .def("remove_tensor", &loom::Checkpointer::remove_tensor, py::arg("name"))
       .def("tensor_parallel", &loom::Checkpointer::tensor_parallel, py::arg("size"), py::arg("rank"),
            py::return_value_policy::reference_internal)
+      .def("parallel_layout", &loom::Checkpointer::parallel_layout, py::arg("layout"), py::arg("position"),
+           py::return_value_policy::reference_internal,
+           "The job's parallel layout and this rank's position in it, recorded in the manifest.")
       // The callables run on the calling thread inside save() and load() (pybind11 takes the GIL).
       .def(
           "object",

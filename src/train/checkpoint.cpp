@@ -53,6 +53,32 @@ using json = nlohmann::json;
 
 namespace {
 
+// Why rank r's declared parallel layout cannot be recorded: it differs from rank 0's, another rank
+// declared the same position, or the model's tensor-parallel modules contradict it.
+std::optional<std::string> layout_disagreement(const std::vector<json>& ranks, int r) {
+  const std::string first = ranks[0]["layout"].get<std::string>();
+  const json& theirs = ranks[r];
+  const std::string layout = theirs["layout"].get<std::string>();
+  auto shown = [](const std::string& text) { return text.empty() ? std::string("none") : "\"" + text + "\""; };
+  if (layout != first)
+    return "ranks declare different parallel layouts: rank 0 " + shown(first) + ", rank " + std::to_string(r) + " " +
+           shown(layout);
+  if (layout.empty()) return std::nullopt;
+  const int position = theirs["position"].get<int>();
+  for (int other = 0; other < r; ++other)
+    if (ranks[other]["position"].get<int>() == position)
+      return "ranks " + std::to_string(other) + " and " + std::to_string(r) + " both declare position " +
+             std::to_string(position) + " of " + layout;
+  const ParallelLayout parsed = ParallelLayout::parse(layout);
+  const int tp_size = theirs["tp_size"].get<int>(), tp_rank = theirs["tp_rank"].get<int>();
+  const int expected = parsed.coordinate(position, kTensorParallelDim);
+  if (tp_size > 1 && (tp_size != parsed.size(kTensorParallelDim) || tp_rank != expected))
+    return "rank " + std::to_string(r) + "'s tensor-parallel state is slice " + std::to_string(tp_rank) + " of " +
+           std::to_string(tp_size) + ", but its position " + std::to_string(position) + " in " + layout +
+           " is tp " + std::to_string(expected) + " of " + std::to_string(parsed.size(kTensorParallelDim));
+  return std::nullopt;
+}
+
 double seconds_between(trace::Clock::time_point a, trace::Clock::time_point b) {
   return std::chrono::duration<double>(b - a).count();
 }
@@ -100,6 +126,8 @@ struct Checkpointer::Impl {
   CheckpointOptions options;
   int rank = 0;
   int size = 1;
+  std::string layout;  // the declared parallel layout ("" when none) and this rank's position
+  int position = -1;
   std::string where;
   std::unique_ptr<CheckpointStorage> storage;
   // The providers by name, in the order they collect (registered ones first, in registration
@@ -163,6 +191,8 @@ struct Checkpointer::Impl {
   SaveState collect(bool for_load) {
     SaveState out;
     out.for_load = for_load;
+    out.layout = layout;
+    out.position = position;
     for (auto& [name, provider] : named_providers) {
       const auto before = out.sections;
       provider->collect(rank, out);
@@ -308,6 +338,16 @@ Checkpointer& Checkpointer::tensor_parallel(int size, int rank) {
   impl_->built_in<ExtraTensors>("extra").declare_tensor_parallel(size, rank);
   return *this;
 }
+Checkpointer& Checkpointer::parallel_layout(const ParallelLayout& layout, int position) {
+  if (layout.world_size() != impl_->size || position < 0 || position >= impl_->size)
+    throw InvalidArgumentError(impl_->where + ": Checkpointer::parallel_layout: expected a layout of the " +
+                               std::to_string(impl_->size) + " ranks and a position in it; found " +
+                               layout.to_string() + " (" + std::to_string(layout.world_size()) +
+                               " ranks) and position " + std::to_string(position));
+  impl_->layout = layout.to_string();
+  impl_->position = position;
+  return *this;
+}
 Checkpointer& Checkpointer::object(const std::string& name, ObjectState state) {
   if (name.empty() || !state.save || !state.load)
     throw InvalidArgumentError(impl_->where + ": Checkpointer::object: expected a name and save and load functions");
@@ -389,7 +429,8 @@ void Checkpointer::save(const TrainingProgress& progress, const std::map<std::st
 Checkpointer::Impl::AgreedPlan Checkpointer::Impl::agree_on_plan(int64_t step, const SaveState& state,
                                                                  std::string error, const std::string& nonce,
                                                                  const std::string& final_name) {
-  json mine = {{"step", step}, {"nonce", nonce}, {"tp_size", state.tp_size}, {"tp_rank", state.tp_rank}};
+  json mine = {{"step", step},        {"nonce", nonce},          {"tp_size", state.tp_size},
+               {"tp_rank", state.tp_rank}, {"layout", state.layout}, {"position", state.position}};
   json descriptors = json::array();
   for (const auto& t : state.tensors) {
     Descriptor d;
@@ -423,6 +464,7 @@ Checkpointer::Impl::AgreedPlan Checkpointer::Impl::agree_on_plan(int64_t step, c
       if (theirs["step"].get<int64_t>() != step)
         errors.push_back(where + ": ranks save different steps: rank 0 step " + std::to_string(step) + ", rank " +
                          std::to_string(r) + " step " + std::to_string(theirs["step"].get<int64_t>()));
+      if (auto wrong = layout_disagreement(agreed.ranks, r)) errors.push_back(where + ": " + *wrong);
     }
     if (!errors.empty())
       throw CheckpointError(where + ": step " + std::to_string(step) + " not saved:" + join_lines(errors));
@@ -477,10 +519,22 @@ Manifest Checkpointer::Impl::manifest_for(const AgreedPlan& agreed, std::map<std
   int tp = 1;
   for (const auto& theirs : agreed.ranks) tp = std::max(tp, theirs["tp_size"].get<int>());
   manifest.world.size = size;
-  manifest.world.tensor_parallel = size % tp == 0 ? tp : 1;
-  manifest.world.data_parallel = size / manifest.world.tensor_parallel;
-  for (const auto& theirs : agreed.ranks)
-    manifest.world.tp_ranks.push_back(manifest.world.tensor_parallel > 1 ? theirs["tp_rank"].get<int>() : 0);
+  const std::string declared = agreed.ranks[0]["layout"].get<std::string>();
+  if (!declared.empty()) {  // agreed by every rank, and its TP size the modules' (layout_disagreement)
+    const ParallelLayout layout = ParallelLayout::parse(declared);
+    manifest.world.layout = declared;
+    manifest.world.tensor_parallel = layout.size(kTensorParallelDim);
+    manifest.world.data_parallel = layout.size(kDataParallelDim);
+    for (const auto& theirs : agreed.ranks) {
+      manifest.world.positions.push_back(theirs["position"].get<int>());
+      manifest.world.tp_ranks.push_back(layout.coordinate(manifest.world.positions.back(), kTensorParallelDim));
+    }
+  } else {
+    manifest.world.tensor_parallel = size % tp == 0 ? tp : 1;
+    manifest.world.data_parallel = size / manifest.world.tensor_parallel;
+    for (const auto& theirs : agreed.ranks)
+      manifest.world.tp_ranks.push_back(manifest.world.tensor_parallel > 1 ? theirs["tp_rank"].get<int>() : 0);
+  }
   manifest.tensors = std::move(tensors);
   manifest.progress = {{"step", progress.step}, {"epoch", progress.epoch}, {"sample", progress.sample}};
   for (const auto& [name, text] : state.sections) {

@@ -4,6 +4,7 @@
 #include <set>
 
 #include "loom/error.h"
+#include "loom/parallel/layout.h"
 #include "train/checkpoint_checksum.h"
 #include "train/safetensors.h"
 
@@ -101,6 +102,10 @@ std::string manifest_to_json(const Manifest& m) {
                   {"tensor_parallel", m.world.tensor_parallel},
                   {"data_parallel", m.world.data_parallel},
                   {"tp_ranks", m.world.tp_ranks}};
+  if (!m.world.layout.empty()) {
+    doc["world"]["layout"] = m.world.layout;
+    doc["world"]["positions"] = m.world.positions;
+  }
   doc["progress"] = m.progress;
   auto& shards = doc["shards"] = nlohmann::ordered_json::array();
   for (const auto& s : m.shards)
@@ -178,6 +183,39 @@ std::optional<std::string> tensor_parallel_ranks_contradict(const Manifest& m, c
 
 namespace {
 
+// A declared layout: parseable, as large as the world, agreeing with the tensor- and data-parallel
+// sizes recorded beside it, and every rank at a position of its own.
+ParallelLayout parse_declared_layout(const json& world, Manifest& m, const std::string& where) {
+  const json& text = world["layout"];
+  if (!text.is_string() || text.get<std::string>().size() > 4096)
+    reject(where, "world: \"layout\" is not a layout text (e.g. \"dp=2,pp=2,tp=2\")");
+  m.world.layout = text.get<std::string>();
+  ParallelLayout layout;
+  try {
+    layout = ParallelLayout::parse(m.world.layout);
+  } catch (const Error& e) {
+    reject(where, std::string("world: \"layout\" ") + e.what());
+  }
+  if (layout.world_size() != m.world.size || layout.size("tp") != m.world.tensor_parallel ||
+      layout.size("dp") != m.world.data_parallel)
+    reject(where, "world: the layout " + m.world.layout + " (" + std::to_string(layout.world_size()) +
+                      " ranks) disagrees with size " + std::to_string(m.world.size) + ", tensor_parallel " +
+                      std::to_string(m.world.tensor_parallel) + " or data_parallel " +
+                      std::to_string(m.world.data_parallel));
+  const json& positions = member(world, "positions", where, "world: ");
+  if (!positions.is_array() || positions.size() != static_cast<size_t>(m.world.size))
+    reject(where, "world: \"positions\" is not an array of " + std::to_string(m.world.size) + " positions");
+  std::vector<bool> taken(m.world.size, false);
+  for (const auto& p : positions) {
+    if (!p.is_number_integer() || p.get<int64_t>() < 0 || p.get<int64_t>() >= m.world.size || taken[p.get<int>()])
+      reject(where, "world: \"positions\" holds " + p.dump() + "; expected each of 0.." +
+                        std::to_string(m.world.size - 1) + " once");
+    taken[p.get<int>()] = true;
+    m.world.positions.push_back(p.get<int>());
+  }
+  return layout;
+}
+
 // The pieces of a manifest, each validated as parse_manifest describes (in this order: the
 // tensors' slices name shards, and the TP check reads both).
 void parse_world(const json& doc, Manifest& m, const std::string& where) {
@@ -186,9 +224,14 @@ void parse_world(const json& doc, Manifest& m, const std::string& where) {
   m.world.size = static_cast<int>(integer(world, "size", 1, 1 << 24, where, "world: "));
   m.world.tensor_parallel = static_cast<int>(integer(world, "tensor_parallel", 1, 1 << 24, where, "world: "));
   m.world.data_parallel = static_cast<int>(integer(world, "data_parallel", 1, 1 << 24, where, "world: "));
-  if (int64_t(m.world.tensor_parallel) * m.world.data_parallel != m.world.size)
+  const bool declared = world.contains("layout");
+  ParallelLayout layout;
+  if (declared) {
+    layout = parse_declared_layout(world, m, where);
+  } else if (int64_t(m.world.tensor_parallel) * m.world.data_parallel != m.world.size) {
     reject(where, "world: tensor_parallel " + std::to_string(m.world.tensor_parallel) + " x data_parallel " +
                       std::to_string(m.world.data_parallel) + " != size " + std::to_string(m.world.size));
+  }
   const json& tp_ranks = member(world, "tp_ranks", where, "world: ");
   if (!tp_ranks.is_array() || tp_ranks.size() != static_cast<size_t>(m.world.size))
     reject(where, "world: \"tp_ranks\" is not an array of " + std::to_string(m.world.size) + " ranks");
@@ -198,6 +241,15 @@ void parse_world(const json& doc, Manifest& m, const std::string& where) {
              "world: \"tp_ranks\" holds " + r.dump() + "; expected 0.." + std::to_string(m.world.tensor_parallel - 1));
     m.world.tp_ranks.push_back(r.get<int>());
   }
+  if (declared)
+    for (int rank = 0; rank < m.world.size; ++rank) {
+      const int expected = layout.coordinate(m.world.positions[rank], "tp");
+      if (m.world.tp_ranks[rank] != expected)
+        reject(where, "world: \"tp_ranks\" makes rank " + std::to_string(rank) + " tensor-parallel rank " +
+                          std::to_string(m.world.tp_ranks[rank]) + ", but its position " +
+                          std::to_string(m.world.positions[rank]) + " in " + m.world.layout + " is tp " +
+                          std::to_string(expected));
+    }
 }
 
 void parse_shards(const json& doc, Manifest& m, const std::string& where) {

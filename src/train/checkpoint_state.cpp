@@ -121,7 +121,9 @@ const WorldLayout& LoadContext::saved_world() const { return manifest.world; }
 int64_t LoadContext::saved_step() const { return manifest.step; }
 
 bool LoadContext::same_layout() const {
-  return manifest.world.size == size && manifest.world.tensor_parallel == live.tp_size;
+  if (manifest.world.size != size || manifest.world.tensor_parallel != live.tp_size) return false;
+  if (manifest.world.layout.empty() || live.layout.empty()) return true;
+  return manifest.world.layout == live.layout && manifest.world.positions.at(rank) == live.position;
 }
 
 namespace {

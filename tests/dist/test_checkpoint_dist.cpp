@@ -653,6 +653,76 @@ void check_reshard(const Layout& save_at, const std::vector<Layout>& load_at) {
   cleanup(dir);
 }
 
+// Records what a load says of the saved world against this job's (the public LoadContext).
+struct LayoutProbe : checkpoint::StateProvider {
+  void collect(int, checkpoint::SaveState&) override {}
+  void plan(const checkpoint::LoadContext& context, std::vector<checkpoint::Need>&, std::vector<std::string>&) override {
+    same = context.same_layout();
+    saved = context.saved_world();
+  }
+  void apply(const checkpoint::LoadContext&, const checkpoint::LoadedTensors&) override {}
+  bool same = false;
+  checkpoint::WorldLayout saved;
+};
+
+// A declared parallel layout (pipelines, ranks at reversed positions) is recorded with every rank's
+// position; a load maps per-rank state rank to rank only at the same layout and positions; ranks
+// that declare different layouts, or one position twice, save nothing.
+TEST(CheckpointDist, TheDeclaredParallelLayoutAndPositionsAreRecordedAndCompared) {
+  auto world = test::world();
+  const int n = world->size(), me = world->rank();
+  if (n < 2) GTEST_SKIP() << "needs 2 ranks";
+  const std::string dir = shared_dir("declared_layout");
+  const ParallelLayout layout = ParallelLayout::standard(n, 1, 2);
+  at::Tensor w = at::arange(4, at::kFloat);
+  auto save_declared = [&](const ParallelLayout& declared, int position, int64_t step) {
+    Checkpointer c(world, {.directory = dir, .async = false});
+    c.tensor("w", w).parallel_layout(declared, position);
+    c.save({.step = step});
+  };
+  save_declared(layout, n - 1 - me, 1);
+  {
+    test::SharedFile manifest_file(*world, dir + "/step_000001/manifest.json");
+    auto manifest = nlohmann::json::parse(manifest_file.original());
+    EXPECT_EQ(manifest["world"]["layout"], layout.to_string());
+    for (int r = 0; r < n; ++r) EXPECT_EQ(manifest["world"]["positions"][r], n - 1 - r);
+  }
+  auto probe_load = [&](const ParallelLayout* declared, int position) {
+    Checkpointer c(world, {.directory = dir, .async = false});
+    auto probe = std::make_shared<LayoutProbe>();
+    c.tensor("w", w).state("probe", probe);
+    if (declared) c.parallel_layout(*declared, position);
+    c.load(dir + "/step_000001");
+    return probe;
+  };
+  auto same = probe_load(&layout, n - 1 - me);
+  EXPECT_TRUE(same->same);
+  EXPECT_EQ(same->saved.layout, layout.to_string());
+  EXPECT_FALSE(probe_load(&layout, (n - me) % n)->same);  // every rank one position further on
+  EXPECT_TRUE(probe_load(nullptr, 0)->same);  // a job that declares nothing: size and TP decide
+  const ParallelLayout other = ParallelLayout::parse("dp=" + std::to_string(n));
+  EXPECT_FALSE(probe_load(&other, me)->same);
+
+  auto refused_save = [&](const ParallelLayout& declared, int position) {
+    try {
+      save_declared(declared, position, 2);
+    } catch (const CheckpointError& e) {
+      return std::string(e.what());
+    }
+    return std::string("(saved)");
+  };
+  const std::string mixed = refused_save(me == 0 ? other : layout, me == 0 ? 0 : n - 1 - me);
+  EXPECT_NE(mixed.find("ranks declare different parallel layouts: rank 0 \"" + other.to_string() + "\""),
+            std::string::npos) << mixed;
+  const std::string twice = refused_save(layout, me == 1 ? 0 : me);
+  EXPECT_NE(twice.find("ranks 0 and 1 both declare position 0 of " + layout.to_string()), std::string::npos) << twice;
+  EXPECT_THROW(Checkpointer(world, {.directory = dir}).parallel_layout(ParallelLayout::parse("dp=1"), 0),
+               InvalidArgumentError);
+  world->barrier()->wait();
+  EXPECT_EQ(Checkpointer::find_latest(dir).value_or(""), dir + "/step_000001");
+  cleanup(dir);
+}
+
 TEST(CheckpointDist, LoadsAtOtherTensorAndDataParallelLayouts) {
   const int n = test::world()->size();
   if (n == 1) {

@@ -215,6 +215,40 @@ TEST(CheckpointManifest, OverlappingSlicesAndTwoSlicesInOneShardAreRefused) {
   EXPECT_EQ(ckpt::parse_manifest(ckpt::manifest_to_json(m), "manifest").tensors.at("model/w").slices.size(), 2u);
 }
 
+// A declared parallel layout round-trips, and is refused when it contradicts the world beside it:
+// another size, TP or DP degree, a position taken twice, a TP rank its position does not give.
+TEST(CheckpointManifest, DeclaredLayoutRoundTripsAndMustAgreeWithTheWorld) {
+  ckpt::Manifest m;
+  m.world = {4, 1, 2, {0, 0, 0, 0}, "dp=2,pp=2,tp=1", {3, 2, 1, 0}};
+  m.shards = {{"shard-00000-of-00004.safetensors", 0, 10, 1}, {"shard-00001-of-00004.safetensors", 1, 10, 2},
+              {"shard-00002-of-00004.safetensors", 2, 10, 3}, {"shard-00003-of-00004.safetensors", 3, 10, 4}};
+  ckpt::TensorRecord b;
+  b.shape = {2};
+  b.slices = {{0, 0, 0}};
+  m.tensors = {{"model/b", b}};
+  const ckpt::Manifest back = ckpt::parse_manifest(ckpt::manifest_to_json(m), "manifest");
+  EXPECT_EQ(back.world.layout, "dp=2,pp=2,tp=1");
+  EXPECT_EQ(back.world.positions, (std::vector<int>{3, 2, 1, 0}));
+  auto refused = [&](ckpt::WorldLayout world) {
+    ckpt::Manifest changed = m;
+    changed.world = std::move(world);
+    return expect_checkpoint_error([&] { ckpt::parse_manifest(ckpt::manifest_to_json(changed), "manifest"); });
+  };
+  EXPECT_NE(refused({4, 1, 2, {0, 0, 0, 0}, "dp=2,pp=3,tp=1", {3, 2, 1, 0}}).find("disagrees with size 4"),
+            std::string::npos);
+  EXPECT_NE(refused({4, 1, 4, {0, 0, 0, 0}, "dp=2,pp=2,tp=1", {3, 2, 1, 0}}).find("or data_parallel 4"),
+            std::string::npos);
+  EXPECT_NE(refused({4, 1, 2, {0, 0, 0, 0}, "dp=2,pp=2,tp=1", {3, 2, 2, 0}}).find("expected each of 0..3 once"),
+            std::string::npos);
+  EXPECT_NE(refused({4, 1, 2, {0, 0, 0, 0}, "dp=2,pp=2,tp=1", {3, 2, 1}}).find("not an array of 4 positions"),
+            std::string::npos);
+  EXPECT_NE(refused({4, 1, 2, {0, 0, 0, 0}, "dp=2,pp=2,TP=1", {3, 2, 1, 0}}).find("dimension name \"TP\""),
+            std::string::npos);
+  EXPECT_NE(refused({4, 2, 1, {0, 1, 0, 1}, "pp=2,tp=2", {1, 0, 2, 3}}).find("makes rank 0 tensor-parallel rank 0, but "
+                                                                             "its position 1 in pp=2,tp=2 is tp 1"),
+            std::string::npos);
+}
+
 // The save planner, in one process, at TP 2 x DP 2 (ranks 0 and 2 hold the first half of every
 // split tensor, 1 and 3 the second): each distinct slice is written once, largest first onto the
 // least-loaded holder, a buffer by its lowest holder; the records name each slice's writer.
@@ -368,7 +402,7 @@ TEST(CheckpointFuzz, MutatedShardsAndManifestsAreAcceptedOrRefusedWithCheckpoint
   // A realistic manifest: two shards, a split and a replicated tensor, every section.
   ckpt::Manifest m;
   m.step = 12;
-  m.world = {2, 2, 1, {0, 1}};
+  m.world = {2, 2, 1, {0, 1}, "pp=1,dp=1,tp=2", {0, 1}};  // a declared layout, for the fuzzer to break
   m.shards = {{"shard-00000-of-00002.safetensors", 0, 100, 0x1234},
               {"shard-00001-of-00002.safetensors", 1, 90, 0xabcd}};
   ckpt::TensorRecord w;

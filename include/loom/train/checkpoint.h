@@ -63,6 +63,7 @@
 #include "loom/comm/communicator.h"
 #include "loom/error.h"
 #include "loom/parallel/data_parallel.h"
+#include "loom/parallel/layout.h"
 #include "loom/train/checkpoint_state.h"
 
 namespace torch::optim {
@@ -166,6 +167,11 @@ class Checkpointer {
   // RNG streams follow it when the layout changes). Modules implementing loom::tp::ShardedModule
   // declare it themselves.
   Checkpointer& tensor_parallel(int size, int rank);
+  // The parallel layout of the job and this rank's position in it (every rank declares the same
+  // layout): the manifest records both, so a load at the same layout maps each rank's per-rank state
+  // to the rank at its position, and tools can say which stage wrote what.
+  //   ckpt.parallel_layout(ps.layout(), ps.groups().position);
+  Checkpointer& parallel_layout(const ParallelLayout& layout, int position);
   // An object whose state is JSON text (an LR scheduler, a data loader's position), saved under
   // the manifest's "objects" by name. `check` must throw for any state `load` would refuse,
   // without changing the object: it runs before anything live changes, `load` only after every

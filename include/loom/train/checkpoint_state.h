@@ -91,6 +91,11 @@ struct WorldLayout {
   int tensor_parallel = 1;
   int data_parallel = 1;
   std::vector<int> tp_ranks;  // each rank's tensor-parallel rank at save time
+  // The parallel layout the ranks declared (loom::ParallelLayout::to_string(), e.g.
+  // "dp=2,pp=2,tp=2"; Checkpointer::parallel_layout) and each rank's position in it; empty when none
+  // was declared (then the layout is "dp=<data_parallel>,tp=<tensor_parallel>").
+  std::string layout;
+  std::vector<int> positions;
 };
 
 // One tensor (or this rank's slice of it) as it is saved.
@@ -115,6 +120,10 @@ struct SaveState {
   std::map<std::string, std::string> sections;
   int tp_size = 1;  // as the model's tensor-parallel modules (or a declared layout) report it
   int tp_rank = 0;
+  // The declared parallel layout (Checkpointer::parallel_layout) and this rank's position in it;
+  // "" and -1 when none was declared.
+  std::string layout;
+  int position = -1;
   // The tensor of that name; nullptr when none.
   const LocalTensor* find(const std::string& name) const;
 };
@@ -147,7 +156,9 @@ struct LoadContext {
   std::string section(const std::string& name) const;
   const WorldLayout& saved_world() const;
   int64_t saved_step() const;
-  // Saved at this world size and TP degree: per-rank state (RNG) maps rank to rank.
+  // Saved at this world size and TP degree (and, where both the checkpoint and this job declared
+  // one, the same parallel layout with every rank at its saved position): per-rank state (RNG)
+  // maps rank to rank.
   bool same_layout() const;
   // Moves `value` into the garbage (destroyed in the background), or lets it go here without one.
   template <typename T>
