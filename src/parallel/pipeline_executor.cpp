@@ -1,0 +1,259 @@
+// PipelineExecutor: proves its plan, agrees on the shapes crossing each stage boundary, then runs
+// the plan's actions in order: chunks forward and backward under autograd, message groups as one
+// batch of point-to-point operations each.
+#include "loom/parallel/pipeline.h"
+
+#include <ATen/ATen.h>
+#include <torch/csrc/autograd/autograd.h>
+
+#include <algorithm>
+#include <tuple>
+
+#include "loom/error.h"
+
+namespace loom::pp {
+
+namespace {
+
+// Tags keep the kinds of message apart between one pair of ranks (MPI matches by source and tag,
+// in issue order; the messages of a group are issued in one canonical order on both sides).
+constexpr int kActivationTag = 1;
+constexpr int kGradientTag = 2;
+constexpr int kBoundaryTag = 3;
+constexpr int kMaxDims = 8;
+constexpr int64_t kHeaderWords = 2 + kMaxDims;  // dtype, rank, sizes
+
+std::string shape_text(at::IntArrayRef sizes) {
+  std::string text = "[";
+  for (size_t i = 0; i < sizes.size(); ++i) text += (i ? ", " : "") + std::to_string(sizes[i]);
+  return text + "]";
+}
+
+std::string where(int rank) { return ErrorContext("PipelineExecutor").prefix() + " pipeline rank " + std::to_string(rank); }
+
+}  // namespace
+
+std::pair<int, int> stage_layers(int layers, int stages, int stage) {
+  if (layers < stages || stages < 1 || stage < 0 || stage >= stages)
+    throw InvalidArgumentError(ErrorContext("stage_layers")("expected 1 <= stages <= layers and 0 <= stage < stages; found " +
+                                                            std::to_string(layers) + " layers, " + std::to_string(stages) +
+                                                            " stages, stage " + std::to_string(stage)));
+  const int base = layers / stages, extra = layers % stages;
+  const int first = stage * base + std::min(stage, extra);
+  return {first, first + base + (stage < extra ? 1 : 0)};
+}
+
+PipelineExecutor::PipelineExecutor(std::shared_ptr<Communicator> pipeline, std::vector<StageFunction> chunks,
+                                   const PipelineOptions& options)
+    : pipeline_(std::move(pipeline)), chunks_(std::move(chunks)), options_(options) {
+  if (!pipeline_) throw InvalidArgumentError(ErrorContext("PipelineExecutor")("the pipeline communicator is null"));
+  rank_ = pipeline_->rank();
+  const int virtual_stages = static_cast<int>(chunks_.size());
+  for (const auto& chunk : chunks_)
+    if (!chunk) throw InvalidArgumentError(where(rank_) + ": a model chunk is empty");
+  plan_ = make_schedule(options_.schedule,
+                        {.ranks = pipeline_->size(), .micro_batches = options_.micro_batches, .virtual_stages = virtual_stages});
+  proof_ = prove(plan_);  // the same plan on every rank: refused on every rank alike
+}
+
+const StageFunction& PipelineExecutor::chunk_of(int stage) const { return chunks_[stage / plan_.shape.ranks]; }
+
+std::optional<std::pair<std::vector<int64_t>, at::ScalarType>> PipelineExecutor::boundary(int stage) const {
+  auto found = boundaries_.find(stage);
+  if (found == boundaries_.end()) return std::nullopt;
+  return found->second;
+}
+
+// Micro-batch 0 forward through every stage in order, without autograd: each stage sends the
+// next one a header (dtype, rank, sizes) and then the activation, so every receiver learns the
+// boundary's shape. The outputs are dropped; the step computes them again.
+void PipelineExecutor::agree_on_boundaries(const std::vector<at::Tensor>& inputs) {
+  const int stages = plan_.shape.stages();
+  const SendRecvOptions header_options{kBoundaryTag, options_.timeout.value_or(kDefaultTimeout)};
+  at::NoGradGuard no_grad;
+  at::Tensor carried;
+  for (int s = 0; s < stages; ++s) {
+    if (plan_.shape.rank_of_stage(s) != rank_) continue;
+    at::Tensor input;
+    if (s == 0) {
+      input = inputs.at(0);
+    } else if (plan_.shape.rank_of_stage(s - 1) == rank_) {
+      input = carried;  // virtual stages on one rank: the previous stage was this rank's
+    } else {
+      at::Tensor header = at::empty({kHeaderWords}, at::kLong);
+      pipeline_->recv(header, plan_.shape.rank_of_stage(s - 1), header_options)->wait();
+      const auto words = header.accessor<int64_t, 1>();
+      std::vector<int64_t> sizes(words[1]);
+      for (int64_t d = 0; d < words[1]; ++d) sizes[d] = words[2 + d];
+      const auto dtype = static_cast<at::ScalarType>(words[0]);
+      input = at::empty(sizes, at::TensorOptions().dtype(dtype).device(options_.device));
+      pipeline_->recv(input, plan_.shape.rank_of_stage(s - 1), header_options)->wait();
+    }
+    at::Tensor output;
+    try {
+      output = chunk_of(s)(input);
+    } catch (const std::exception& e) {
+      throw Error(where(rank_) + ": stage " + std::to_string(s) + " failed in forward of micro-batch 0: " + e.what());
+    }
+    if (s == stages - 1) break;
+    if (output.dim() > kMaxDims)
+      throw InvalidArgumentError(where(rank_) + ": stage " + std::to_string(s) + " sends a tensor of " +
+                                 std::to_string(output.dim()) + " dimensions; at most " + std::to_string(kMaxDims));
+    boundaries_[s] = {output.sizes().vec(), output.scalar_type()};
+    at::Tensor header = at::zeros({kHeaderWords}, at::kLong);
+    header[0] = static_cast<int64_t>(output.scalar_type());
+    header[1] = output.dim();
+    for (int64_t d = 0; d < output.dim(); ++d) header[2 + d] = output.size(d);
+    const int next = plan_.shape.rank_of_stage(s + 1);
+    if (next == rank_) {
+      carried = output;
+      continue;
+    }
+    pipeline_->send(header, next, header_options)->wait();
+    pipeline_->send(output.contiguous(), next, header_options)->wait();
+  }
+  // Every rank learns every boundary it receives across: the sender's record is the agreed one,
+  // and a receiver needs the shapes of what it receives (activations) and sends back (gradients).
+  for (int s = 0; s + 1 < stages; ++s) {
+    at::Tensor words = at::zeros({kHeaderWords}, at::kLong);
+    const int holder = plan_.shape.rank_of_stage(s);
+    if (holder == rank_) {
+      const auto& [sizes, dtype] = boundaries_.at(s);
+      words[0] = static_cast<int64_t>(dtype);
+      words[1] = static_cast<int64_t>(sizes.size());
+      for (size_t d = 0; d < sizes.size(); ++d) words[2 + d] = sizes[d];
+    }
+    pipeline_->broadcast(words, {holder})->wait();
+    const auto w = words.accessor<int64_t, 1>();
+    std::vector<int64_t> sizes(w[1]);
+    for (int64_t d = 0; d < w[1]; ++d) sizes[d] = w[2 + d];
+    boundaries_[s] = {sizes, static_cast<at::ScalarType>(w[0])};
+  }
+}
+
+std::vector<at::Tensor> PipelineExecutor::step(const std::vector<at::Tensor>& inputs, const LossFunction& loss) {
+  const int micro_batches = plan_.shape.micro_batches;
+  if (holds_first_stage() && static_cast<int>(inputs.size()) != micro_batches)
+    throw InvalidArgumentError(where(rank_) + ": step() expected " + std::to_string(micro_batches) +
+                               " micro-batches on the first stage; found " + std::to_string(inputs.size()));
+  if (holds_last_stage() && !loss) throw InvalidArgumentError(where(rank_) + ": step() needs a loss function on the last stage");
+  if (boundaries_.empty() && plan_.shape.stages() > 1) agree_on_boundaries(inputs);
+  std::vector<at::Tensor> losses(holds_last_stage() ? micro_batches : 0);
+  in_flight_.clear();
+  arrived_activations_.clear();
+  arrived_gradients_.clear();
+  for (const Action& action : plan_.actions[rank_]) {
+    switch (action.kind) {
+      case Action::Kind::Forward:
+        forward(action.micro_batch, action.stage, inputs, loss, losses);
+        break;
+      case Action::Kind::Backward:
+        backward(action.micro_batch, action.stage);
+        break;
+      case Action::Kind::Communicate:
+        communicate(action);
+        break;
+    }
+  }
+  return losses;
+}
+
+void PipelineExecutor::forward(int micro_batch, int stage, const std::vector<at::Tensor>& inputs,
+                               const LossFunction& loss, std::vector<at::Tensor>& losses) {
+  InFlight& f = in_flight_[key(micro_batch, stage)];
+  if (stage == 0) {
+    f.input = inputs.at(micro_batch);
+  } else if (plan_.shape.rank_of_stage(stage - 1) == rank_) {
+    // The previous stage is this rank's too (one rank holding several chunks): handed over in memory.
+    f.input = in_flight_.at(key(micro_batch, stage - 1)).output.detach().requires_grad_(true);
+  } else {
+    f.input = arrived_activations_.at(key(micro_batch, stage)).requires_grad_(true);
+    arrived_activations_.erase(key(micro_batch, stage));
+  }
+  const bool last = stage == plan_.shape.stages() - 1;
+  try {
+    f.output = chunk_of(stage)(f.input);
+    if (last) f.loss = loss(f.output, micro_batch);
+  } catch (const std::exception& e) {
+    throw Error(where(rank_) + ": stage " + std::to_string(stage) + " failed in forward of micro-batch " +
+                std::to_string(micro_batch) + ": " + e.what());
+  }
+  if (last) {
+    losses[micro_batch] = f.loss.detach();
+    f.output = at::Tensor();  // the loss holds what backward needs
+    return;
+  }
+  const auto& [sizes, dtype] = boundaries_.at(stage);
+  if (f.output.sizes().vec() != sizes || f.output.scalar_type() != dtype)
+    throw MismatchError(where(rank_) + ": stage " + std::to_string(stage) + " produced " +
+                        std::string(c10::toString(f.output.scalar_type())) + " " + shape_text(f.output.sizes()) +
+                        " for micro-batch " + std::to_string(micro_batch) + "; the boundary to stage " +
+                        std::to_string(stage + 1) + " was agreed at " + c10::toString(dtype) + " " + shape_text(sizes) +
+                        " on micro-batch 0 (every micro-batch of a pipeline has the same shape)");
+}
+
+void PipelineExecutor::backward(int micro_batch, int stage) {
+  InFlight& f = in_flight_.at(key(micro_batch, stage));
+  try {
+    if (f.loss.defined()) {
+      torch::autograd::backward({f.loss});
+    } else if (plan_.shape.rank_of_stage(stage + 1) == rank_) {
+      const int next = key(micro_batch, stage + 1);  // this rank's next stage ran its backward already
+      torch::autograd::backward({f.output}, {in_flight_.at(next).input_grad});
+      in_flight_.erase(next);
+    } else {
+      torch::autograd::backward({f.output}, {arrived_gradients_.at(key(micro_batch, stage))});
+      arrived_gradients_.erase(key(micro_batch, stage));
+    }
+  } catch (const std::exception& e) {
+    throw Error(where(rank_) + ": stage " + std::to_string(stage) + " failed in backward of micro-batch " +
+                std::to_string(micro_batch) + ": " + e.what());
+  }
+  if (stage > 0) {
+    // A chunk whose output does not depend on its input sends back zeros, as autograd would give.
+    f.input_grad = f.input.grad().defined() ? f.input.grad() : at::zeros_like(f.input);
+  }
+  f.input = f.output = f.loss = at::Tensor();
+}
+
+void PipelineExecutor::communicate(const Action& action) {
+  // One canonical order on both sides of every pair: the messages sorted alike.
+  auto order = [](const Message& a, const Message& b) {
+    return std::tie(a.carries, a.micro_batch, a.from_stage) < std::tie(b.carries, b.micro_batch, b.from_stage);
+  };
+  std::vector<Message> sends = action.sends, receives = action.receives;
+  std::sort(sends.begin(), sends.end(), order);
+  std::sort(receives.begin(), receives.end(), order);
+  std::vector<P2POp> ops;
+  for (const Message& m : sends) {
+    InFlight& f = in_flight_.at(key(m.micro_batch, m.from_stage));
+    const bool activation = m.carries == Carries::Activation;
+    at::Tensor tensor = activation ? f.output.detach().contiguous() : f.input_grad.contiguous();
+    if (!activation) {
+      in_flight_.erase(key(m.micro_batch, m.from_stage));  // its backward is done: nothing else needs it
+    }
+    ops.push_back({P2POp::Kind::Send, tensor, plan_.shape.rank_of_stage(m.to_stage),
+                   activation ? kActivationTag : kGradientTag});
+  }
+  std::vector<std::pair<const Message*, at::Tensor>> landing;
+  for (const Message& m : receives) {
+    const int boundary = m.carries == Carries::Activation ? m.from_stage : m.to_stage;
+    const auto& [sizes, dtype] = boundaries_.at(boundary);
+    at::Tensor buffer = at::empty(sizes, at::TensorOptions().dtype(dtype).device(options_.device));
+    landing.emplace_back(&m, buffer);
+    ops.push_back({P2POp::Kind::Recv, buffer, plan_.shape.rank_of_stage(m.from_stage),
+                   m.carries == Carries::Activation ? kActivationTag : kGradientTag});
+  }
+  if (ops.empty()) return;
+  try {
+    pipeline_->batch_isend_irecv(std::move(ops), {0, options_.timeout.value_or(kDefaultTimeout)})->wait();
+  } catch (const CommError& e) {
+    throw CommError(where(rank_) + ": " + action.describe() + " did not complete: " + e.what());
+  }
+  for (auto& [m, buffer] : landing) {
+    auto& into = m->carries == Carries::Activation ? arrived_activations_ : arrived_gradients_;
+    into[key(m->micro_batch, m->to_stage)] = buffer;
+  }
+}
+
+}  // namespace loom::pp

@@ -1,0 +1,224 @@
+// Pipeline parallelism over real ranks: every schedule's step against one process running the
+// whole model over the same micro-batches (gradient accumulation), to 1e-6 in fp32; random plans
+// (schedule, micro-batches, virtual stages) proven and run; a stage that raises, and a stage whose
+// output changes shape, named in the error.
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+#include <torch/nn.h>
+
+#include <random>
+
+#include "loom/error.h"
+#include "loom/parallel/pipeline.h"
+#include "test_util.h"
+
+using namespace loom;
+using loom::pp::Schedule;
+
+namespace {
+
+constexpr int kHidden = 6;
+
+// A stack of blocks, identical on every rank (same seed): the reference runs all of it, each
+// pipeline stage only its layers.
+struct Stack {
+  explicit Stack(int layers, uint64_t seed) {
+    torch::manual_seed(seed);
+    for (int i = 0; i < layers; ++i) blocks.push_back(torch::nn::Linear(kHidden, kHidden));
+  }
+  at::Tensor run(const at::Tensor& x, int first, int end) {
+    at::Tensor h = x;
+    for (int i = first; i < end; ++i) h = at::tanh(blocks[i]->forward(h)) + h;
+    return h;
+  }
+  std::vector<torch::nn::Linear> blocks;
+};
+
+struct Data {
+  std::vector<at::Tensor> inputs, targets;
+};
+
+Data make_data(int micro_batches, int rows, uint64_t seed) {
+  at::Generator g = at::make_generator<at::CPUGeneratorImpl>(seed);
+  Data d;
+  for (int m = 0; m < micro_batches; ++m) {
+    d.inputs.push_back(at::randn({rows, kHidden}, g));
+    d.targets.push_back(at::randn({rows, kHidden}, g));
+  }
+  return d;
+}
+
+struct Case {
+  Schedule schedule;
+  int micro_batches;
+  int virtual_stages;
+  int layers;
+};
+
+std::string describe(const Case& c) {
+  return std::string(pp::schedule_name(c.schedule)) + " M=" + std::to_string(c.micro_batches) +
+         " V=" + std::to_string(c.virtual_stages) + " L=" + std::to_string(c.layers);
+}
+
+// Runs one step of `c` over the world as one pipeline and checks the losses (last stage) and the
+// gradients of every layer this rank holds against the whole model in one process.
+void expect_equal_to_one_process(const Case& c, uint64_t seed) {
+  SCOPED_TRACE(describe(c));
+  auto world = test::world();
+  const int ranks = world->size(), me = world->rank();
+  const int stages = ranks * c.virtual_stages;
+  Stack reference(c.layers, seed), staged(c.layers, seed);
+  const Data data = make_data(c.micro_batches, 3, seed + 1);
+  auto loss_of = [&](const at::Tensor& out, int m) {
+    return at::mse_loss(out, data.targets[m]) / static_cast<double>(c.micro_batches);
+  };
+  std::vector<double> expected_losses;
+  for (int m = 0; m < c.micro_batches; ++m) {
+    at::Tensor loss = loss_of(reference.run(data.inputs[m], 0, c.layers), m);
+    loss.backward();
+    expected_losses.push_back(loss.item<double>());
+  }
+
+  std::vector<pp::StageFunction> chunks;
+  std::vector<std::pair<int, int>> mine;
+  for (int v = 0; v < c.virtual_stages; ++v) {
+    const auto range = pp::stage_layers(c.layers, stages, v * ranks + me);
+    mine.push_back(range);
+    chunks.push_back([&staged, range](const at::Tensor& x) { return staged.run(x, range.first, range.second); });
+  }
+  pp::PipelineExecutor pipeline(world, chunks, {.schedule = c.schedule, .micro_batches = c.micro_batches});
+  const auto losses = pipeline.step(pipeline.holds_first_stage() ? data.inputs : std::vector<at::Tensor>{}, loss_of);
+  if (pipeline.holds_last_stage()) {
+    ASSERT_EQ(static_cast<int>(losses.size()), c.micro_batches);
+    for (int m = 0; m < c.micro_batches; ++m) EXPECT_NEAR(losses[m].item<double>(), expected_losses[m], 1e-6) << m;
+  }
+  for (const auto& [first, end] : mine)
+    for (int i = first; i < end; ++i) {
+      ASSERT_TRUE(staged.blocks[i]->weight.grad().defined()) << "layer " << i;
+      EXPECT_TRUE(at::allclose(staged.blocks[i]->weight.grad(), reference.blocks[i]->weight.grad(), 0, 1e-6))
+          << "layer " << i;
+      EXPECT_TRUE(at::allclose(staged.blocks[i]->bias.grad(), reference.blocks[i]->bias.grad(), 0, 1e-6))
+          << "layer " << i;
+    }
+  // Layers of other stages were not touched here.
+  for (int i = 0; i < c.layers; ++i) {
+    bool held = false;
+    for (const auto& [first, end] : mine) held = held || (i >= first && i < end);
+    if (!held) EXPECT_FALSE(staged.blocks[i]->weight.grad().defined()) << "layer " << i;
+  }
+}
+
+}  // namespace
+
+TEST(Pipeline, EverySchedulesStepEqualsOneProcessOverTheSameMicroBatches) {
+  const int ranks = test::world()->size();
+  std::vector<Case> cases = {
+      {Schedule::GPipe, 4, 1, 2 * ranks},
+      {Schedule::OneFOneB, 4, 1, 2 * ranks + 1},
+      {Schedule::OneFOneB, 8, 1, ranks},
+      {Schedule::GPipe, 1, 1, ranks},      // fewer micro-batches than stages
+      {Schedule::OneFOneB, 1, 1, ranks},
+      {Schedule::Interleaved1F1B, 2 * ranks, 2, 2 * ranks},
+      {Schedule::Interleaved1F1B, ranks, 3, 3 * ranks + 2},
+  };
+  if (ranks > 1) cases.push_back({Schedule::OneFOneB, ranks - 1, 1, ranks});
+  uint64_t seed = 11;
+  for (const Case& c : cases) expect_equal_to_one_process(c, seed++);
+}
+
+// Random plans: each is proven (by the executor's constructor) and run, and equals one process.
+TEST(Pipeline, RandomPlansAreProvenAndRunEqualToOneProcess) {
+  const int ranks = test::world()->size();
+  std::mt19937 rng(2026);
+  const int plans = 60;
+  for (int k = 0; k < plans; ++k) {
+    Case c{};
+    const int kind = static_cast<int>(rng() % 3);
+    c.schedule = kind == 0 ? Schedule::GPipe : kind == 1 ? Schedule::OneFOneB : Schedule::Interleaved1F1B;
+    c.virtual_stages = c.schedule == Schedule::Interleaved1F1B ? 2 + static_cast<int>(rng() % 2) : 1;
+    c.micro_batches = c.schedule == Schedule::Interleaved1F1B ? ranks * (1 + static_cast<int>(rng() % 3))
+                                                              : 1 + static_cast<int>(rng() % (2 * ranks + 2));
+    c.layers = ranks * c.virtual_stages + static_cast<int>(rng() % 3);
+    expect_equal_to_one_process(c, 100 + k);
+    if (HasFailure()) break;
+  }
+}
+
+TEST(Pipeline, BoundaryShapesAreAgreedOnTheFirstMicroBatchAndKeptAcrossSteps) {
+  auto world = test::world();
+  const int ranks = world->size();
+  if (ranks < 2) GTEST_SKIP() << "needs 2 ranks";
+  Stack staged(ranks, 5);
+  const int me = world->rank();
+  pp::PipelineExecutor pipeline(world, {[&](const at::Tensor& x) { return staged.run(x, me, me + 1); }},
+                                {.schedule = Schedule::OneFOneB, .micro_batches = 2});
+  const Data data = make_data(2, 3, 6);
+  auto loss = [&](const at::Tensor& out, int m) { return at::mse_loss(out, data.targets[m]); };
+  pipeline.step(pipeline.holds_first_stage() ? data.inputs : std::vector<at::Tensor>{}, loss);
+  for (int s = 0; s + 1 < ranks; ++s) {
+    auto boundary = pipeline.boundary(s);
+    ASSERT_TRUE(boundary.has_value()) << s;
+    EXPECT_EQ(boundary->first, (std::vector<int64_t>{3, kHidden}));
+    EXPECT_EQ(boundary->second, at::kFloat);
+  }
+  pipeline.step(pipeline.holds_first_stage() ? data.inputs : std::vector<at::Tensor>{}, loss);  // a second step
+}
+
+// A stage that raises: its rank's error names the stage, the micro-batch and the direction.
+TEST(Pipeline, AStageThatRaisesIsNamed) {
+  auto world = test::world();
+  const int ranks = world->size(), me = world->rank();
+  // A pipeline of this rank alone, so no peer waits on the failing stage.
+  auto alone = world->split(me, 0, "alone" + std::to_string(me));
+  Stack staged(2, 5);
+  pp::PipelineExecutor pipeline(alone, {[&](const at::Tensor& x) -> at::Tensor {
+                                  if (x.size(0) == 7) throw std::runtime_error("bad block");
+                                  return staged.run(x, 0, 2);
+                                }},
+                                {.schedule = Schedule::GPipe, .micro_batches = 2});
+  try {
+    pipeline.step({at::zeros({3, kHidden}), at::zeros({7, kHidden})},
+                  [](const at::Tensor& out, int) { return out.sum(); });
+    FAIL() << "expected loom::Error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("stage 0 failed in forward of micro-batch 1: bad block"), std::string::npos)
+        << e.what();
+  }
+  (void)ranks;
+}
+
+// The first stage's output changes shape on micro-batch 1: the sender refuses it by name before
+// sending (its peers' waits end through the communicator's timeout; this test gives the pipeline
+// its own short-lived group so the world stays usable).
+TEST(Pipeline, AShapeChangeBetweenMicroBatchesIsRefusedByName) {
+  auto world = test::world();
+  const int ranks = world->size(), me = world->rank();
+  if (ranks < 2) GTEST_SKIP() << "needs 2 ranks";
+  auto group = world->split(0, me, "pp_shape", {.group_timeout = std::chrono::milliseconds(1500)});
+  Stack staged(ranks, 5);
+  pp::PipelineExecutor pipeline(group, {[&](const at::Tensor& x) { return staged.run(x, me, me + 1); }},
+                                {.schedule = Schedule::GPipe, .micro_batches = 2});
+  std::string message;
+  try {
+    pipeline.step(me == 0 ? std::vector<at::Tensor>{at::zeros({3, kHidden}), at::zeros({4, kHidden})}
+                          : std::vector<at::Tensor>{},
+                  [](const at::Tensor& out, int) { return out.sum(); });
+  } catch (const Error& e) {
+    message = e.what();
+  }
+  if (me == 0) {
+    EXPECT_NE(message.find("stage 0 produced Float [4, 6] for micro-batch 1; the boundary to stage 1 was agreed at "
+                           "Float [3, 6] on micro-batch 0"),
+              std::string::npos)
+        << message;
+  } else {
+    EXPECT_FALSE(message.empty()) << "a stage waiting for what was never sent must not wait forever";
+  }
+}
+
+TEST(Pipeline, StageLayersCutAStackAsEvenlyAsPossible) {
+  EXPECT_EQ(pp::stage_layers(10, 4, 0), (std::pair<int, int>{0, 3}));
+  EXPECT_EQ(pp::stage_layers(10, 4, 1), (std::pair<int, int>{3, 6}));
+  EXPECT_EQ(pp::stage_layers(10, 4, 3), (std::pair<int, int>{8, 10}));
+  EXPECT_THROW(pp::stage_layers(3, 4, 0), InvalidArgumentError);
+}
