@@ -140,6 +140,7 @@ std::vector<at::Tensor> PipelineExecutor::step(const std::vector<at::Tensor>& in
   if (boundaries_.empty() && plan_.shape.stages() > 1) agree_on_boundaries(inputs);
   std::vector<at::Tensor> losses(holds_last_stage() ? micro_batches : 0);
   in_flight_.clear();
+  backwards_done_.clear();
   arrived_activations_.clear();
   arrived_gradients_.clear();
   for (const Action& action : plan_.actions[rank_]) {
@@ -194,7 +195,9 @@ void PipelineExecutor::forward(int micro_batch, int stage, const std::vector<at:
 
 void PipelineExecutor::backward(int micro_batch, int stage) {
   InFlight& f = in_flight_.at(key(micro_batch, stage));
+  const bool last = ++backwards_done_[stage] == plan_.shape.micro_batches;
   try {
+    if (options_.before_backward) options_.before_backward(stage, micro_batch, last);
     if (f.loss.defined()) {
       torch::autograd::backward({f.loss});
     } else if (plan_.shape.rank_of_stage(stage + 1) == rank_) {

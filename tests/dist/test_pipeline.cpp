@@ -9,7 +9,9 @@
 #include <random>
 
 #include "loom/error.h"
+#include "loom/parallel/data_parallel.h"
 #include "loom/parallel/pipeline.h"
+#include "loom/parallel/tensor_parallel.h"
 #include "test_util.h"
 
 using namespace loom;
@@ -141,6 +143,51 @@ TEST(Pipeline, RandomPlansAreProvenAndRunEqualToOneProcess) {
     c.layers = ranks * c.virtual_stages + static_cast<int>(rng() % 3);
     expect_equal_to_one_process(c, 100 + k);
     if (HasFailure()) break;
+  }
+}
+
+// PP 2 x DP 2 on one layout (4 ranks): each replica pipelines its half of the global batch, each
+// stage's GradientReducer averages over the stage's DP group, its reduction enabled only for the
+// stage's last backward of the step; the gradients equal one process over the whole global batch.
+TEST(Pipeline, PipelinesTimesDataParallelReplicasEqualOneProcessOverTheGlobalBatch) {
+  auto world = test::world();
+  if (world->size() != 4) GTEST_SKIP() << "needs 4 ranks";
+  ParallelConfig config;
+  config.pipeline_parallel = 2;
+  ParallelState ps(world, config);
+  ASSERT_EQ(ps.layout().to_string(), "dp=2,pp=2,tp=1");
+  const int micro_batches = 3, layers = 5;
+  for (Schedule schedule : {Schedule::GPipe, Schedule::OneFOneB}) {
+    SCOPED_TRACE(pp::schedule_name(schedule));
+    Stack reference(layers, 21), staged(layers, 21);
+    const Data global = make_data(2 * micro_batches, 3, 22);  // replica d takes micro-batches d*M .. d*M+M-1
+    for (int m = 0; m < 2 * micro_batches; ++m)
+      (at::mse_loss(reference.run(global.inputs[m], 0, layers), global.targets[m]) / (2.0 * micro_batches)).backward();
+    const auto [first, end] = pp::stage_layers(layers, 2, ps.pp_rank());
+    std::vector<at::Tensor> parameters;
+    for (int i = first; i < end; ++i)
+      for (const auto& p : staged.blocks[i]->parameters()) parameters.push_back(p);
+    GradientReducer reducer(parameters, ps.dp_group());
+    const int offset = ps.dp_rank() * micro_batches;
+    std::vector<at::Tensor> inputs(global.inputs.begin() + offset, global.inputs.begin() + offset + micro_batches);
+    std::vector<bool> sync_seen;
+    pp::PipelineExecutor pipeline(
+        ps.pp_group(), {[&, first = first, end = end](const at::Tensor& x) { return staged.run(x, first, end); }},
+        {.schedule = schedule,
+         .micro_batches = micro_batches,
+         .before_backward = [&](int, int, bool last) {
+           reducer.set_sync(last);
+           sync_seen.push_back(last);
+         }});
+    pipeline.step(inputs, [&](const at::Tensor& out, int m) {
+      return at::mse_loss(out, global.targets[offset + m]) / static_cast<double>(micro_batches);
+    });
+    reducer.synchronize();
+    EXPECT_EQ(sync_seen, (std::vector<bool>{false, false, true}));
+    for (int i = first; i < end; ++i) {
+      EXPECT_TRUE(at::allclose(staged.blocks[i]->weight.grad(), reference.blocks[i]->weight.grad(), 0, 1e-6)) << i;
+      EXPECT_TRUE(at::allclose(staged.blocks[i]->bias.grad(), reference.blocks[i]->bias.grad(), 0, 1e-6)) << i;
+    }
   }
 }
 

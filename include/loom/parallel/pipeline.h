@@ -48,6 +48,10 @@ struct PipelineOptions {
   c10::Device device = c10::Device(c10::kCPU);
   // Of every message group; empty: the communicator's default.
   std::optional<Timeout> timeout;
+  // Called before each backward with the stage, the micro-batch and whether it is that stage's
+  // last backward of the step: where data parallelism lets a stage's gradient reduction start as
+  // soon as its last backward ends (GradientReducer::set_sync(last) for the stage's reducer).
+  std::function<void(int stage, int micro_batch, bool last)> before_backward;
 };
 
 // The layers of stage `stage` when `layers` blocks are cut into `stages` consecutive runs, as even
@@ -97,6 +101,7 @@ class PipelineExecutor {
   std::map<int, std::pair<std::vector<int64_t>, at::ScalarType>> boundaries_;  // by sending stage
   std::map<int, InFlight> in_flight_;                                          // by key(m, stage)
   std::map<int, at::Tensor> arrived_activations_, arrived_gradients_;          // by key(m, receiving stage)
+  std::map<int, int> backwards_done_;                                          // this step, by stage
 };
 
 }  // namespace loom::pp
