@@ -10,6 +10,7 @@
 #include <tuple>
 
 #include "loom/error.h"
+#include "loom/trace.h"
 
 namespace loom::pp {
 
@@ -143,7 +144,10 @@ std::vector<at::Tensor> PipelineExecutor::step(const std::vector<at::Tensor>& in
   backwards_done_.clear();
   arrived_activations_.clear();
   arrived_gradients_.clear();
+  last_step_ = {};
+  const auto step_start = trace::now();
   for (const Action& action : plan_.actions[rank_]) {
+    const auto start = trace::now();
     switch (action.kind) {
       case Action::Kind::Forward:
         forward(action.micro_batch, action.stage, inputs, loss, losses);
@@ -155,7 +159,13 @@ std::vector<at::Tensor> PipelineExecutor::step(const std::vector<at::Tensor>& in
         communicate(action);
         break;
     }
+    const auto end = trace::now();
+    const bool computes = action.kind != Action::Kind::Communicate;
+    (computes ? last_step_.compute : last_step_.communicate) += std::chrono::duration<double>(end - start).count();
+    if (trace::enabled())
+      trace::span(action.describe(), "pipeline", start, end, computes ? "pipeline compute" : "pipeline messages");
   }
+  last_step_.seconds = std::chrono::duration<double>(trace::now() - step_start).count();
   return losses;
 }
 

@@ -59,6 +59,16 @@ struct PipelineOptions {
 //   stage_layers(10, 4, 1)   // {3, 6}
 std::pair<int, int> stage_layers(int layers, int stages, int stage);
 
+// Where the last step's time went on this rank: computing (forward and backward of its chunks),
+// in message groups (sending, and waiting for what the plan receives), and the rest.
+struct PipelineStepTimes {
+  double seconds = 0;      // the whole step
+  double compute = 0;      // forward and backward
+  double communicate = 0;  // message groups
+  // The idle fraction this rank saw: 1 - compute / seconds (the plan's bubble, plus overheads).
+  double bubble() const { return seconds > 0 ? 1.0 - compute / seconds : 0.0; }
+};
+
 class PipelineExecutor {
  public:
   // `pipeline`: this rank's pipeline (ParallelState::pp_group(); its rank is the pipeline rank).
@@ -73,6 +83,8 @@ class PipelineExecutor {
   std::vector<at::Tensor> step(const std::vector<at::Tensor>& inputs, const LossFunction& loss);
 
   const PipelinePlan& plan() const { return plan_; }
+  // This rank's last step (with LOOM_TIMELINE, each action is also a span in the "pipeline" lanes).
+  const PipelineStepTimes& last_step() const { return last_step_; }
   const Proof& proof() const { return proof_; }
   int rank() const { return rank_; }
   bool holds_first_stage() const { return rank_ == 0; }
@@ -102,6 +114,7 @@ class PipelineExecutor {
   std::map<int, InFlight> in_flight_;                                          // by key(m, stage)
   std::map<int, at::Tensor> arrived_activations_, arrived_gradients_;          // by key(m, receiving stage)
   std::map<int, int> backwards_done_;                                          // this step, by stage
+  PipelineStepTimes last_step_;
 };
 
 }  // namespace loom::pp

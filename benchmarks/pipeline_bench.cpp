@@ -1,0 +1,178 @@
+// Where does a pipeline step's time go, schedule by schedule? A stack of MLP blocks (hidden ->
+// 4 hidden -> hidden, residual) cut into stages over every rank of the job runs GPipe, 1F1B and
+// interleaved 1F1B (2 virtual stages) for M micro-batches; the schedules take turns step by step in
+// the same processes. Reported per schedule (medians over the steps; a sample is the slowest
+// rank's): step time, the bubble each rank measured (1 - compute / step time, averaged over ranks)
+// beside the bubble the schedule promises (loom::pp::prove: a forward costs 1, a backward 2), and
+// the activation memory each rank held at its peak: the bytes each block saves for backward (its
+// input, fc1's output and gelu's output), counted from a micro-batch's forward on a stage to that
+// stage's backward of it.
+//
+//   mpirun -np 2 build/benchmarks/pipeline_bench --micro-batches 8 --json pipeline_np2.json
+#include <ATen/ATen.h>
+#include <torch/torch.h>
+
+#include <CLI/CLI.hpp>
+#include <chrono>
+#include <cstdio>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "bench_common.h"
+#include "loom/loom.h"
+#include "loom/parallel/pipeline.h"
+
+namespace {
+
+using loom::pp::Schedule;
+
+struct Config {
+  int64_t hidden = 256;
+  int64_t rows = 256;
+  int layers_per_rank = 4;
+  int micro_batches = 8;
+  int warmup = 2;
+  int steps = 8;
+  std::string json;
+};
+
+struct Block : torch::nn::Module {
+  explicit Block(int64_t h) {
+    fc1 = register_module("fc1", torch::nn::Linear(h, 4 * h));
+    fc2 = register_module("fc2", torch::nn::Linear(4 * h, h));
+  }
+  at::Tensor forward(const at::Tensor& x) { return x + fc2(at::gelu(fc1(x))); }
+  torch::nn::Linear fc1{nullptr}, fc2{nullptr};
+};
+
+// The bytes of every distinct storage reachable from the activations the stages keep for backward:
+// the stage outputs (their autograd graphs hold the intermediate activations alive with them).
+struct ActivationMeter {
+  int64_t live = 0, peak = 0;
+  void add(int64_t bytes) { peak = std::max(peak, live += bytes); }
+  void sub(int64_t bytes) { live -= bytes; }
+};
+
+struct Result {
+  std::vector<double> seconds, bubble;
+  int64_t peak_bytes = 0;
+  double promised = 0;
+};
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Config c;
+  CLI::App app{"pipeline schedules: step time, bubble and activation memory"};
+  app.add_option("--hidden", c.hidden);
+  app.add_option("--rows", c.rows, "rows of one micro-batch");
+  app.add_option("--layers-per-rank", c.layers_per_rank);
+  app.add_option("--micro-batches", c.micro_batches);
+  app.add_option("--warmup", c.warmup);
+  app.add_option("--steps", c.steps);
+  app.add_option("--json", c.json);
+  CLI11_PARSE(app, argc, argv);
+  at::set_num_threads(1);
+  auto rt = loom::init();
+  auto world = rt->world_comm();
+  const int ranks = world->size(), me = world->rank();
+  const int layers = c.layers_per_rank * ranks;
+  torch::manual_seed(3);
+  std::vector<std::shared_ptr<Block>> blocks;
+  for (int i = 0; i < layers; ++i) blocks.push_back(std::make_shared<Block>(c.hidden));
+  std::vector<at::Tensor> inputs, targets;
+  for (int m = 0; m < c.micro_batches; ++m) {
+    inputs.push_back(at::randn({c.rows, c.hidden}));
+    targets.push_back(at::randn({c.rows, c.hidden}));
+  }
+  // The bytes one block saves for backward: its input, fc1's output and gelu's output.
+  const int64_t per_block_bytes = c.rows * c.hidden * 4 * (1 + 4 + 4);
+  struct Run {
+    Schedule schedule;
+    int virtual_stages;
+    std::unique_ptr<loom::pp::PipelineExecutor> executor;
+    ActivationMeter meter;
+    Result result;
+  };
+  std::vector<Run> runs;
+  for (auto [schedule, v] : std::vector<std::pair<Schedule, int>>{
+           {Schedule::GPipe, 1}, {Schedule::OneFOneB, 1}, {Schedule::Interleaved1F1B, 2}}) {
+    if (schedule == Schedule::Interleaved1F1B && c.micro_batches % ranks != 0) continue;
+    runs.push_back({schedule, v, nullptr, {}, {}});
+  }
+  for (auto& run : runs) {
+    const int stages = ranks * run.virtual_stages;
+    std::vector<loom::pp::StageFunction> chunks;
+    std::map<int, int64_t> saved_bytes;  // by stage: what one micro-batch's forward keeps
+    for (int v = 0; v < run.virtual_stages; ++v) {
+      const int stage = v * ranks + me;
+      const auto [first, end] = loom::pp::stage_layers(layers, stages, stage);
+      ActivationMeter* meter = &run.meter;
+      const int64_t bytes = saved_bytes[stage] = per_block_bytes * (end - first);
+      chunks.push_back([&blocks, first = first, end = end, meter, bytes](const at::Tensor& x) {
+        at::Tensor h = x;
+        for (int i = first; i < end; ++i) h = blocks[i]->forward(h);
+        meter->add(bytes);
+        return h;
+      });
+    }
+    run.executor = std::make_unique<loom::pp::PipelineExecutor>(
+        world, chunks,
+        loom::pp::PipelineOptions{.schedule = run.schedule,
+                                  .micro_batches = c.micro_batches,
+                                  .before_backward = [meter = &run.meter, saved_bytes](int stage, int, bool) {
+                                    meter->sub(saved_bytes.at(stage));
+                                  }});
+  }
+  auto loss = [&](const at::Tensor& out, int m) { return at::mse_loss(out, targets[m]) / c.micro_batches; };
+  for (int step = 0; step < c.warmup + c.steps; ++step)
+    for (auto& run : runs) {
+      for (auto& b : blocks) b->zero_grad();
+      world->barrier()->wait();
+      run.meter = {};
+      run.executor->step(run.executor->holds_first_stage() ? inputs : std::vector<at::Tensor>{}, loss);
+      const auto& t = run.executor->last_step();
+      double words[2] = {t.seconds, t.bubble()};
+      at::Tensor gathered = at::empty({2 * ranks}, at::kDouble);
+      world->all_gather(gathered, at::from_blob(words, {2}, at::kDouble))->wait();
+      if (step < c.warmup) continue;
+      double slowest = 0, bubble = 0;
+      for (int r = 0; r < ranks; ++r) {
+        slowest = std::max(slowest, gathered[2 * r].item<double>());
+        bubble += gathered[2 * r + 1].item<double>() / ranks;
+      }
+      run.result.seconds.push_back(slowest);
+      run.result.bubble.push_back(bubble);
+      run.result.peak_bytes = std::max(run.result.peak_bytes, run.meter.peak);
+    }
+  nlohmann::json doc = {{"ranks", ranks},       {"micro_batches", c.micro_batches}, {"hidden", c.hidden},
+                        {"rows", c.rows},       {"layers", layers},                 {"steps", c.steps},
+                        {"schedules", nlohmann::json::array()}};
+  if (me == 0)
+    std::printf("pipeline over %d ranks, %d micro-batches of [%lld, %lld], %d MLP blocks\n", ranks, c.micro_batches,
+                static_cast<long long>(c.rows), static_cast<long long>(c.hidden), layers);
+  const double gpipe_peak = runs.empty() ? 0 : static_cast<double>(runs[0].result.peak_bytes);
+  for (auto& run : runs) {
+    const double promised = run.executor->proof().bubble;
+    const double seconds = loom::bench::median(run.result.seconds), bubble = loom::bench::median(run.result.bubble);
+    if (me == 0)
+      std::printf("  %-16s step %8.2f ms   bubble %.3f (promised %.3f, off by %+.3f)   activation peak %6.1f MiB "
+                  "(%.2f of GPipe's)\n",
+                  loom::pp::schedule_name(run.schedule), seconds * 1e3, bubble, promised, bubble - promised,
+                  run.result.peak_bytes / 1048576.0, run.result.peak_bytes / gpipe_peak);
+    doc["schedules"].push_back({{"schedule", loom::pp::schedule_name(run.schedule)},
+                                {"virtual_stages", run.virtual_stages},
+                                {"step_seconds_median", seconds},
+                                {"bubble_median", bubble},
+                                {"bubble_promised", promised},
+                                {"activation_peak_bytes", run.result.peak_bytes}});
+  }
+  if (me == 0 && !c.json.empty() && !loom::bench::write_json(c.json, doc, "pipeline_bench")) return 1;
+  runs.clear();
+  rt.reset();
+  loom::finalize();
+  return 0;
+}
