@@ -128,6 +128,7 @@ struct Checkpointer::Impl {
   int size = 1;
   std::string layout;  // the declared parallel layout ("" when none) and this rank's position
   int position = -1;
+  std::map<std::string, std::string> section_owners;  // which provider (by name) wrote each section
   std::string where;
   std::unique_ptr<CheckpointStorage> storage;
   // The providers by name, in the order they collect (registered ones first, in registration
@@ -198,6 +199,7 @@ struct Checkpointer::Impl {
       provider->collect(rank, out);
       for (const auto& [section, text] : out.sections) {
         auto earlier = before.find(section);
+        if (earlier == before.end()) section_owners[section] = name;
         if (earlier != before.end() && earlier->second != text)
           throw CheckpointError(where + ": state provider \"" + name + "\" wrote section \"" + section +
                                 "\", which another provider wrote already");
@@ -219,11 +221,15 @@ struct Checkpointer::Impl {
   // plan from all descriptions, or throws (the staging directory abandoned) when any rank failed.
   struct AgreedPlan {
     std::vector<json> ranks;  // every rank's description, in rank order
+    std::map<std::string, std::string> sections;  // the manifest's, merged over the ranks
     SavePlan plan;
     std::string nonce, staging;  // rank 0's, naming the staging directory
   };
   AgreedPlan agree_on_plan(int64_t step, const SaveState& state, std::string error, const std::string& nonce,
                            const std::string& final_name);
+  // Every section any rank wrote: its text where all writers agree, else its provider's merge of
+  // them (the same on every rank: the inputs are every rank's descriptions).
+  std::map<std::string, std::string> merge_sections(const std::vector<json>& ranks, std::vector<std::string>& errors);
   // This rank's shard: the tensors the plan gives it, in name order, copied into the staging buffer
   // when asynchronous (the training stall) or written from the tensors themselves.
   ShardWrite prepare_shard(const SaveState& state, const SavePlan& plan, int64_t step);
@@ -452,6 +458,8 @@ Checkpointer::Impl::AgreedPlan Checkpointer::Impl::agree_on_plan(int64_t step, c
   }
   mine["error"] = error;
   mine["tensors"] = std::move(descriptors);
+  mine["sections"] = state.sections;
+  mine["section_owners"] = section_owners;
   AgreedPlan agreed;
   for (const auto& text : exchange(dump_text(mine), "checkpoint plan")) agreed.ranks.push_back(json::parse(text));
   agreed.nonce = agreed.ranks[0]["nonce"].get<std::string>();
@@ -466,6 +474,7 @@ Checkpointer::Impl::AgreedPlan Checkpointer::Impl::agree_on_plan(int64_t step, c
                          std::to_string(r) + " step " + std::to_string(theirs["step"].get<int64_t>()));
       if (auto wrong = layout_disagreement(agreed.ranks, r)) errors.push_back(where + ": " + *wrong);
     }
+    if (errors.empty()) agreed.sections = merge_sections(agreed.ranks, errors);
     if (!errors.empty())
       throw CheckpointError(where + ": step " + std::to_string(step) + " not saved:" + join_lines(errors));
     std::vector<std::vector<Descriptor>> per_rank(size);
@@ -477,6 +486,32 @@ Checkpointer::Impl::AgreedPlan Checkpointer::Impl::agree_on_plan(int64_t step, c
     throw;
   }
   return agreed;
+}
+
+std::map<std::string, std::string> Checkpointer::Impl::merge_sections(const std::vector<json>& ranks,
+                                                                     std::vector<std::string>& errors) {
+  std::map<std::string, std::vector<std::string>> texts;
+  std::map<std::string, std::string> owners;  // from the first rank that wrote it: the same everywhere
+  for (const auto& theirs : ranks) {
+    for (const auto& [name, text] : theirs["sections"].items()) texts[name].push_back(text.get<std::string>());
+    for (const auto& [name, owner] : theirs["section_owners"].items()) owners.emplace(name, owner.get<std::string>());
+  }
+  std::map<std::string, std::string> merged;
+  for (auto& [name, written] : texts) {
+    const bool agree = std::all_of(written.begin(), written.end(), [&](const std::string& t) { return t == written[0]; });
+    StateProvider* owner = owners.count(name) ? find_provider(owners[name]) : nullptr;
+    if (agree || owner == nullptr) {
+      merged[name] = written[0];
+      continue;
+    }
+    try {
+      merged[name] = owner->merge_section(name, written);
+      if (!json::accept(merged[name])) errors.push_back(where + ": the merged section \"" + name + "\" is not JSON");
+    } catch (const std::exception& e) {
+      errors.push_back(where + ": section \"" + name + "\" cannot be merged over the ranks: " + e.what());
+    }
+  }
+  return merged;
 }
 
 ShardWrite Checkpointer::Impl::prepare_shard(const SaveState& state, const SavePlan& plan, int64_t step) {
@@ -537,8 +572,8 @@ Manifest Checkpointer::Impl::manifest_for(const AgreedPlan& agreed, std::map<std
   }
   manifest.tensors = std::move(tensors);
   manifest.progress = {{"step", progress.step}, {"epoch", progress.epoch}, {"sample", progress.sample}};
-  for (const auto& [name, text] : state.sections) {
-    manifest.state[name] = json::parse(text);  // checked when collected
+  for (const auto& [name, text] : agreed.sections) {
+    manifest.state[name] = json::parse(text);  // checked when collected (merged ones when merged)
   }
   manifest.user = user;
   return manifest;

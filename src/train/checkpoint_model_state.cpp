@@ -77,14 +77,19 @@ void ModelState::plan(const LoadContext& context, std::vector<Need>& needs, std:
     }
     if (auto mismatch = need_for(t, it->second, needs)) mismatched.push_back(*mismatch);
   }
+  // A pipeline stage loads the part of the model it holds; the other stages load the rest.
+  const bool pipelined = context.pipelined();
   for (const auto& [name, r] : context.manifest.tensors)
-    if (name.rfind("model/", 0) == 0 && !live_names.count(name)) unexpected.push_back(name);
+    if (name.rfind("model/", 0) == 0 && !live_names.count(name) && !pipelined) unexpected.push_back(name);
   if (!missing.empty() || !unexpected.empty()) {
     std::string diff;
     for (const auto& n : unexpected) diff += "\n    - " + n;
     for (const auto& n : missing) diff += "\n    + " + n;
     problems.push_back("tensor names differ between the checkpoint's manifest and the live state (- only in the "
-                       "checkpoint, + only live):" + diff);
+                       "checkpoint, + only live):" + diff +
+                       (pipelined || missing.empty() == unexpected.empty() ? ""
+                                                                           : "\n  (pipeline stages hold parts of a model: "
+                                                                             "declare the layout, Checkpointer::parallel_layout)"));
   }
   if (!mismatched.empty()) {
     std::string lines;

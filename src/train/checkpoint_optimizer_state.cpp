@@ -233,7 +233,7 @@ namespace {
 // One parameter group of the checkpoint's optimizer section against the live group `live_group`:
 // the same parameters (by name), well-formed options the optimizer's constructor accepts.
 void check_group(OptimizerKind kind, size_t g, const json& group, const torch::optim::OptimizerParamGroup& live_group,
-                 const std::unordered_map<const c10::TensorImpl*, std::string>& names,
+                 const std::unordered_map<const c10::TensorImpl*, std::string>& names, bool pipelined,
                  std::vector<std::string>& problems) {
   const std::string context_text = "optimizer parameter group " + std::to_string(g) + ": ";
   if (!group.is_object() || !group.contains("params") || !group["params"].is_array() || !group.contains("options") ||
@@ -247,14 +247,20 @@ void check_group(OptimizerKind kind, size_t g, const json& group, const torch::o
     auto it = names.find(p.unsafeGetTensorImpl());
     live_names.push_back(it == names.end() ? "(not in the model)" : it->second);
   }
-  if (saved_names != live_names) {
+  // A pipeline stage holds part of the saved group: only its own parameters must be there.
+  const bool part_of_it = pipelined && std::all_of(live_names.begin(), live_names.end(), [&](const std::string& n) {
+    return std::find(saved_names.begin(), saved_names.end(), n) != saved_names.end();
+  });
+  if (saved_names != live_names && !part_of_it) {
     std::string diff;
     for (const auto& n : saved_names)
-      if (std::find(live_names.begin(), live_names.end(), n) == live_names.end()) diff += " -" + n;
+      if (!pipelined && std::find(live_names.begin(), live_names.end(), n) == live_names.end()) diff += " -" + n;
     for (const auto& n : live_names)
       if (std::find(saved_names.begin(), saved_names.end(), n) == saved_names.end()) diff += " +" + n;
     problems.push_back(context_text + "parameters differ (- only in the checkpoint, + only live):" +
-                       (diff.empty() ? std::string(" same names in another order") : diff));
+                       (diff.empty() ? std::string(" same names in another order") : diff) +
+                       (pipelined ? "" : " (pipeline stages hold parts of a model: declare the layout, "
+                                         "Checkpointer::parallel_layout)"));
   }
   const json& options = group["options"];
   bool well_formed = true;
@@ -317,10 +323,12 @@ void check_state_keys(OptimizerKind kind, const LoadContext& context, const json
 
 // State tensors follow their parameter's live layout.
 void plan_state_tensors(const LoadContext& context, std::vector<Need>& needs, std::vector<std::string>& problems) {
+  const bool pipelined = context.pipelined();
   for (const auto& [name, r] : context.manifest.tensors) {
     if (name.rfind("optim/", 0) != 0) continue;
     const std::string param = "model/" + name.substr(6, name.find_last_of('/') - 6);
     const LocalTensor* p = context.live.find(param);
+    if (p == nullptr && pipelined) continue;  // another stage's parameter
     if (p == nullptr) {
       problems.push_back("optimizer state " + name + " belongs to no live parameter");
       continue;
@@ -332,6 +340,39 @@ void plan_state_tensors(const LoadContext& context, std::vector<Need>& needs, st
 }
 
 }  // namespace
+
+std::string OptimizerState::merge_section(const std::string& section, const std::vector<std::string>& texts) const {
+  json merged;
+  for (size_t r = 0; r < texts.size(); ++r) {
+    const json part = json::parse(texts[r]);
+    if (r == 0) {
+      merged = part;
+      continue;
+    }
+    if (part["type"] != merged["type"] || part["param_groups"].size() != merged["param_groups"].size())
+      throw CheckpointError("ranks' optimizers differ: " + merged["type"].dump() + " with " +
+                            std::to_string(merged["param_groups"].size()) + " parameter group(s) against " +
+                            part["type"].dump() + " with " + std::to_string(part["param_groups"].size()));
+    for (size_t g = 0; g < part["param_groups"].size(); ++g) {
+      json& into = merged["param_groups"][g];
+      const json& from = part["param_groups"][g];
+      if (from["options"] != into["options"])
+        throw CheckpointError("parameter group " + std::to_string(g) + " has options " + from["options"].dump() +
+                              " on one rank and " + into["options"].dump() + " on another");
+      for (const auto& name : from["params"])
+        if (std::find(into["params"].begin(), into["params"].end(), name) == into["params"].end())
+          into["params"].push_back(name);
+    }
+    for (const auto& [name, step] : part["steps"].items()) {
+      if (merged["steps"].contains(name) && merged["steps"][name] != step)
+        throw CheckpointError("parameter " + name + " has taken " + merged["steps"][name].dump() +
+                              " optimizer steps on one rank and " + step.dump() + " on another");
+      merged["steps"][name] = step;
+    }
+  }
+  (void)section;
+  return merged.dump();
+}
 
 void OptimizerState::plan(const LoadContext& context, std::vector<Need>& needs, std::vector<std::string>& problems) {
   if (optimizer_ == nullptr) return;
@@ -356,7 +397,7 @@ void OptimizerState::plan(const LoadContext& context, std::vector<Need>& needs, 
     return problems.push_back("the optimizer's state is loaded by parameter name: register the model too");
   const auto names = model_.parameter_names();
   const size_t before = problems.size();
-  for (size_t g = 0; g < live.size(); ++g) check_group(*kind, g, groups[g], live[g], names, problems);
+  for (size_t g = 0; g < live.size(); ++g) check_group(*kind, g, groups[g], live[g], names, context.pipelined(), problems);
   for (auto it = saved["steps"].begin(); it != saved["steps"].end(); ++it)
     if (!it.value().is_number_integer() || it.value().get<int64_t>() < 0)
       problems.push_back("optimizer step count of " + it.key() + " is " + it.value().dump());

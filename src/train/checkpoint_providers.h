@@ -105,6 +105,9 @@ class OptimizerState final : public StateProvider {
   void collect(int rank, SaveState& out) override;
   void plan(const LoadContext& context, std::vector<Need>& needs, std::vector<std::string>& problems) override;
   void apply(const LoadContext& context, const LoadedTensors& data) override;
+  // Pipeline stages' optimizer sections as one: each group's parameters in rank order (replicas'
+  // repeats once), the same type and options on every rank, every parameter's step.
+  std::string merge_section(const std::string& section, const std::vector<std::string>& texts) const override;
 
  private:
   const ModelState& model_;

@@ -9,6 +9,7 @@
 #include <mutex>
 
 #include "loom/error.h"
+#include "loom/parallel/layout.h"
 #include "train/checkpoint_manifest.h"
 #include "train/checkpoint_provider.h"
 
@@ -119,6 +120,12 @@ std::string LoadContext::section(const std::string& name) const {
 
 const WorldLayout& LoadContext::saved_world() const { return manifest.world; }
 int64_t LoadContext::saved_step() const { return manifest.step; }
+
+bool LoadContext::pipelined() const {
+  for (const std::string* text : {&manifest.world.layout, &live.layout})
+    if (!text->empty() && ParallelLayout::parse(*text).size(kPipelineParallelDim) > 1) return true;
+  return false;
+}
 
 bool LoadContext::same_layout() const {
   if (manifest.world.size != size || manifest.world.tensor_parallel != live.tp_size) return false;

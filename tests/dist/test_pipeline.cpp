@@ -6,12 +6,14 @@
 #include <gtest/gtest.h>
 #include <torch/nn.h>
 
+#include <filesystem>
 #include <random>
 
 #include "loom/error.h"
 #include "loom/parallel/data_parallel.h"
 #include "loom/parallel/pipeline.h"
 #include "loom/parallel/tensor_parallel.h"
+#include "loom/train/checkpoint.h"
 #include "test_util.h"
 
 using namespace loom;
@@ -189,6 +191,100 @@ TEST(Pipeline, PipelinesTimesDataParallelReplicasEqualOneProcessOverTheGlobalBat
       EXPECT_TRUE(at::allclose(staged.blocks[i]->bias.grad(), reference.blocks[i]->bias.grad(), 0, 1e-6)) << i;
     }
   }
+}
+
+// A pipeline stage as a module: the blocks [first, end) of the whole stack, registered under their
+// global names ("block3"), so that checkpoints name every parameter the same at any pipeline size.
+struct StageModel : torch::nn::Module {
+  StageModel(int layers, int first, int end, uint64_t seed) {
+    Stack whole(layers, seed);
+    for (int i = first; i < end; ++i) blocks.push_back(register_module("block" + std::to_string(i), whole.blocks[i]));
+  }
+  at::Tensor forward(const at::Tensor& x) {
+    at::Tensor h = x;
+    for (auto& b : blocks) h = at::tanh(b->forward(h)) + h;
+    return h;
+  }
+  std::vector<torch::nn::Linear> blocks;
+};
+
+// One training step of a replica at `pipeline_parallel` stages over the global micro-batches
+// (replica d takes its consecutive share), gradients averaged over the replicas, SGD with momentum.
+struct PipelinedRun {
+  PipelinedRun(int pipeline_parallel, int layers, uint64_t seed) {
+    ParallelConfig config;
+    config.pipeline_parallel = pipeline_parallel;
+    ps = std::make_unique<ParallelState>(test::world(), config);
+    const auto range = pp::stage_layers(layers, pipeline_parallel, ps->pp_rank());
+    model = std::make_shared<StageModel>(layers, range.first, range.second, seed);
+    optimizer = std::make_unique<torch::optim::SGD>(model->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+    reducer = std::make_unique<GradientReducer>(model->parameters(), ps->dp_group());
+  }
+  void step(const Data& global) {
+    const int replicas = ps->dp_degree(), share = static_cast<int>(global.inputs.size()) / replicas;
+    const int offset = ps->dp_rank() * share;
+    std::vector<at::Tensor> inputs(global.inputs.begin() + offset, global.inputs.begin() + offset + share);
+    pp::PipelineExecutor pipeline(ps->pp_group(), {[this](const at::Tensor& x) { return model->forward(x); }},
+                                  {.schedule = Schedule::OneFOneB,
+                                   .micro_batches = share,
+                                   .before_backward = [this](int, int, bool last) { reducer->set_sync(last); }});
+    optimizer->zero_grad();
+    pipeline.step(pipeline.holds_first_stage() ? inputs : std::vector<at::Tensor>{}, [&](const at::Tensor& out, int m) {
+      return at::mse_loss(out, global.targets[offset + m]) / static_cast<double>(share);
+    });
+    reducer->synchronize();
+    optimizer->step();
+  }
+  void attach(Checkpointer& c) { c.model(*model).optimizer(*optimizer).parallel_layout(ps->layout(), ps->groups().position); }
+  std::unique_ptr<ParallelState> ps;
+  std::shared_ptr<StageModel> model;
+  std::unique_ptr<torch::optim::SGD> optimizer;
+  std::unique_ptr<GradientReducer> reducer;
+};
+
+// Saved at PP 2 x DP 2 after one step, loaded at PP 1 (DP 4) and at PP 4 (DP 1): the next step over
+// the same global batch gives the parameters the uninterrupted PP 2 run has (momentum included).
+TEST(Pipeline, ACheckpointSavedAtTwoStagesResumesAtOneAndAtFour) {
+  auto world = test::world();
+  if (world->size() != 4) GTEST_SKIP() << "needs 4 ranks";
+  const int layers = 8;
+  const Data first = make_data(4, 3, 41), second = make_data(4, 3, 42);
+  const std::string dir = test::shared_dir("pipeline_resume");
+  PipelinedRun uninterrupted(2, layers, 40);
+  uninterrupted.step(first);
+  {
+    Checkpointer c(world, {.directory = dir, .async = false});
+    uninterrupted.attach(c);
+    c.save({.step = 1});
+  }
+  uninterrupted.step(second);
+  // Every parameter of the uninterrupted run, gathered by name on every rank (each name from the
+  // replica-0 stage that holds it).
+  std::map<std::string, at::Tensor> expected;
+  for (int i = 0; i < layers; ++i)
+    for (const char* kind : {"weight", "bias"}) {
+      const std::string name = "block" + std::to_string(i) + "." + kind;
+      at::Tensor value = at::zeros(std::string(kind) == "weight" ? std::vector<int64_t>{kHidden, kHidden}
+                                                                 : std::vector<int64_t>{kHidden});
+      for (const auto& p : uninterrupted.model->named_parameters())
+        if (p.key() == name && uninterrupted.ps->dp_rank() == 0) value.copy_(p.value().detach());
+      world->all_reduce(value)->wait();  // one holder per name among replica 0's stages
+      expected[name] = value;
+    }
+  for (int stages : {1, 4}) {
+    SCOPED_TRACE("resumed at PP " + std::to_string(stages));
+    PipelinedRun resumed(stages, layers, /*another seed: the checkpoint must replace it*/ 99);
+    {
+      Checkpointer c(world, {.directory = dir, .async = false});
+      resumed.attach(c);
+      c.load(dir + "/step_000001");
+    }
+    resumed.step(second);
+    for (const auto& p : resumed.model->named_parameters())
+      EXPECT_TRUE(at::allclose(p.value(), expected.at(p.key()), 1e-5, 1e-6)) << p.key();
+  }
+  world->barrier()->wait();
+  if (world->rank() == 0) std::filesystem::remove_all(dir);
 }
 
 TEST(Pipeline, BoundaryShapesAreAgreedOnTheFirstMicroBatchAndKeptAcrossSteps) {

@@ -160,6 +160,9 @@ struct LoadContext {
   // one, the same parallel layout with every rank at its saved position): per-rank state (RNG)
   // maps rank to rank.
   bool same_layout() const;
+  // The checkpoint or this job declared pipeline stages (a "pp" dimension of size 2 or more): each
+  // rank holds part of the saved model, so a provider loads the part it holds and skips the rest.
+  bool pipelined() const;
   // Moves `value` into the garbage (destroyed in the background), or lets it go here without one.
   template <typename T>
   void discard(T&& value) const {
@@ -186,6 +189,13 @@ class StateProvider {
   // After every rank verified its part: the live state becomes the checkpoint's. Must not fail
   // for data plan and verify accepted.
   virtual void apply(const LoadContext& context, const LoadedTensors& data) = 0;
+  // The manifest's text of `section` when ranks wrote it differently (each rank's text, in rank
+  // order; ranks that wrote none are left out): pipeline stages each describe their own part. Runs
+  // on every rank alike; a CheckpointError fails the save on every rank. By default rank 0's text.
+  virtual std::string merge_section(const std::string& section, const std::vector<std::string>& texts) const {
+    (void)section;
+    return texts.front();
+  }
 };
 
 // Builds a provider for a new Checkpointer; `owner` gives the providers registered before it
