@@ -23,7 +23,7 @@ busy=$( { head -1 /proc/stat; sleep 1; head -1 /proc/stat; } |
 if ((busy > 20)); then
   echo "WARNING: the CPUs are ${busy}% busy before the benchmarks start (another process): results will be noisy"
 fi
-BENCHMARKS=${BENCHMARKS:-allreduce ddp zero python tp amp placement soak checkpoint}
+BENCHMARKS=${BENCHMARKS:-allreduce ddp zero python tp pipeline amp placement soak checkpoint}
 source scripts/python_env.sh
 # What machine and run the results come from (CPU, cores, host, date, commit, these settings): the
 # report prints it under every plot.
@@ -133,6 +133,13 @@ fi
 if [[ " $BENCHMARKS " == *" tp "* ]]; then
   echo "== tensor-parallel MLP, TP=2 against TP=1, 2 ranks"
   mpirun -np 2 $LOOM_MPIRUN_FLAGS build/benchmarks/tp_bench --json "$RESULTS/tp_np2.json"
+fi
+if [[ " $BENCHMARKS " == *" pipeline "* ]]; then
+  echo "== pipeline schedules: measured bubble against the proven one, activation peak, 2 ranks"
+  mpirun -np 2 $LOOM_MPIRUN_FLAGS build/benchmarks/pipeline_bench --json "$RESULTS/pipeline_np2.json"
+  echo "== torchloom's 1F1B against torch.distributed.pipelining's (Gloo), same stages, 2 ranks"
+  PYTHONPATH="build/python${PYTHONPATH:+:$PYTHONPATH}" mpirun -np 2 $LOOM_MPIRUN_FLAGS "$PYTHON" \
+    benchmarks/pipeline_torch_bench.py --json "$RESULTS/pipeline_torch_np2.json"
 fi
 if [[ " $BENCHMARKS " == *" amp "* ]]; then
   # Python's torch.amp.GradScaler first: amp_bench reads its JSON and sets loom's numbers against it.

@@ -45,5 +45,6 @@ void bind_tensor_parallel(py::module_& m);
 void bind_checkpoint(py::module_& m);
 void bind_checkpoint_state(py::module_& m);
 void bind_distributed(py::module_& m);
+void bind_pipeline(py::module_& m);
 
 }  // namespace torchloom_py

@@ -143,6 +143,7 @@ PYBIND11_MODULE(_C, m) {
   bind_zero(m);
   bind_amp(m);
   bind_tensor_parallel(m);
+  bind_pipeline(m);
   bind_checkpoint_state(m);  // before the Checkpointer, whose state() takes a StateProvider
   bind_checkpoint(m);
   bind_distributed(m);
