@@ -260,6 +260,8 @@ void PipelineExecutor::communicate(const Action& action) {
   if (ops.empty()) return;
   try {
     pipeline_->batch_isend_irecv(std::move(ops), {0, options_.timeout.value_or(kDefaultTimeout)})->wait();
+  } catch (const TimeoutError& e) {  // the stages whose messages these were, then the cause
+    throw TimeoutError(where(rank_) + ": " + action.describe() + " did not complete: " + e.what());
   } catch (const CommError& e) {
     throw CommError(where(rank_) + ": " + action.describe() + " did not complete: " + e.what());
   }

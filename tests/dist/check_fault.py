@@ -128,6 +128,17 @@ SCENARIOS = {
         env={"LOOM_ON_ERROR": "raise"}, success=False, exit_code=1,
         survivors=lambda r, n: expect("TimeoutError", T, 2 * T, "all_gather", "timed out after",
                                       f"no answer from rank {n - 1}")),
+    # A pipeline's last stage dies or stops in the middle of a step: the job ends (mpirun names the
+    # dead rank); stopped, every other stage times out naming its pipeline rank and the message
+    # group it waited in, the stopped stage's neighbour naming the stopped stage.
+    "sigkill_in_pipeline_stage": dict(env={"LOOM_ON_ERROR": "abort", "LOOM_ABORT_GRACE": "0.5"}, success=False,
+                                      output=[lambda n: f"process rank {n - 1} with PID"],
+                                      output_torchrun=TORCHRUN_KILLED),
+    "sigstop_in_pipeline_stage": dict(
+        env={"LOOM_ON_ERROR": "abort", "LOOM_ABORT_GRACE": "0.5"}, success=False,
+        survivors=lambda r, n: expect("TimeoutError", T, 2 * T, f"PipelineExecutor pipeline rank {r}: ",
+                                      "did not complete", "timed out after",
+                                      *([f"s{n - 1}>s{n - 2}"] if r == n - 2 else []))),
     # A stopped rank never answers: the others time out, say it does not answer, and end the job.
     "sigstop_rank": dict(
         env={"LOOM_ON_ERROR": "abort", "LOOM_ABORT_GRACE": "0.5"}, success=False,

@@ -20,6 +20,7 @@
 #include "loom/comm/mpi.h"
 #include "loom/error.h"
 #include "loom/parallel/data_parallel.h"
+#include "loom/parallel/pipeline.h"
 #include "loom/parallel/tensor_parallel.h"
 #include "loom/parallel/zero.h"
 #include "loom/runtime.h"
@@ -255,6 +256,28 @@ int main(int argc, char** argv) {
         }
         fc2(at::gelu(h)).sum().backward();
       }
+    });
+    std::this_thread::sleep_for(std::chrono::seconds(60));
+  } else if (scenario == "sigkill_in_pipeline_stage" || scenario == "sigstop_in_pipeline_stage") {
+    // Every rank one stage of a 1F1B pipeline; the victim (the last stage) dies or stops in its
+    // tenth forward, in the middle of the second step.
+    const bool kill = scenario == "sigkill_in_pipeline_stage";
+    torch::nn::Linear layer(16, 16);
+    int calls = 0;
+    auto stage = [&](const at::Tensor& x) {
+      if (rank == victim && ++calls == 10) {
+        std::printf("RANK %d SIGNALLING ITSELF\n", rank);
+        std::fflush(stdout);
+        raise(kill ? SIGKILL : SIGSTOP);
+      }
+      return at::tanh(layer->forward(x));
+    };
+    loom::pp::PipelineExecutor pipeline(comm, {stage}, {.schedule = loom::pp::Schedule::OneFOneB, .micro_batches = 4});
+    std::vector<at::Tensor> inputs(4, at::randn({8, 16}));
+    run_and_report(rank, [&] {
+      for (int step = 0; step < 20; ++step)
+        pipeline.step(pipeline.holds_first_stage() ? inputs : std::vector<at::Tensor>{},
+                      [](const at::Tensor& out, int) { return out.square().mean(); });
     });
     std::this_thread::sleep_for(std::chrono::seconds(60));
   } else if (scenario == "exit_without_finalize") {
