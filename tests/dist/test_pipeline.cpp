@@ -287,6 +287,73 @@ TEST(Pipeline, ACheckpointSavedAtTwoStagesResumesAtOneAndAtFour) {
   if (world->rank() == 0) std::filesystem::remove_all(dir);
 }
 
+// PP 2 x TP 2 on one layout (4 ranks): each stage's MLP blocks are column- and row-parallel over the
+// stage's TP group (master-weight initialisation: the plain layers from the same seeds); every TP
+// rank of a stage runs the pipeline with its peers at the other stage. Every shard's gradient
+// equals the plain model's in one process, for GPipe and 1F1B.
+TEST(Pipeline, TensorParallelStagesEqualThePlainModelInOneProcess) {
+  auto world = test::world();
+  if (world->size() != 4) GTEST_SKIP() << "needs 4 ranks";
+  ParallelConfig config;
+  config.tensor_parallel = 2;
+  config.pipeline_parallel = 2;
+  ParallelState ps(world, config);
+  ASSERT_EQ(ps.layout().to_string(), "dp=1,pp=2,tp=2");
+  const int64_t h = 6, f = 8;
+  const int layers = 4, micro_batches = 4;
+  ParallelInit master;
+  master.mode = ParallelInit::Mode::Master;
+  for (Schedule schedule : {Schedule::GPipe, Schedule::OneFOneB}) {
+    SCOPED_TRACE(pp::schedule_name(schedule));
+    std::vector<torch::nn::Linear> fc1, fc2;
+    for (int i = 0; i < layers; ++i) {
+      torch::manual_seed(300 + i);
+      fc1.push_back(torch::nn::Linear(h, f));
+      fc2.push_back(torch::nn::Linear(f, h));
+    }
+    auto plain_block = [&](const at::Tensor& x, int i) { return x + fc2[i]->forward(at::gelu(fc1[i]->forward(x))); };
+    const Data data = make_data(micro_batches, 3, 310);
+    std::vector<at::Tensor> targets;
+    for (int m = 0; m < micro_batches; ++m) {
+      at::Tensor x = data.inputs[m].narrow(1, 0, h);  // [3, h]
+      targets.push_back(data.targets[m].narrow(1, 0, h));
+      for (int i = 0; i < layers; ++i) x = plain_block(x, i);
+      (at::mse_loss(x, targets[m]) / static_cast<double>(micro_batches)).backward();
+    }
+    const auto [first, end] = pp::stage_layers(layers, 2, ps.pp_rank());
+    std::map<int, std::pair<ColumnParallelLinear, RowParallelLinear>> mine;
+    for (int i = first; i < end; ++i) {
+      torch::manual_seed(300 + i);
+      ColumnParallelLinearOptions column;
+      column.initialization = master;
+      RowParallelLinearOptions row;
+      row.initialization = master;
+      ColumnParallelLinear up(h, f, ps.tp_group(), column);  // drawn in the plain layers' order
+      RowParallelLinear down(f, h, ps.tp_group(), row);
+      mine.emplace(i, std::make_pair(up, down));
+    }
+    auto stage = [&, first = first, end = end](const at::Tensor& x) {
+      at::Tensor y = x;
+      for (int i = first; i < end; ++i) y = y + mine.at(i).second(at::gelu(mine.at(i).first(y)));
+      return y;
+    };
+    std::vector<at::Tensor> inputs;
+    for (const auto& x : data.inputs) inputs.push_back(x.narrow(1, 0, h).contiguous());
+    pp::PipelineExecutor pipeline(ps.pp_group(), {stage}, {.schedule = schedule, .micro_batches = micro_batches});
+    pipeline.step(pipeline.holds_first_stage() ? inputs : std::vector<at::Tensor>{}, [&](const at::Tensor& out, int m) {
+      return at::mse_loss(out, targets[m]) / static_cast<double>(micro_batches);
+    });
+    const int64_t n = f / 2, c0 = ps.tp_rank() * n;
+    for (int i = first; i < end; ++i) {
+      const auto& [column, row] = mine.at(i);
+      EXPECT_TRUE(at::allclose(column->weight.grad(), fc1[i]->weight.grad().narrow(0, c0, n), 0, 1e-6)) << i;
+      EXPECT_TRUE(at::allclose(column->bias.grad(), fc1[i]->bias.grad().narrow(0, c0, n), 0, 1e-6)) << i;
+      EXPECT_TRUE(at::allclose(row->weight.grad(), fc2[i]->weight.grad().narrow(1, c0, n), 0, 1e-6)) << i;
+      EXPECT_TRUE(at::allclose(row->bias.grad(), fc2[i]->bias.grad(), 0, 1e-6)) << i;
+    }
+  }
+}
+
 TEST(Pipeline, BoundaryShapesAreAgreedOnTheFirstMicroBatchAndKeptAcrossSteps) {
   auto world = test::world();
   const int ranks = world->size();
