@@ -58,6 +58,10 @@ void GradScaler::set_state(double scale, int64_t growth_tracker) {
   growth_tracker_.fill_(growth_tracker);
 }
 
+void GradScaler::scaled_by_another_rank(const at::Device& device) {
+  if (options_.enabled) lazy_init(device);
+}
+
 at::Tensor GradScaler::scale(const at::Tensor& output) {
   if (!output.defined()) throw InvalidArgumentError(where("scale") + ": expected a defined tensor (the loss), found none");
   if (!output.is_floating_point())

@@ -7,8 +7,10 @@
 #include <torch/nn.h>
 
 #include <filesystem>
+#include <limits>
 #include <random>
 
+#include "loom/amp/grad_scaler.h"
 #include "loom/error.h"
 #include "loom/parallel/data_parallel.h"
 #include "loom/parallel/pipeline.h"
@@ -351,6 +353,37 @@ TEST(Pipeline, TensorParallelStagesEqualThePlainModelInOneProcess) {
       EXPECT_TRUE(at::allclose(row->weight.grad(), fc2[i]->weight.grad().narrow(1, c0, n), 0, 1e-6)) << i;
       EXPECT_TRUE(at::allclose(row->bias.grad(), fc2[i]->bias.grad(), 0, 1e-6)) << i;
     }
+  }
+}
+
+// loom::GradScaler over a pipeline: the loss is scaled on the last stage only, found-inf is agreed
+// over the pipeline group, so a gradient overflow that only the last stage sees makes every stage
+// skip its step and back off the scale alike; a clean step then updates every stage.
+TEST(Pipeline, TheScalersFoundInfIsAgreedOverEveryStage) {
+  auto world = test::world();
+  const int ranks = world->size(), me = world->rank();
+  if (ranks < 2) GTEST_SKIP() << "needs 2 ranks";
+  Stack staged(ranks, 51);
+  torch::optim::SGD optimizer(staged.blocks[me]->parameters(), torch::optim::SGDOptions(0.1));
+  GradScaler scaler({.init_scale = 1024.0, .sync_groups = {world}});
+  const Data data = make_data(2, 3, 52);
+  pp::PipelineExecutor pipeline(world, {[&](const at::Tensor& x) { return staged.run(x, me, me + 1); }},
+                                {.schedule = Schedule::OneFOneB, .micro_batches = 2});
+  if (!pipeline.holds_last_stage()) scaler.scaled_by_another_rank(at::kCPU);
+  for (bool overflow : {true, false}) {
+    SCOPED_TRACE(overflow ? "overflowing step" : "clean step");
+    const at::Tensor before = staged.blocks[me]->weight.detach().clone();
+    optimizer.zero_grad();
+    pipeline.step(pipeline.holds_first_stage() ? data.inputs : std::vector<at::Tensor>{},
+                  [&](const at::Tensor& out, int m) { return scaler.scale(at::mse_loss(out, data.targets[m]) / 2.0); });
+    // An overflow in the last stage's own gradients only: the earlier stages' gradients are finite.
+    if (overflow && pipeline.holds_last_stage())
+      staged.blocks[me]->weight.mutable_grad()[0][0].fill_(std::numeric_limits<float>::infinity());
+    const bool stepped = scaler.step(optimizer);
+    scaler.update();
+    EXPECT_EQ(stepped, !overflow);
+    EXPECT_EQ(at::equal(before, staged.blocks[me]->weight.detach()), overflow);
+    EXPECT_EQ(scaler.get_scale(), 512.0);  // backed off once, then a clean step keeps it
   }
 }
 

@@ -67,6 +67,13 @@ class GradScaler {
   // outputs * scale (as is when disabled). The scale lives on the first output's device.
   at::Tensor scale(const at::Tensor& output);
   std::vector<at::Tensor> scale(const std::vector<at::Tensor>& outputs);
+  // For a rank whose gradients another rank's scale(loss) scaled (a pipeline stage before the last,
+  // which receives scaled gradients and never sees the loss): keeps the scale on `device` so that
+  // unscale_, step and update run here as on the rank that scaled. Every stage's scaler starts from
+  // the same options and agrees on found-inf (its sync groups include the pipeline), so the scales
+  // stay equal.
+  //   if (!pipeline.holds_last_stage()) scaler.scaled_by_another_rank(device);
+  void scaled_by_another_rank(const at::Device& device);
 
   // Divides the optimizer's gradients by the scale in place and records whether any is inf/NaN.
   // At most once per optimizer between update()s; loom::InvalidArgumentError otherwise.
