@@ -27,6 +27,9 @@ void bind_amp(py::module_& m) {
            py::arg("growth_interval") = 2000, py::arg("enabled") = true,
            py::arg("sync_groups") = std::vector<std::shared_ptr<loom::Communicator>>{})
       .def("scale", py::overload_cast<const at::Tensor&>(&loom::GradScaler::scale), py::arg("output"))
+      .def("scaled_by_another_rank", [](loom::GradScaler& s, const std::string& device) {
+             s.scaled_by_another_rank(at::Device(device));
+           }, py::arg("device"))
       .def("unscale_", [](loom::GradScaler& s, uintptr_t optimizer_id, const std::vector<at::Tensor>& grads) {
              py::gil_scoped_release release;
              s.unscale_(reinterpret_cast<const void*>(optimizer_id), grads);

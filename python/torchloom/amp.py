@@ -55,6 +55,11 @@ class GradScaler:
             return type(outputs)(self.scale(o) for o in outputs)
         return map(self.scale, outputs)
 
+    def scaled_by_another_rank(self, device: Union[str, torch.device] = "cpu") -> None:
+        """For a pipeline stage before the last: its gradients were scaled by the last stage's
+        scale(loss); keeps the scale on `device` so unscale_, step and update run here too."""
+        self._impl.scaled_by_another_rank(str(device))
+
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
         """Divides the optimizer's gradients by the scale in place (once between update()s)."""
         zero = _zero_of(optimizer)

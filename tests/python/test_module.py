@@ -98,8 +98,11 @@ def test_gradscaler_has_torch_methods_and_signatures():
         ps = list(inspect.signature(getattr(ref, name)).parameters)
         ls = list(inspect.signature(getattr(torchloom.GradScaler, name)).parameters)
         assert ls[:len(ps)] == ps, (name, ps, ls)
+    # torch's methods, and only one of torchloom's own: pipeline stages before the last say that
+    # another rank scaled their gradients (docs/pipeline-parallel.md).
+    extras = {"scaled_by_another_rank"}
     ours = [n for n in dir(torchloom.GradScaler) if not n.startswith("_")]
-    assert sorted(ours) == sorted(public)
+    assert sorted(set(ours) - extras) == sorted(public) and extras <= set(ours)
     init_ref = list(inspect.signature(ref.__init__).parameters)
     init_ours = list(inspect.signature(torchloom.GradScaler.__init__).parameters)
     assert init_ours[:len(init_ref)] == init_ref

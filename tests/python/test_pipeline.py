@@ -106,3 +106,30 @@ def test_executor_equals_torch_pipelining_on_the_same_stages(loom, gloo, schedul
 def test_unknown_schedule_is_refused(loom):
     with pytest.raises(torchloom.InvalidArgumentError, match="schedule must be 'gpipe', '1f1b' or 'interleaved'"):
         torchloom.PipelineExecutor(loom.world_comm(), [lambda x: x], schedule="zb", micro_batches=2)
+
+
+def test_scaler_skips_every_stage_when_the_last_stage_overflows(loom):
+    """Only the last stage scales a loss; the others say so; found-inf is agreed over the pipeline."""
+    comm = loom.world_comm()
+    if comm.size < 2:
+        pytest.skip("needs 2 ranks")
+    model = blocks(comm.size, 7)
+    stage = model[comm.rank]
+    optimizer = torch.optim.SGD(stage.parameters(), lr=0.1)
+    scaler = torchloom.GradScaler(init_scale=1024.0, sync_groups=[comm])
+    pipeline = torchloom.PipelineExecutor(comm, [stage], schedule="1f1b", micro_batches=2)
+    if not pipeline.holds_last_stage:
+        scaler.scaled_by_another_rank("cpu")
+    inputs, targets = data(2, 8)
+    for overflow in (True, False):
+        before = stage[0].weight.detach().clone()
+        optimizer.zero_grad()
+        pipeline.step(inputs if pipeline.holds_first_stage else [],
+                      (lambda out, k: scaler.scale(nn.functional.mse_loss(out, targets[k]) / 2))
+                      if pipeline.holds_last_stage else None)
+        if overflow and pipeline.holds_last_stage:
+            stage[0].weight.grad[0, 0] = float("inf")  # only the last stage's own gradients
+        scaler.step(optimizer)
+        scaler.update()
+        assert torch.equal(before, stage[0].weight.detach()) == overflow
+        assert scaler.get_scale() == 512.0
