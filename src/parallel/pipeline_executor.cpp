@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <tuple>
 
+#include "loom/comm/agreement.h"
 #include "loom/error.h"
 #include "loom/trace.h"
 
@@ -52,9 +53,28 @@ PipelineExecutor::PipelineExecutor(std::shared_ptr<Communicator> pipeline, std::
   const int virtual_stages = static_cast<int>(chunks_.size());
   for (const auto& chunk : chunks_)
     if (!chunk) throw InvalidArgumentError(where(rank_) + ": a model chunk is empty");
+  agree_on_shape(virtual_stages);
   plan_ = make_schedule(options_.schedule,
                         {.ranks = pipeline_->size(), .micro_batches = options_.micro_batches, .virtual_stages = virtual_stages});
   proof_ = prove(plan_);  // the same plan on every rank: refused on every rank alike
+}
+
+// Ranks built with another schedule, micro-batch count or chunk count would run plans that do
+// not match (and wait for each other until the timeout): one small exchange names the difference.
+void PipelineExecutor::agree_on_shape(int virtual_stages) const {
+  const int64_t mine[] = {static_cast<int64_t>(options_.schedule), options_.micro_batches, virtual_stages};
+  const char* names[] = {"schedule", "micro_batches", "model chunks"};
+  const std::vector<int64_t> all = all_gather_values(*pipeline_, mine, {"PipelineExecutor agreement"});
+  for (int r = 0; r < pipeline_->size(); ++r)
+    for (int f = 0; f < 3; ++f)
+      if (all[r * 3 + f] != mine[f]) {
+        auto shown = [&](int64_t v) {
+          return f == 0 ? std::string(schedule_name(static_cast<Schedule>(v))) : std::to_string(v);
+        };
+        throw MismatchError(where(rank_) + ": pipeline ranks were built differently: " + names[f] + " is " +
+                            shown(mine[f]) + " here but " + shown(all[r * 3 + f]) + " on pipeline rank " +
+                            std::to_string(r));
+      }
 }
 
 const StageFunction& PipelineExecutor::chunk_of(int stage) const { return chunks_[stage / plan_.shape.ranks]; }

@@ -459,6 +459,22 @@ TEST(Pipeline, AShapeChangeBetweenMicroBatchesIsRefusedByName) {
   }
 }
 
+// Ranks built with different micro-batch counts are refused by name at construction, on every
+// rank, before any message: no rank waits for a plan its peers do not run.
+TEST(Pipeline, RanksBuiltWithDifferentPlansAreRefusedByName) {
+  auto world = test::world();
+  const int ranks = world->size(), me = world->rank();
+  if (ranks < 2) GTEST_SKIP() << "needs 2 ranks";
+  try {
+    pp::PipelineExecutor pipeline(world, {[](const at::Tensor& x) { return x; }},
+                                  {.schedule = Schedule::OneFOneB, .micro_batches = me == ranks - 1 ? 3 : 4});
+    FAIL() << "expected MismatchError";
+  } catch (const MismatchError& e) {
+    EXPECT_NE(std::string(e.what()).find("pipeline ranks were built differently: micro_batches is "), std::string::npos)
+        << e.what();
+  }
+}
+
 TEST(Pipeline, StageLayersCutAStackAsEvenlyAsPossible) {
   EXPECT_EQ(pp::stage_layers(10, 4, 0), (std::pair<int, int>{0, 3}));
   EXPECT_EQ(pp::stage_layers(10, 4, 1), (std::pair<int, int>{3, 6}));

@@ -73,7 +73,9 @@ class PipelineExecutor {
  public:
   // `pipeline`: this rank's pipeline (ParallelState::pp_group(); its rank is the pipeline rank).
   // `chunks`: this rank's model chunks, chunk c being global stage c * ranks + rank (one chunk,
-  // unless the schedule is interleaved). loom::InvalidArgumentError for a plan that does not fit.
+  // unless the schedule is interleaved). A collective over `pipeline`: loom::MismatchError when its
+  // ranks were built with different schedules, micro-batch counts or chunk counts;
+  // loom::InvalidArgumentError for a plan that does not fit.
   PipelineExecutor(std::shared_ptr<Communicator> pipeline, std::vector<StageFunction> chunks,
                    const PipelineOptions& options);
 
@@ -96,6 +98,7 @@ class PipelineExecutor {
   struct InFlight {
     at::Tensor input, output, loss, input_grad;
   };
+  void agree_on_shape(int virtual_stages) const;
   void agree_on_boundaries(const std::vector<at::Tensor>& inputs);
   void forward(int micro_batch, int stage, const std::vector<at::Tensor>& inputs, const LossFunction& loss,
                std::vector<at::Tensor>& losses);
