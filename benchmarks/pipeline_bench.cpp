@@ -62,6 +62,46 @@ struct Result {
   double promised = 0;
 };
 
+struct Run {
+  Schedule schedule;
+  int virtual_stages;
+  std::unique_ptr<loom::pp::PipelineExecutor> executor;
+  ActivationMeter meter;
+  Result result;
+};
+
+// This rank's chunks of the stack for the run's schedule, each counting the bytes its blocks save
+// for backward from a micro-batch's forward to the stage's backward of it. The run's meter is
+// captured by address: build once every run is in place.
+void build_executor(Run& run, const std::shared_ptr<loom::Communicator>& world,
+                    std::vector<std::shared_ptr<Block>>& blocks, const Config& c) {
+  const int ranks = world->size(), me = world->rank();
+  const int layers = static_cast<int>(blocks.size()), stages = ranks * run.virtual_stages;
+  // The bytes one block saves for backward: its input, fc1's output and gelu's output.
+  const int64_t per_block_bytes = c.rows * c.hidden * 4 * (1 + 4 + 4);
+  std::vector<loom::pp::StageFunction> chunks;
+  std::map<int, int64_t> saved_bytes;  // by stage: what one micro-batch's forward keeps
+  for (int v = 0; v < run.virtual_stages; ++v) {
+    const int stage = v * ranks + me;
+    const auto [first, end] = loom::pp::stage_layers(layers, stages, stage);
+    ActivationMeter* meter = &run.meter;
+    const int64_t bytes = saved_bytes[stage] = per_block_bytes * (end - first);
+    chunks.push_back([&blocks, first = first, end = end, meter, bytes](const at::Tensor& x) {
+      at::Tensor h = x;
+      for (int i = first; i < end; ++i) h = blocks[i]->forward(h);
+      meter->add(bytes);
+      return h;
+    });
+  }
+  run.executor = std::make_unique<loom::pp::PipelineExecutor>(
+      world, chunks,
+      loom::pp::PipelineOptions{.schedule = run.schedule,
+                                .micro_batches = c.micro_batches,
+                                .before_backward = [meter = &run.meter, saved_bytes](int stage, int, bool) {
+                                  meter->sub(saved_bytes.at(stage));
+                                }});
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -88,45 +128,13 @@ int main(int argc, char** argv) {
     inputs.push_back(at::randn({c.rows, c.hidden}));
     targets.push_back(at::randn({c.rows, c.hidden}));
   }
-  // The bytes one block saves for backward: its input, fc1's output and gelu's output.
-  const int64_t per_block_bytes = c.rows * c.hidden * 4 * (1 + 4 + 4);
-  struct Run {
-    Schedule schedule;
-    int virtual_stages;
-    std::unique_ptr<loom::pp::PipelineExecutor> executor;
-    ActivationMeter meter;
-    Result result;
-  };
   std::vector<Run> runs;
   for (auto [schedule, v] : std::vector<std::pair<Schedule, int>>{
            {Schedule::GPipe, 1}, {Schedule::OneFOneB, 1}, {Schedule::Interleaved1F1B, 2}}) {
     if (schedule == Schedule::Interleaved1F1B && c.micro_batches % ranks != 0) continue;
     runs.push_back({schedule, v, nullptr, {}, {}});
   }
-  for (auto& run : runs) {
-    const int stages = ranks * run.virtual_stages;
-    std::vector<loom::pp::StageFunction> chunks;
-    std::map<int, int64_t> saved_bytes;  // by stage: what one micro-batch's forward keeps
-    for (int v = 0; v < run.virtual_stages; ++v) {
-      const int stage = v * ranks + me;
-      const auto [first, end] = loom::pp::stage_layers(layers, stages, stage);
-      ActivationMeter* meter = &run.meter;
-      const int64_t bytes = saved_bytes[stage] = per_block_bytes * (end - first);
-      chunks.push_back([&blocks, first = first, end = end, meter, bytes](const at::Tensor& x) {
-        at::Tensor h = x;
-        for (int i = first; i < end; ++i) h = blocks[i]->forward(h);
-        meter->add(bytes);
-        return h;
-      });
-    }
-    run.executor = std::make_unique<loom::pp::PipelineExecutor>(
-        world, chunks,
-        loom::pp::PipelineOptions{.schedule = run.schedule,
-                                  .micro_batches = c.micro_batches,
-                                  .before_backward = [meter = &run.meter, saved_bytes](int stage, int, bool) {
-                                    meter->sub(saved_bytes.at(stage));
-                                  }});
-  }
+  for (auto& run : runs) build_executor(run, world, blocks, c);
   auto loss = [&](const at::Tensor& out, int m) { return at::mse_loss(out, targets[m]) / c.micro_batches; };
   for (int step = 0; step < c.warmup + c.steps; ++step)
     for (auto& run : runs) {
