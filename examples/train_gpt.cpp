@@ -1,9 +1,16 @@
-// The flagship: a GPT-style byte-level language model trained with tensor x data parallelism,
-// with everything torchloom does switched on.
+// The flagship: a GPT-style byte-level language model trained with tensor x pipeline x data
+// parallelism, with everything torchloom does switched on.
 //
 //   bash scripts/run_demo.sh                   # set-up, build, and this program on 4 ranks (TP 2 x DP 2)
 //   build/loomrun -np 4 --tp 2 -- build/examples/train_gpt --steps 600 --checkpoint-dir ckpt --save-every 100
 //   build/loomrun -np 4 --tp 2 -- build/examples/train_gpt --checkpoint-dir ckpt --resume   # continues exactly
+//
+//   build/loomrun -np 4 --tp 2 --pp 2 -- build/examples/train_gpt --schedule 1f1b --micro-batches 8
+//
+// Pipeline parallelism (--pp, --schedule gpipe|1f1b|interleaved, --virtual-stages): the blocks are
+// cut into stages (the embedding on the first, the head and loss on the last) that a
+// loom::pp::PipelineExecutor runs over the pipeline group; evaluation and the sample run forward
+// only through the stages (docs/pipeline-parallel.md).
 //
 // Model: token embedding split over the vocabulary (VocabParallelEmbedding), learned positions, N
 // ParallelTransformerBlocks (heads and MLP split over the TP group; optionally sequence-parallel
@@ -71,6 +78,9 @@ double seconds_since(Clock::time_point t) { return std::chrono::duration<double>
 
 struct Options {
   int tp = 0;  // 0: 2 when the world size is even, else 1
+  int pp = 0;  // pipeline stages; 0: LOOM_PP when set, else 1
+  std::string schedule = "1f1b";  // gpipe, 1f1b or interleaved
+  int virtual_stages = 0;         // model chunks per pipeline rank; 0: 2 with interleaved, else 1
   int64_t steps = 300;
   int64_t batch = 16;  // global sequences per step, split over DP replicas
   int64_t seq = 64;
@@ -150,6 +160,13 @@ torch::Tensor windows(const torch::Tensor& corpus, int64_t seq, int64_t batch, u
 
 // ---- model ---------------------------------------------------------------------------------
 
+// What one pipeline stage computes: blocks [first, end), after the embedding on the first stage
+// and before the final layernorm and head on the last.
+struct StageSpan {
+  int first = 0, end = 0;
+  bool embeds = false, heads = false;
+};
+
 struct GptImpl : torch::nn::Module {
   GptImpl(const Options& o, int64_t vocab, loom::TensorParallelGroup group, const loom::ParallelInit& init) {
     loom::VocabParallelEmbeddingOptions tok_options;
@@ -185,18 +202,60 @@ struct GptImpl : torch::nn::Module {
   // ids [s, b] -> this rank's slice of the logits [s, b, vocab / tp]. Sequence-parallel: the
   // embedding's output is this rank's rows, and so is every activation up to the head.
   torch::Tensor forward(const torch::Tensor& ids) {
-    ready(tok->parameters());
-    torch::Tensor x = tok(ids);
-    const int64_t rows = x.size(0), first = sequence_parallel ? tp_rank * rows : 0;
-    ready({pos});
-    x = x + replicated(pos).narrow(0, first, rows);
-    for (auto& block : blocks) {
-      ready(block->parameters());
-      x = block(x);
+    return stage(StageSpan{0, static_cast<int>(blocks.size()), true, true}, ids);
+  }
+  // One pipeline stage: from the ids (first stage) or the previous stage's activation to the next
+  // stage's activation or the logits (last stage).
+  torch::Tensor stage(const StageSpan& span, const torch::Tensor& input) {
+    torch::Tensor x = input;
+    if (span.embeds) {
+      ready(tok->parameters());
+      x = tok(input);
+      const int64_t rows = x.size(0), first = sequence_parallel ? tp_rank * rows : 0;
+      ready({pos});
+      x = x + replicated(pos).narrow(0, first, rows);
     }
+    for (int l = span.first; l < span.end; ++l) {
+      ready(blocks[l]->parameters());
+      x = blocks[l](x);
+    }
+    if (!span.heads) return x;
     ready({lnf_weight, lnf_bias});
     ready(head->parameters());
     return head(torch::layer_norm(x, {x.size(-1)}, replicated(lnf_weight), replicated(lnf_bias)));
+  }
+  // The parameters stage `span` computes with.
+  std::vector<torch::Tensor> parameters_of(const StageSpan& span) const {
+    std::vector<torch::Tensor> params;
+    auto add = [&](const std::vector<torch::Tensor>& more) { params.insert(params.end(), more.begin(), more.end()); };
+    if (span.embeds) add(tok->parameters()), add({pos});
+    for (int l = span.first; l < span.end; ++l) add(blocks[l]->parameters());
+    if (span.heads) add({lnf_weight, lnf_bias}), add(head->parameters());
+    return params;
+  }
+  // Under pipeline parallelism: drops every layer the rank's stages do not compute. Every rank
+  // builds the whole model first, drawing the weights in one order, so that a layer starts from the
+  // same weights at any pipeline size (and the uninterrupted PP 1 run is the reference).
+  void keep_only(const std::vector<StageSpan>& spans) {
+    auto held = [&](auto&& pred) { return std::any_of(spans.begin(), spans.end(), pred); };
+    if (!held([](const StageSpan& s) { return s.embeds; })) {
+      unregister_module("tok");
+      tok = nullptr;
+      parameters_.erase("pos");
+      pos = torch::Tensor();
+    }
+    for (int l = 0; l < static_cast<int>(blocks.size()); ++l)
+      if (!held([l](const StageSpan& s) { return s.first <= l && l < s.end; })) {
+        unregister_module("block" + std::to_string(l));
+        blocks[l] = nullptr;
+      }
+    if (!held([](const StageSpan& s) { return s.heads; })) {
+      parameters_.erase("lnf_weight");
+      parameters_.erase("lnf_bias");
+      lnf_weight = lnf_bias = torch::Tensor();
+      unregister_module("head");
+      head = nullptr;
+    }
   }
   // Called with each layer's parameters just before the layer reads them: ZeRO's wait for their
   // all-gather when it overlaps the forward (--zero-overlap).
@@ -205,7 +264,8 @@ struct GptImpl : torch::nn::Module {
     if (before_use) before_use(params);
   }
   void set_recompute(bool on) {
-    for (auto& block : blocks) block->options.recompute = on;
+    for (auto& block : blocks)
+      if (block) block->options.recompute = on;
   }
   loom::VocabParallelEmbedding tok{nullptr};
   torch::Tensor pos;
@@ -262,7 +322,7 @@ std::string duration_text(double s) {
 
 // Where each step's time went, summed over the steps of this run (this process).
 struct TimeShares {
-  double data = 0, step = 0, exposed_comm = 0, checkpoint = 0, eval = 0;
+  double data = 0, step = 0, exposed_comm = 0, checkpoint = 0, eval = 0, pipeline_wait = 0;
 };
 
 // The text a run trains on, and the held-out tail it never trains on.
@@ -349,13 +409,27 @@ class GptRun {
   int verdict(const std::string& sample) const;
 
   torch::Tensor loss_of(const torch::Tensor& ids);
+  void build_pipeline();
+  std::vector<std::vector<torch::Tensor>> chunk_parameters() const;
+  std::vector<torch::Tensor> bucket_buffers() const;
+  double accumulated_step(const torch::Tensor& batch);
+  double pipeline_step(const torch::Tensor& batch);
+  torch::Tensor output_of(const torch::Tensor& input);
+  void autocast(std::optional<loom::AutocastGuard>& guard) const;
+  double from_last_stage(double v);
+  torch::Tensor from_last_stage(torch::Tensor t);
   double replica_mean(double v);
   double held_out_loss();
   uint64_t communicated() const {
-    return loom::tp::comm_stats().total_bytes() + reducer_->stats().bytes_reduced +
-           (zero_ ? zero_->stats().bytes_all_gathered : 0);
+    uint64_t bytes = loom::tp::comm_stats().total_bytes() + (zero_ ? zero_->stats().bytes_all_gathered : 0);
+    for (const auto* reducer : reducers_) bytes += reducer->stats().bytes_reduced;
+    return bytes;
   }
-  double exposed() const { return loom::tp::comm_stats().wait_seconds + reducer_->stats().wait_seconds; }
+  double exposed() const {
+    double seconds = loom::tp::comm_stats().wait_seconds;
+    for (const auto* reducer : reducers_) seconds += reducer->stats().wait_seconds;
+    return seconds;
+  }
 
   Options o_;
   std::shared_ptr<loom::Runtime> rt_;
@@ -368,10 +442,14 @@ class GptRun {
   std::optional<loom::ParallelState> ps_;
   loom::RngTracker* device_rng_ = nullptr;
   Gpt model_{nullptr};
+  std::vector<StageSpan> spans_;  // this rank's pipeline stages, by chunk
+  std::unique_ptr<loom::pp::PipelineExecutor> pipeline_;
+  bool score_in_fp32_ = false;
   std::unique_ptr<loom::ZeroOptimizer> zero_;
-  std::unique_ptr<loom::GradientReducer> plain_reducer_;
+  std::vector<std::unique_ptr<loom::GradientReducer>> plain_reducers_;  // one per model chunk
   std::unique_ptr<torch::optim::AdamW> plain_opt_;
-  loom::GradientReducer* reducer_ = nullptr;
+  std::vector<loom::GradientReducer*> reducers_;  // by model chunk (ZeRO: its one reducer)
+  loom::GradientReducer* reducer_ = nullptr;      // the first: gradient accumulation's
   torch::optim::Optimizer* opt_ = nullptr;
   std::unique_ptr<loom::GradientAccumulator> accumulate_;
   std::unique_ptr<loom::GradScaler> scaler_;
@@ -384,6 +462,7 @@ class GptRun {
   int64_t first_step_ = 1, window_steps_ = 0;
   double first_ = 0, last_ = 0, window_ = 0, held_ = std::nan("");
   TimeShares time_;
+  std::vector<double> bubbles_;  // per pipelined step: the share this rank waited on other stages
   Clock::time_point start_;
   double exposed_at_start_ = 0, total_ = 0;
 };
@@ -392,8 +471,11 @@ void GptRun::set_up_groups() {
   world_ = rt_->world_comm();
   const int rank = world_->rank();
   if (!o_.timeline.empty()) loom::trace::configure(o_.timeline, rank);
-  // The degree the placement plan was made for (LOOM_TP, loomrun --tp) unless --tp says otherwise.
-  if (o_.tp == 0) o_.tp = std::getenv("LOOM_TP") ? rt_->config().tensor_parallel : world_->size() % 2 == 0 ? 2 : 1;
+  // The degrees the placement plan was made for (LOOM_TP and LOOM_PP: loomrun --tp, --pp) unless
+  // --tp and --pp say otherwise.
+  if (o_.pp == 0) o_.pp = std::getenv("LOOM_PP") ? rt_->config().pipeline_parallel : 1;
+  if (o_.tp == 0)
+    o_.tp = std::getenv("LOOM_TP") ? rt_->config().tensor_parallel : world_->size() / o_.pp % 2 == 0 ? 2 : 1;
   // CUDA tensors go over NCCL when every rank has a GPU; otherwise everything runs on the CPU.
   comm_ = rt_->device_comm() ? rt_->device_comm() : world_;
   device_ = comm_->device();
@@ -405,11 +487,12 @@ void GptRun::set_up_groups() {
 
   loom::ParallelConfig config;
   config.tensor_parallel = o_.tp;
+  config.pipeline_parallel = o_.pp;
   config.hidden_size = o_.hidden;
   config.num_heads = o_.heads;
   config.vocab_size = vocab_;
   // DP groups in the plan's ring order when the plan was made for this degree.
-  if (comm_->members() == world_->members()) config.dp_rings = loom::planned_dp_rings(o_.tp);
+  if (comm_->members() == world_->members()) config.dp_rings = loom::planned_dp_rings(o_.tp, o_.pp);
   ps_.emplace(comm_, config);
   if (o_.batch % (ps_->dp_degree() * o_.accumulate) != 0)
     throw loom::InvalidArgumentError(
@@ -431,6 +514,7 @@ void GptRun::build_model_and_optimizer() {
   init.rng = on_gpu_ ? device_rng_ : nullptr;
   model_ = Gpt(o_, vocab_, ps.tp_group(), init);
   for (auto& block : model_->blocks) block->options.rng = init.rng;
+  build_pipeline();
   // Plain data parallelism (a reducer and AdamW over every parameter), or ZeRO (AdamW over this
   // rank's shard of the DP group's buckets, the reducer inside the ZeroOptimizer).
   const auto adamw = torch::optim::AdamWOptions(o_.lr).weight_decay(0.01);
@@ -451,25 +535,84 @@ void GptRun::build_model_and_optimizer() {
     loom::ReducerOptions reducer_options;
     reducer_options.bucket_cap_bytes = bucket_cap;
     reducer_options.first_bucket_cap_bytes = std::min(reducer_options.first_bucket_cap_bytes, bucket_cap);
-    plain_reducer_ = std::make_unique<loom::GradientReducer>(model_->parameters(), ps.dp_group(), reducer_options);
+    // A reducer per model chunk: each finalizes after its chunk's last backward of the step (with
+    // virtual stages a rank's chunks finish at different times).
+    for (const auto& params : chunk_parameters())
+      plain_reducers_.push_back(std::make_unique<loom::GradientReducer>(params, ps.dp_group(), reducer_options));
     plain_opt_ = std::make_unique<torch::optim::AdamW>(model_->parameters(), adamw);
   }
-  reducer_ = zero_ ? &zero_->reducer() : plain_reducer_.get();
+  if (zero_) reducers_.push_back(&zero_->reducer());
+  for (const auto& reducer : plain_reducers_) reducers_.push_back(reducer.get());
+  reducer_ = reducers_.front();
   opt_ = zero_ ? &zero_->optimizer() : plain_opt_.get();
   accumulate_ = std::make_unique<loom::GradientAccumulator>(*reducer_, static_cast<size_t>(o_.accumulate));
   if (o_.scaler || o_.precision == "fp16") {
     loom::GradScalerOptions scaler_options;
-    scaler_options.sync_groups = {ps.tp_group()};  // gradients are split over the TP group
+    // Gradients are split over the TP group and the pipeline stages: found-inf is agreed over both.
+    scaler_options.sync_groups = {ps.tp_group(), ps.pp_group()};
     scaler_ = std::make_unique<loom::GradScaler>(scaler_options);
+    // Only the last stage scales the loss; the others' gradients come from its scaled backward.
+    if (pipeline_ && !pipeline_->holds_last_stage()) scaler_->scaled_by_another_rank(device_);
   }
+}
+
+// Pipeline parallelism (--pp): this rank keeps the stages it computes (global stage c x pp + its
+// pipeline rank for chunk c, as Megatron-Core places virtual stages) and an executor runs the
+// schedule over the pipeline group. The step's micro-batches are its gradient accumulation.
+void GptRun::build_pipeline() {
+  if (o_.pp == 1) return;
+  const loom::pp::Schedule schedule = loom::pp::parse_schedule(o_.schedule);
+  if (o_.virtual_stages == 0) o_.virtual_stages = schedule == loom::pp::Schedule::Interleaved1F1B ? 2 : 1;
+  // A reducer finalizes after each synchronized backward: with several chunks on a rank each
+  // needs its own (plain data parallelism builds one per chunk; ZeRO's optimizer holds one).
+  if (o_.virtual_stages > 1 && o_.zero > 0)
+    throw loom::InvalidArgumentError("train_gpt: --zero " + std::to_string(o_.zero) + " with --virtual-stages " +
+                                     std::to_string(o_.virtual_stages) +
+                                     ": ZeRO's optimizer reduces every chunk of a rank at once, and a rank's chunks "
+                                     "finish backward at different times; use --schedule 1f1b or gpipe with --zero");
+  const int stages = o_.pp * o_.virtual_stages, layers = static_cast<int>(o_.layers);
+  for (int c = 0; c < o_.virtual_stages; ++c) {
+    const int s = c * o_.pp + ps_->pp_rank();
+    const auto [first, end] = loom::pp::stage_layers(layers, stages, s);
+    spans_.push_back({first, end, s == 0, s == stages - 1});
+  }
+  model_->keep_only(spans_);
+  std::vector<loom::pp::StageFunction> chunks;
+  for (const StageSpan& span : spans_)
+    chunks.push_back([this, span](const torch::Tensor& x) {
+      std::optional<loom::AutocastGuard> guard;
+      autocast(guard);
+      return model_->stage(span, x);
+    });
+  loom::pp::PipelineOptions options{
+      .schedule = schedule, .micro_batches = static_cast<int>(o_.accumulate), .device = device_};
+  // A stage's gradient reduction starts with its last backward of the step.
+  options.before_backward = [this](int stage, int, bool last) { reducers_[stage / o_.pp]->set_sync(last); };
+  pipeline_ = std::make_unique<loom::pp::PipelineExecutor>(ps_->pp_group(), std::move(chunks), options);
+}
+
+// The parameters of each model chunk this rank holds (without a pipeline: one, the whole model).
+std::vector<std::vector<torch::Tensor>> GptRun::chunk_parameters() const {
+  if (spans_.empty()) return {model_->parameters()};
+  std::vector<std::vector<torch::Tensor>> chunks;
+  for (const StageSpan& span : spans_) chunks.push_back(model_->parameters_of(span));
+  return chunks;
+}
+
+std::vector<torch::Tensor> GptRun::bucket_buffers() const {
+  std::vector<torch::Tensor> buffers;
+  for (const auto* reducer : reducers_)
+    for (const auto& b : reducer->bucket_buffers()) buffers.push_back(b);
+  return buffers;
 }
 
 void GptRun::print_setup() const {
   if (!log_) return;
   int64_t parameters = 0;
   for (const auto& p : model_->parameters()) parameters += p.numel();
-  std::printf("train_gpt: %d ranks = TP %d x DP %d on %s; %s, %lld parameters on this rank\n", world_->size(),
-              ps_->tp_degree(), ps_->dp_degree(), device_.str().c_str(), o_.precision.c_str(), (long long)parameters);
+  std::printf("train_gpt: %d ranks = TP %d x PP %d x DP %d on %s; %s, %lld parameters on this rank\n", world_->size(),
+              ps_->tp_degree(), ps_->pp_degree(), ps_->dp_degree(), device_.str().c_str(), o_.precision.c_str(),
+              (long long)parameters);
   if (!precision_why_.empty())
     std::printf("  precision %s%s\n", precision_why_.rfind("bf16 as asked", 0) == 0 ? "WARNING: " : "",
                 precision_why_.c_str());
@@ -479,23 +622,65 @@ void GptRun::print_setup() const {
   std::printf("  batch %lld x %lld bytes (%lld micro-batches per replica)%s%s\n", (long long)o_.batch,
               (long long)o_.seq, (long long)o_.accumulate, o_.sequence_parallel ? ", sequence-parallel" : "",
               o_.recompute ? ", blocks recomputed in backward" : "");
+  if (pipeline_) {
+    const auto& plan = pipeline_->plan();
+    std::printf("  pipeline: %s over %d stages (%d per rank), %d micro-batches; the plan's bubble %.1f%% "
+                "(a forward 1, a backward 2)\n",
+                loom::pp::schedule_name(plan.schedule), plan.shape.stages(), plan.shape.virtual_stages,
+                plan.shape.micro_batches, 100 * pipeline_->proof().bubble);
+    for (int s = 0; s < plan.shape.stages(); ++s) {
+      const auto [first, end] = loom::pp::stage_layers(static_cast<int>(o_.layers), plan.shape.stages(), s);
+      std::printf("    stage %d (pipeline rank %d): %s%d block%s%s\n", s, plan.shape.rank_of_stage(s),
+                  s == 0 ? "embedding, " : "", end - first, end - first == 1 ? "" : "s",
+                  s + 1 == plan.shape.stages() ? ", final layernorm, head and loss" : "");
+    }
+  }
   // The placement plan the groups follow (with GPUs, or a topology file: LOOM_TOPOLOGY).
   if (rt_->plan()) std::printf("%s", loom::topo::explain(*rt_->plan(), 64 << 20).c_str());
   std::fflush(stdout);
 }
 
+// Autocast in the run's precision, for a forward pass (the chunks of a pipeline take it each).
+void GptRun::autocast(std::optional<loom::AutocastGuard>& guard) const {
+  if (o_.precision != "fp32" && !score_in_fp32_)
+    guard.emplace(device_.type(), o_.precision == "fp16" ? at::kHalf : at::kBFloat16);
+}
+
+// The mean next-byte loss of windows `ids` [seq + 1, n]. On a pipeline: forward only through
+// every stage; the loss is defined on the rank holding the last stage (elsewhere undefined).
 torch::Tensor GptRun::loss_of(const torch::Tensor& ids) {
-  std::optional<loom::AutocastGuard> guard;
-  if (o_.precision != "fp32") guard.emplace(device_.type(), o_.precision == "fp16" ? at::kHalf : at::kBFloat16);
-  torch::Tensor logits = model_(ids.narrow(0, 0, o_.seq).to(device_));
+  torch::Tensor logits = output_of(ids.narrow(0, 0, o_.seq).to(device_));
+  if (!logits.defined()) return logits;
   // (Sequence-parallel too: the head all-gathers the rows, so the logits cover the whole sequence.)
   torch::Tensor target = ids.narrow(0, 1, o_.seq);
   return loom::vocab_parallel_cross_entropy(logits.to(at::kFloat), target.to(device_), ps_->tp_group());
 }
 
-// Mean over DP replicas of a value each computed on its share.
+// The model's logits for `input`; on a pipeline only the last stage's rank has them.
+torch::Tensor GptRun::output_of(const torch::Tensor& input) {
+  if (!pipeline_) {
+    std::optional<loom::AutocastGuard> guard;
+    autocast(guard);
+    return model_(input);
+  }
+  std::vector<torch::Tensor> outputs = pipeline_->forward_only({input});
+  return outputs.empty() ? torch::Tensor() : outputs[0];
+}
+
+// What the rank holding the last pipeline stage computed, on every rank of the pipeline.
+torch::Tensor GptRun::from_last_stage(torch::Tensor t) {
+  if (!pipeline_) return t;
+  const int last = ps_->pp_degree() - 1;  // the last stage's pipeline rank
+  ps_->pp_group()->broadcast(t, {last})->wait();
+  return t;
+}
+double GptRun::from_last_stage(double v) {
+  return from_last_stage(torch::full({1}, v, torch::dtype(torch::kFloat64).device(device_))).item<double>();
+}
+
+// Mean over DP replicas of a value each computed on its share (on a pipeline, its last stage's).
 double GptRun::replica_mean(double v) {
-  torch::Tensor t = torch::full({1}, v, torch::dtype(torch::kFloat64).device(device_));
+  torch::Tensor t = torch::full({1}, from_last_stage(v), torch::dtype(torch::kFloat64).device(device_));
   ps_->dp_group()->all_reduce(t, {loom::ReduceOp::Avg})->wait();
   return t.item<double>();
 }
@@ -527,15 +712,16 @@ double GptRun::held_out_loss() {
   double sum = 0;
   for (int64_t first = 0; first < held_windows_; first += o_.batch) {
     const int64_t n = std::min<int64_t>(o_.batch, held_windows_ - first);
-    sum += loss_of(held_batch_.narrow(1, first, n)).item<double>() * static_cast<double>(n);
+    const torch::Tensor loss = loss_of(held_batch_.narrow(1, first, n));
+    if (loss.defined()) sum += loss.item<double>() * static_cast<double>(n);
   }
   model_->train();
-  return sum / static_cast<double>(held_windows_);  // every replica scores the same windows
+  return from_last_stage(sum) / static_cast<double>(held_windows_);  // every replica scores the same windows
 }
 
 // What recomputation saves: the heap a forward pass keeps for backward, with and without.
 void GptRun::measure_recompute() {
-  if (!o_.recompute) return;
+  if (!o_.recompute || pipeline_) return;  // (a pipeline's stages keep what their schedule holds)
   torch::Tensor w = windows(corpus_.train_ids, o_.seq, per_replica_, o_.seed).to(device_);
   auto kept = [&](bool on) {
     model_->set_recompute(on);
@@ -564,6 +750,8 @@ void GptRun::open_checkpointer() {
   else
     checkpointer_->optimizer(*opt_);
   if (scaler_) checkpointer_->scaler(*scaler_);
+  // Which stage (and TP and DP rank) wrote what: a checkpoint loads at another pipeline size.
+  checkpointer_->parallel_layout(ps_->layout(), ps_->groups().position);
   if (!o_.resume) return;
   if (auto info = checkpointer_->load_latest()) {
     first_step_ = info->progress.step + 1;
@@ -628,17 +816,8 @@ double GptRun::train_step(int64_t step) {
   const double warm = std::max(1.0, o_.warmup * o_.steps);
   for (auto& group : opt_->param_groups())
     static_cast<torch::optim::AdamWOptions&>(group.options()).lr(o_.lr * std::min(1.0, step / warm));
-  reducer_->zero_grad();
-  double step_loss = 0;
-  for (const auto& micro : batch.chunk(o_.accumulate, 1)) {
-    auto scope = accumulate_->next();  // only the last micro-batch's backward all-reduces
-    torch::Tensor loss = loss_of(micro) / double(o_.accumulate);
-    if (scaler_)
-      scaler_->scale(loss).backward();
-    else
-      loss.backward();
-    step_loss += loss.item<double>();
-  }
+  for (auto* reducer : reducers_) reducer->zero_grad();
+  const double step_loss = pipeline_ ? pipeline_step(batch) : accumulated_step(batch);
   if (scaler_) {
     zero_ ? scaler_->step(*zero_) : scaler_->step(*opt_);
     scaler_->update();
@@ -653,10 +832,53 @@ double GptRun::train_step(int64_t step) {
   return step_loss;
 }
 
+// The step's micro-batches one after another (gradient accumulation): only the last one's backward
+// reduces over the replicas.
+double GptRun::accumulated_step(const torch::Tensor& batch) {
+  double step_loss = 0;
+  for (const auto& micro : batch.chunk(o_.accumulate, 1)) {
+    auto scope = accumulate_->next();
+    torch::Tensor loss = loss_of(micro) / double(o_.accumulate);
+    if (scaler_)
+      scaler_->scale(loss).backward();
+    else
+      loss.backward();
+    step_loss += loss.item<double>();
+  }
+  return step_loss;
+}
+
+// One step through the pipeline: the micro-batches enter at the first stage, their losses (divided
+// by their number, scaled when a scaler runs) start backward at the last. Returns this rank's share
+// of the step's loss: the sum on the last stage, 0 elsewhere.
+double GptRun::pipeline_step(const torch::Tensor& batch) {
+  std::vector<torch::Tensor> inputs;
+  std::vector<torch::Tensor> targets;
+  for (const auto& micro : batch.chunk(o_.accumulate, 1)) {
+    inputs.push_back(micro.narrow(0, 0, o_.seq).to(device_));
+    targets.push_back(micro.narrow(0, 1, o_.seq).to(device_));
+  }
+  double step_loss = 0;
+  pipeline_->step(inputs, [&](const torch::Tensor& logits, int m) {
+    torch::Tensor loss =
+        loom::vocab_parallel_cross_entropy(logits.to(at::kFloat), targets[m], ps_->tp_group()) / double(o_.accumulate);
+    step_loss += loss.item<double>();
+    return scaler_ ? scaler_->scale(loss) : loss;
+  });
+  const auto& times = pipeline_->last_step();
+  time_.pipeline_wait += times.communicate;
+  bubbles_.push_back(times.seconds > 0 ? times.communicate / times.seconds : 0);
+  return step_loss;
+}
+
 void GptRun::report_progress(int64_t step, double step_loss) {
   const bool log_step = step == first_step_ || step % o_.log_every == 0 || step == o_.steps;
   if (!log_step && !live_) return;
-  const double mean = log_step ? replica_mean(window_ / window_steps_) : step_loss;
+  // (A live line between logged steps shows this rank's loss: on a pipeline, the last logged mean
+  // unless this rank holds the loss, since only logged steps bring the last stage's value over.)
+  const double mean = log_step                                              ? replica_mean(window_ / window_steps_)
+                      : pipeline_ && !pipeline_->holds_last_stage() ? last_
+                                                                            : step_loss;
   if (step == 1) first_ = mean;
   if (log_step) last_ = mean;
   const double elapsed = seconds_since(start_);
@@ -716,12 +938,14 @@ double GptRun::save(int64_t step) {
 // Where the time went, averaged over the ranks.
 void GptRun::report_time() {
   torch::Tensor shares =
-      torch::tensor({time_.data, time_.step, time_.exposed_comm, time_.checkpoint, time_.eval, total_}, torch::kFloat64)
+      torch::tensor(
+          {time_.data, time_.step, time_.exposed_comm, time_.checkpoint, time_.eval, total_, time_.pipeline_wait},
+          torch::kFloat64)
           .to(device_);
   comm_->all_reduce(shares, {loom::ReduceOp::Avg})->wait();
   shares = shares.cpu();
   auto s = shares.accessor<double, 1>();
-  const double compute = std::max(0.0, s[1] - s[0] - s[2]);
+  const double compute = std::max(0.0, s[1] - s[0] - s[2] - s[6]);
   if (!log_ || first_step_ > o_.steps) return;
   const double n = static_cast<double>(o_.steps - first_step_ + 1);
   std::printf("where the time went (mean over ranks, %.1f s, %.0f ms per step):\n", s[5], 1e3 * s[5] / n);
@@ -730,20 +954,30 @@ void GptRun::report_time() {
   };
   row("compute", compute);
   // On GPUs a wait orders the CUDA stream and returns at once: the host cannot time it.
-  if (loom::tp::comm_stats().unmeasured_waits + reducer_->stats().unmeasured_iterations > 0)
+  uint64_t unmeasured = loom::tp::comm_stats().unmeasured_waits;
+  for (const auto* reducer : reducers_) unmeasured += reducer->stats().unmeasured_iterations;
+  if (unmeasured > 0)
     std::printf("  %-24s   (not measured: NCCL waits are stream-ordered; in 'compute')\n", "exposed communication");
   else
     row("exposed communication", s[2]);
+  if (pipeline_) {
+    // Waiting in the pipeline's message groups: the schedule's bubble, and the transfers.
+    row("pipeline bubble", s[6]);
+    std::vector<double> b = bubbles_;
+    std::nth_element(b.begin(), b.begin() + b.size() / 2, b.end());
+    std::printf("  %-24s (rank 0: %.1f%% of its median step; the plan promises %.1f%% at equal stage costs)\n", "",
+                b.empty() ? 0.0 : 100 * b[b.size() / 2], 100 * pipeline_->proof().bubble);
+  }
   row("checkpoint stall", s[3]);
   row("data", s[0]);
   row("held-out evaluation", s[4]);
-  row("other (logging, sync)", std::max(0.0, s[5] - compute - s[2] - s[3] - s[0] - s[4]));
+  row("other (logging, sync)", std::max(0.0, s[5] - compute - s[2] - s[3] - s[0] - s[4] - s[6]));
 }
 
 // Training state held per rank, counted from the live tensors' storages.
 void GptRun::report_memory() const {
   const loom::ZeroMemory m =
-      zero_ ? zero_->memory() : loom::count_training_memory(model_->parameters(), reducer_->bucket_buffers(), opt_);
+      zero_ ? zero_->memory() : loom::count_training_memory(model_->parameters(), bucket_buffers(), opt_);
   int64_t numel = 0;
   for (const auto& p : model_->parameters()) numel += p.numel();
   if (log_)
@@ -769,8 +1003,10 @@ std::string GptRun::generate_sample() {
   for (int64_t i = 0; i < o_.sample_bytes; ++i) {
     const int64_t n = std::min<int64_t>(static_cast<int64_t>(context.size()), o_.seq) / step_rows * step_rows;
     torch::Tensor ids = torch::tensor(std::vector<int64_t>(context.end() - n, context.end())).unsqueeze(1).to(device_);
-    torch::Tensor logits = model_(ids);
-    logits = loom::tp::gather_from_region(logits[n - 1][0].to(at::kFloat), ps_->tp_group()).narrow(0, 0, 256).cpu();
+    torch::Tensor logits = output_of(ids), last = torch::zeros({256}, torch::dtype(torch::kFloat).device(device_));
+    if (logits.defined())  // (on a pipeline, the last stage's ranks)
+      last = loom::tp::gather_from_region(logits[n - 1][0].to(at::kFloat), ps_->tp_group()).narrow(0, 0, 256);
+    logits = from_last_stage(last).cpu();
     const int64_t next = torch::multinomial(torch::softmax(logits / 0.8, 0), 1, false, gen).item<int64_t>();
     context.push_back(next);
     sample += static_cast<char>(next);
@@ -793,9 +1029,10 @@ void GptRun::score_file() {
     for (int64_t i = 0; i <= o_.seq; ++i) ids[i][w] = static_cast<int64_t>(static_cast<unsigned char>(bytes[w * o_.seq + i]));
   torch::NoGradGuard no_grad;
   model_->eval();
-  torch::Tensor logits = model_(ids.narrow(0, 0, o_.seq).to(device_)).to(at::kFloat);
-  const double score =
-      loom::vocab_parallel_cross_entropy(logits, ids.narrow(0, 1, o_.seq).to(device_), ps_->tp_group()).item<double>();
+  score_in_fp32_ = true;
+  const torch::Tensor loss = loss_of(ids);
+  score_in_fp32_ = false;
+  const double score = from_last_stage(loss.defined() ? loss.item<double>() : 0.0);
   if (log_)
     std::printf("score %s: %lld windows of %lld bytes, loss %.9f\n", o_.score.c_str(), (long long)count,
                 (long long)o_.seq, score);
@@ -860,8 +1097,15 @@ void add_run_options(CLI::App& app, Options& o) {
   app.add_option("--data-bytes", o.data_bytes, "read at most this many bytes of --data")->check(CLI::PositiveNumber);
   app.add_option("--held-out", o.held_out, "share of the text kept for the held-out loss")->check(CLI::Range(0.01, 0.5));
   app.add_option("--seed", o.seed, "seed of the batches, the weights and dropout");
-  app.add_option("--accumulate", o.accumulate, "micro-batches per step (gradient accumulation)")
+  app.add_option("--accumulate,--micro-batches", o.accumulate,
+                 "micro-batches per step (gradient accumulation; with --pp, the pipeline's micro-batches)")
       ->check(CLI::PositiveNumber);
+  app.add_option("--pp", o.pp, "pipeline stages (default: LOOM_PP when set, else 1)")->check(CLI::NonNegativeNumber);
+  app.add_option("--schedule", o.schedule, "pipeline schedule with --pp: gpipe, 1f1b or interleaved")
+      ->check(CLI::IsMember({"gpipe", "1f1b", "interleaved"}));
+  app.add_option("--virtual-stages", o.virtual_stages,
+                 "model chunks per pipeline rank (interleaved: 2 or more; default 2 with it, else 1)")
+      ->check(CLI::NonNegativeNumber);
   app.add_option("--precision", o.precision,
                  "auto (fp16 + GradScaler on a GPU; on a CPU bf16 where it has bf16 arithmetic, else fp32), fp32, bf16 "
                  "or fp16")
@@ -892,7 +1136,7 @@ void add_run_options(CLI::App& app, Options& o) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  CLI::App app{"GPT-style byte-level language model with tensor x data parallelism (torchloom)"};
+  CLI::App app{"GPT-style byte-level language model with tensor x pipeline x data parallelism (torchloom)"};
   Options o;
   add_model_options(app, o);
   add_run_options(app, o);

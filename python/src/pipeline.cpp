@@ -7,18 +7,6 @@
 
 namespace torchloom_py {
 
-namespace {
-
-loom::pp::Schedule schedule_named(const std::string& name) {
-  if (name == "gpipe") return loom::pp::Schedule::GPipe;
-  if (name == "1f1b") return loom::pp::Schedule::OneFOneB;
-  if (name == "interleaved") return loom::pp::Schedule::Interleaved1F1B;
-  throw loom::InvalidArgumentError(loom::ErrorContext("PipelineExecutor")(
-      "schedule must be 'gpipe', '1f1b' or 'interleaved'; found '" + name + "'"));
-}
-
-}  // namespace
-
 void bind_pipeline(py::module_& m) {
   using loom::pp::PipelineExecutor;
   using loom::pp::PipelineStepTimes;
@@ -36,7 +24,7 @@ void bind_pipeline(py::module_& m) {
                        const std::string& schedule, int micro_batches,
                        std::function<void(int, int, bool)> before_backward, const py::object& timeout) {
              loom::pp::PipelineOptions options;
-             options.schedule = schedule_named(schedule);
+             options.schedule = loom::pp::parse_schedule(schedule);
              options.micro_batches = micro_batches;
              options.before_backward = std::move(before_backward);
              if (!timeout.is_none()) options.timeout = to_timeout(timeout);
@@ -48,6 +36,9 @@ void bind_pipeline(py::module_& m) {
       .def("step", &PipelineExecutor::step, py::arg("inputs"), py::arg("loss") = nullptr, release_gil(),
            "Every micro-batch forward and backward; inputs on the first stage, loss(output, m) on the last. "
            "Returns the last stage's losses (detached), else [].")
+      .def("forward_only", &PipelineExecutor::forward_only, py::arg("inputs"), release_gil(),
+           "Forward only (evaluation, generation), inputs of any shape on the first stage; returns the last "
+           "stage's outputs, else [].")
       .def_property_readonly("last_step", &PipelineExecutor::last_step, py::return_value_policy::copy)
       .def_property_readonly("bubble_promised", [](const PipelineExecutor& e) { return e.proof().bubble; })
       .def_property_readonly("holds_first_stage", &PipelineExecutor::holds_first_stage)

@@ -85,21 +85,22 @@ std::optional<std::pair<std::vector<int64_t>, at::ScalarType>> PipelineExecutor:
   return found->second;
 }
 
-// Micro-batch 0 forward through every stage in order, without autograd: each stage sends the
-// next one a header (dtype, rank, sizes) and then the activation, so every receiver learns the
-// boundary's shape. The outputs are dropped; the step computes them again.
-void PipelineExecutor::agree_on_boundaries(const std::vector<at::Tensor>& inputs) {
+// One input forward through every stage in order, without autograd: each stage sends the next one
+// a header (dtype, rank, sizes) and then the activation, so a receiver needs no agreed shape.
+// Returns the last stage's output on its rank (undefined elsewhere); `sent`, when given, records
+// what each of this rank's stages sent on. `what` names the input in errors.
+at::Tensor PipelineExecutor::relay_forward(const at::Tensor& input, const std::string& what, Boundaries* sent) {
   const int stages = plan_.shape.stages();
   const SendRecvOptions header_options{kBoundaryTag, options_.timeout.value_or(kDefaultTimeout)};
   at::NoGradGuard no_grad;
   at::Tensor carried;
   for (int s = 0; s < stages; ++s) {
     if (plan_.shape.rank_of_stage(s) != rank_) continue;
-    at::Tensor input;
+    at::Tensor received;
     if (s == 0) {
-      input = inputs.at(0);
+      received = input;
     } else if (plan_.shape.rank_of_stage(s - 1) == rank_) {
-      input = carried;  // virtual stages on one rank: the previous stage was this rank's
+      received = carried;  // virtual stages on one rank: the previous stage was this rank's
     } else {
       at::Tensor header = at::empty({kHeaderWords}, at::kLong);
       pipeline_->recv(header, plan_.shape.rank_of_stage(s - 1), header_options)->wait();
@@ -107,20 +108,20 @@ void PipelineExecutor::agree_on_boundaries(const std::vector<at::Tensor>& inputs
       std::vector<int64_t> sizes(words[1]);
       for (int64_t d = 0; d < words[1]; ++d) sizes[d] = words[2 + d];
       const auto dtype = static_cast<at::ScalarType>(words[0]);
-      input = at::empty(sizes, at::TensorOptions().dtype(dtype).device(options_.device));
-      pipeline_->recv(input, plan_.shape.rank_of_stage(s - 1), header_options)->wait();
+      received = at::empty(sizes, at::TensorOptions().dtype(dtype).device(options_.device));
+      pipeline_->recv(received, plan_.shape.rank_of_stage(s - 1), header_options)->wait();
     }
     at::Tensor output;
     try {
-      output = chunk_of(s)(input);
+      output = chunk_of(s)(received);
     } catch (const std::exception& e) {
-      throw Error(where(rank_) + ": stage " + std::to_string(s) + " failed in forward of micro-batch 0: " + e.what());
+      throw Error(where(rank_) + ": stage " + std::to_string(s) + " failed in forward of " + what + ": " + e.what());
     }
-    if (s == stages - 1) break;
+    if (s == stages - 1) return output;
     if (output.dim() > kMaxDims)
       throw InvalidArgumentError(where(rank_) + ": stage " + std::to_string(s) + " sends a tensor of " +
                                  std::to_string(output.dim()) + " dimensions; at most " + std::to_string(kMaxDims));
-    boundaries_[s] = {output.sizes().vec(), output.scalar_type()};
+    if (sent) (*sent)[s] = {output.sizes().vec(), output.scalar_type()};
     at::Tensor header = at::zeros({kHeaderWords}, at::kLong);
     header[0] = static_cast<int64_t>(output.scalar_type());
     header[1] = output.dim();
@@ -133,6 +134,27 @@ void PipelineExecutor::agree_on_boundaries(const std::vector<at::Tensor>& inputs
     pipeline_->send(header, next, header_options)->wait();
     pipeline_->send(output.contiguous(), next, header_options)->wait();
   }
+  return at::Tensor();
+}
+
+std::vector<at::Tensor> PipelineExecutor::forward_only(const std::vector<at::Tensor>& inputs) {
+  // How many inputs: the first stage's rank knows (the others may pass none).
+  at::Tensor count = at::full({1}, static_cast<int64_t>(inputs.size()), at::kLong);
+  pipeline_->broadcast(count, {0})->wait();
+  std::vector<at::Tensor> outputs;
+  for (int64_t i = 0; i < count.item<int64_t>(); ++i) {
+    at::Tensor out = relay_forward(holds_first_stage() ? inputs[i] : at::Tensor(),
+                                   "forward-only input " + std::to_string(i), nullptr);
+    if (holds_last_stage()) outputs.push_back(out);
+  }
+  return outputs;
+}
+
+// Micro-batch 0 forward through every stage (relay_forward), so every receiver learns the
+// boundary's shape. The outputs are dropped; the step computes them again.
+void PipelineExecutor::agree_on_boundaries(const std::vector<at::Tensor>& inputs) {
+  const int stages = plan_.shape.stages();
+  relay_forward(holds_first_stage() ? inputs.at(0) : at::Tensor(), "micro-batch 0", &boundaries_);
   // Every rank learns every boundary it receives across: the sender's record is the agreed one,
   // and a receiver needs the shapes of what it receives (activations) and sends back (gradients).
   for (int s = 0; s + 1 < stages; ++s) {

@@ -95,6 +95,14 @@ std::string message_text(const Message& m) {
 
 }  // namespace
 
+Schedule parse_schedule(const std::string& name) {
+  if (name == "gpipe") return Schedule::GPipe;
+  if (name == "1f1b") return Schedule::OneFOneB;
+  if (name == "interleaved") return Schedule::Interleaved1F1B;
+  throw InvalidArgumentError(ErrorContext("pipeline schedule")("schedule must be 'gpipe', '1f1b' or 'interleaved'; found '" +
+                                                               name + "'"));
+}
+
 const char* schedule_name(Schedule schedule) {
   switch (schedule) {
     case Schedule::GPipe: return "GPipe";

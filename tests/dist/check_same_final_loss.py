@@ -6,6 +6,12 @@ variant's, and compares the "final loss" lines (printed with 17 significant digi
 (CTest gpt_zero_same_loss_np4): train_gpt TP 2 x DP 2 with plain data parallelism against ZeRO
 stage 1, stage 2, and stage 2 with the parameter all-gather overlapping the next forward.
 
+A run's arguments may start with "-np N" (another world size than --np: a pipeline of N stages
+against one process), and a variant may be two runs, "SAVE => RESUME": SAVE writes checkpoints
+into a fresh directory (given to it as --checkpoint-dir, with its own --save-every), everything
+after its first checkpoint is removed, and RESUME continues from that one with --resume (a
+checkpoint written at one layout, resumed at another). The final loss is RESUME's.
+
 Usage: check_same_final_loss.py --mpirun MPIRUN --np N --program PROGRAM --reference "ARGS"
        --variant "ARGS" [--variant "ARGS" ...] -- SHARED ARGS
 """
@@ -13,8 +19,10 @@ import argparse
 import os
 import re
 import shlex
+import shutil
 import subprocess
 import sys
+import tempfile
 
 
 def final_loss(output):
@@ -22,9 +30,13 @@ def final_loss(output):
     return found[-1] if found else None
 
 
-def run(args, extra):
+def run_once(args, extra, more=()):
+    words = shlex.split(extra)
+    np = args.np
+    if words[:1] == ["-np"]:
+        np, words = int(words[1]), words[2:]
     command = [args.mpirun] + os.environ.get("LOOM_MPIRUN_FLAGS", "--oversubscribe").split() + \
-              ["--allow-run-as-root", "-np", str(args.np), args.program] + args.shared + shlex.split(extra)
+              ["--allow-run-as-root", "-np", str(np), args.program] + args.shared + words + list(more)
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")
     env.setdefault("LOOM_TIMEOUT", "60")
@@ -35,6 +47,28 @@ def run(args, extra):
         print(result.stdout[-3000:], result.stderr[-3000:], sep="\n")
         return None
     return loss
+
+
+def keep_first_checkpoint(directory):
+    steps = sorted(d for d in os.listdir(directory) if d.startswith("step_"))
+    if not steps:
+        raise SystemExit(f"no checkpoint in {directory}")
+    for later in steps[1:]:
+        shutil.rmtree(os.path.join(directory, later))
+    with open(os.path.join(directory, "latest"), "w") as f:
+        f.write(steps[0] + "\n")
+    return steps[0]
+
+
+def run(args, extra):
+    if "=>" not in extra:
+        return run_once(args, extra)
+    save, resume = (part.strip() for part in extra.split("=>"))
+    with tempfile.TemporaryDirectory(prefix="same_loss_") as directory:
+        if run_once(args, save, ["--checkpoint-dir", directory]) is None:
+            return None
+        print(f"  resuming from {keep_first_checkpoint(directory)}")
+        return run_once(args, resume, ["--checkpoint-dir", directory, "--resume"])
 
 
 def main():

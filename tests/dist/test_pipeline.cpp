@@ -356,6 +356,42 @@ TEST(Pipeline, TensorParallelStagesEqualThePlainModelInOneProcess) {
   }
 }
 
+// Forward only (evaluation, generation): inputs of shapes no step has seen, one of them of another
+// rank, go through every stage (virtual stages too) and come out of the last stage equal to one
+// process's forward of the whole stack, without autograd.
+TEST(Pipeline, ForwardOnlyEqualsOneProcessForInputsOfAnyShape) {
+  auto world = test::world();
+  const int ranks = world->size(), me = world->rank();
+  for (int v : {1, 2}) {
+    if (v > 1 && ranks == 1) continue;
+    SCOPED_TRACE("virtual stages " + std::to_string(v));
+    const int stages = ranks * v, layers = stages + 1;
+    Stack reference(layers, 61), staged(layers, 61);
+    std::vector<pp::StageFunction> chunks;
+    for (int c = 0; c < v; ++c) {
+      const std::pair<int, int> span = pp::stage_layers(layers, stages, c * ranks + me);
+      chunks.push_back([&staged, span](const at::Tensor& x) { return staged.run(x, span.first, span.second); });
+    }
+    pp::PipelineExecutor pipeline(
+        world, chunks, {.schedule = v > 1 ? Schedule::Interleaved1F1B : Schedule::OneFOneB, .micro_batches = ranks});
+    at::Generator g = at::make_generator<at::CPUGeneratorImpl>(62);
+    const std::vector<at::Tensor> inputs = {at::randn({1, kHidden}, g), at::randn({5, 3, kHidden}, g),
+                                            at::randn({7, kHidden}, g)};
+    const std::vector<at::Tensor> outputs = pipeline.forward_only(me == 0 ? inputs : std::vector<at::Tensor>{});
+    if (!pipeline.holds_last_stage()) {
+      EXPECT_TRUE(outputs.empty());
+      continue;
+    }
+    ASSERT_EQ(outputs.size(), inputs.size());
+    at::NoGradGuard no_grad;
+    for (size_t i = 0; i < inputs.size(); ++i) {
+      EXPECT_EQ(outputs[i].sizes(), inputs[i].sizes()) << "input " << i;
+      EXPECT_TRUE(at::allclose(outputs[i], reference.run(inputs[i], 0, layers), 1e-6, 1e-6)) << "input " << i;
+      EXPECT_FALSE(outputs[i].requires_grad()) << "input " << i;
+    }
+  }
+}
+
 // loom::GradScaler over a pipeline: the loss is scaled on the last stage only, found-inf is agreed
 // over the pipeline group, so a gradient overflow that only the last stage sees makes every stage
 // skip its step and back off the scale alike; a clean step then updates every stage.

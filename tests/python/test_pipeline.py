@@ -68,6 +68,27 @@ def test_executor_equals_one_process(loom, schedule, micro_batches, virtual):
     assert 0 <= pipeline.last_step.bubble <= 1
 
 
+@pytest.mark.parametrize("virtual", [1, 2])
+def test_forward_only_equals_the_whole_model_for_inputs_of_any_shape(loom, virtual):
+    comm = loom.world_comm()
+    ranks, rank = comm.size, comm.rank
+    layers = ranks * virtual + 1
+    model, reference = blocks(layers, 7), blocks(layers, 7)
+    mine = stages_of(model, ranks, virtual, rank)
+    pipeline = torchloom.PipelineExecutor(comm, [stage for _, stage, _ in mine],
+                                          schedule="interleaved" if virtual > 1 else "1f1b", micro_batches=ranks)
+    g = torch.Generator().manual_seed(8)
+    inputs = [torch.randn(1, HIDDEN, generator=g), torch.randn(4, 2, HIDDEN, generator=g)]
+    outputs = pipeline.forward_only(inputs if pipeline.holds_first_stage else [])
+    if not pipeline.holds_last_stage:
+        assert outputs == []
+        return
+    with torch.no_grad():
+        for x, out in zip(inputs, outputs, strict=True):
+            torch.testing.assert_close(out, nn.Sequential(*reference)(x), rtol=0, atol=1e-6)
+            assert not out.requires_grad
+
+
 @pytest.mark.parametrize("schedule,micro_batches,virtual", [c for c in CASES if c[1] != 1])
 def test_executor_equals_torch_pipelining_on_the_same_stages(loom, gloo, schedule, micro_batches, virtual):
     from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe,

@@ -28,6 +28,7 @@
 #include <map>
 #include <memory>
 #include <optional>
+#include <string>
 #include <vector>
 
 #include "loom/comm/communicator.h"
@@ -84,6 +85,13 @@ class PipelineExecutor {
   // holding the last stage. Returns that rank's losses, detached, by micro-batch; empty elsewhere.
   std::vector<at::Tensor> step(const std::vector<at::Tensor>& inputs, const LossFunction& loss);
 
+  // Forward only, for evaluation and generation: each input (read on the rank holding stage 0;
+  // others may pass {}) runs through every stage in order, without autograd and whatever its shape
+  // (each message carries its own). Returns the last stage's outputs on its rank; empty elsewhere.
+  //   model.eval();
+  //   auto logits = pipeline.forward_only({prompt});   // on the last stage: {logits}
+  std::vector<at::Tensor> forward_only(const std::vector<at::Tensor>& inputs);
+
   const PipelinePlan& plan() const { return plan_; }
   // This rank's last step (with LOOM_TIMELINE, each action is also a span in the "pipeline" lanes).
   const PipelineStepTimes& last_step() const { return last_step_; }
@@ -99,7 +107,9 @@ class PipelineExecutor {
     at::Tensor input, output, loss, input_grad;
   };
   void agree_on_shape(int virtual_stages) const;
+  using Boundaries = std::map<int, std::pair<std::vector<int64_t>, at::ScalarType>>;
   void agree_on_boundaries(const std::vector<at::Tensor>& inputs);
+  at::Tensor relay_forward(const at::Tensor& input, const std::string& what, Boundaries* sent);
   void forward(int micro_batch, int stage, const std::vector<at::Tensor>& inputs, const LossFunction& loss,
                std::vector<at::Tensor>& losses);
   void backward(int micro_batch, int stage);
@@ -113,7 +123,7 @@ class PipelineExecutor {
   PipelinePlan plan_;
   Proof proof_;
   int rank_ = 0;
-  std::map<int, std::pair<std::vector<int64_t>, at::ScalarType>> boundaries_;  // by sending stage
+  Boundaries boundaries_;                                                      // by sending stage
   std::map<int, InFlight> in_flight_;                                          // by key(m, stage)
   std::map<int, at::Tensor> arrived_activations_, arrived_gradients_;          // by key(m, receiving stage)
   std::map<int, int> backwards_done_;                                          // this step, by stage

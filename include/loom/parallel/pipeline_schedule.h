@@ -27,6 +27,9 @@ enum class Schedule {
   Interleaved1F1B,  // 1F1B over virtual stages (micro-batches a multiple of the ranks)
 };
 const char* schedule_name(Schedule schedule);
+// The schedule a command line or Python names: "gpipe", "1f1b" or "interleaved".
+// InvalidArgumentError naming the choices for anything else.
+Schedule parse_schedule(const std::string& name);
 
 struct PipelineShape {
   int ranks = 1;           // pipeline ranks
