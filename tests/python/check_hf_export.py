@@ -1,7 +1,7 @@
 """train_gpt -> checkpoint -> export --format hf-gpt2 -> transformers: the same loss.
 
 Trains examples/train_gpt briefly at TP 2 (2 ranks, so the exported weights are joined from
-slices) on its corpus, with a checkpoint at the end and --score on the corpus's held-out tail (the
+slices), and again at PP 2 (each stage's checkpoint holds only its own layers), on its corpus, with a checkpoint at the end and --score on the corpus's held-out tail (the
 last 10%, never trained on: the fp32 mean next-byte loss over contiguous windows, computed by
 train_gpt's own model); exports the checkpoint with
 `python -m torchloom.checkpoint export --format hf-gpt2`; loads the directory with transformers'
@@ -29,16 +29,25 @@ def main():
     args = parser.parse_args()
     shutil.rmtree(args.work, ignore_errors=True)
     os.makedirs(args.work)
-    ckpt, out = os.path.join(args.work, "ckpt"), os.path.join(args.work, "hf-gpt2")
     # The held-out tail as train_gpt splits it (--held-out 0.1 of the bytes, the last ones).
     with open(args.corpus, "rb") as f:
         corpus = f.read()
     held_out = os.path.join(args.work, "held_out.txt")
     with open(held_out, "wb") as f:
         f.write(corpus[len(corpus) - int(0.1 * len(corpus)):])
+    failed = 0
+    for layout in (["--tp", "2"], ["--tp", "1", "--pp", "2"]):
+        print(" ".join(layout) + ":")
+        failed += check_layout(args, layout, os.path.join(args.work, "".join(layout).replace("-", "")), held_out)
+    return 1 if failed else 0
+
+
+def check_layout(args, layout, work, held_out):
+    os.makedirs(work)
+    ckpt, out = os.path.join(work, "ckpt"), os.path.join(work, "hf-gpt2")
     seq, windows = 32, 8
     train = subprocess.run(
-        [args.mpirun, "--oversubscribe", "--bind-to", "none", "-np", "2", args.train_gpt, "--tp", "2", "--steps", "100",
+        [args.mpirun, "--oversubscribe", "--bind-to", "none", "-np", "2", args.train_gpt] + layout + ["--steps", "100",
          "--layers", "2", "--hidden", "64", "--heads", "4", "--seq", str(seq), "--batch", "8", "--eval-every", "0",
          "--data", args.corpus, "--held-out", "0.1", "--checkpoint-dir", ckpt, "--score", held_out,
          "--score-windows", str(windows), "--progress", "lines"],
@@ -57,7 +66,7 @@ def main():
 
     # An existing file as the model directory: refused with a message (exit 2), not a traceback,
     # and the file left as it was.
-    a_file = os.path.join(args.work, "not_a_directory")
+    a_file = os.path.join(work, "not_a_directory")
     with open(a_file, "w") as f:
         f.write("keep me")
     refused = subprocess.run([sys.executable, "-m", "torchloom.checkpoint", "export", "--format", "hf-gpt2", ckpt,
