@@ -1,12 +1,14 @@
 // Where does a pipeline step's time go, schedule by schedule? A stack of MLP blocks (hidden ->
-// 4 hidden -> hidden, residual) cut into stages over every rank of the job runs GPipe, 1F1B and
-// interleaved 1F1B (2 virtual stages) for M micro-batches; the schedules take turns step by step in
-// the same processes. Reported per schedule (medians over the steps; a sample is the slowest
+// 4 hidden -> hidden, residual; its linears are loom::pp::linear, whose weight gradients a
+// zero-bubble plan computes apart) cut into stages over every rank of the job runs GPipe, 1F1B,
+// interleaved 1F1B (2 virtual stages) and ZB-H1 for M micro-batches; the schedules take turns step
+// by step in the same processes. Reported per schedule (medians over the steps; a sample is the slowest
 // rank's): step time, the bubble each rank measured (1 - compute / step time, averaged over ranks)
 // beside the bubble the schedule promises (loom::pp::prove: a forward costs 1, a backward 2), and
 // the activation memory each rank held at its peak: the bytes each block saves for backward (its
 // input, fc1's output and gelu's output), counted from a micro-batch's forward on a stage to that
-// stage's backward of it.
+// stage's backward of it (for ZB-H1 not reported: what a deferred weight gradient keeps lives on
+// until its W action, which this count does not see).
 //
 //   mpirun -np 2 build/benchmarks/pipeline_bench --micro-batches 8 --json pipeline_np2.json
 #include <ATen/ATen.h>
@@ -44,7 +46,10 @@ struct Block : torch::nn::Module {
     fc1 = register_module("fc1", torch::nn::Linear(h, 4 * h));
     fc2 = register_module("fc2", torch::nn::Linear(4 * h, h));
   }
-  at::Tensor forward(const at::Tensor& x) { return x + fc2(at::gelu(fc1(x))); }
+  at::Tensor forward(const at::Tensor& x) {
+    const at::Tensor h = at::gelu(loom::pp::linear(x, fc1->weight, fc1->bias));
+    return x + loom::pp::linear(h, fc2->weight, fc2->bias);
+  }
   torch::nn::Linear fc1{nullptr}, fc2{nullptr};
 };
 
@@ -102,6 +107,38 @@ void build_executor(Run& run, const std::shared_ptr<loom::Communicator>& world,
                                 }});
 }
 
+// Prints each schedule's medians (rank 0) and returns them as the JSON document.
+nlohmann::json report(const std::vector<Run>& runs, const Config& c, int ranks, int me, int layers) {
+  nlohmann::json doc = {{"ranks", ranks},       {"micro_batches", c.micro_batches}, {"hidden", c.hidden},
+                        {"rows", c.rows},       {"layers", layers},                 {"steps", c.steps},
+                        {"schedules", nlohmann::json::array()}};
+  if (me == 0)
+    std::printf("pipeline over %d ranks, %d micro-batches of [%lld, %lld], %d MLP blocks\n", ranks, c.micro_batches,
+                static_cast<long long>(c.rows), static_cast<long long>(c.hidden), layers);
+  const double gpipe_peak = runs.empty() ? 0 : static_cast<double>(runs[0].result.peak_bytes);
+  for (auto& run : runs) {
+    const double promised = run.executor->proof().bubble;
+    const double seconds = loom::bench::median(run.result.seconds), bubble = loom::bench::median(run.result.bubble);
+    const bool metered = run.schedule != Schedule::ZeroBubbleH1;
+    if (me == 0) {
+      std::printf("  %-16s step %8.2f ms   bubble %.3f (promised %.3f, off by %+.3f)", loom::pp::schedule_name(run.schedule),
+                  seconds * 1e3, bubble, promised, bubble - promised);
+      if (metered)
+        std::printf("   activation peak %6.1f MiB (%.2f of GPipe's)\n", run.result.peak_bytes / 1048576.0,
+                    run.result.peak_bytes / gpipe_peak);
+      else
+        std::printf("   activation peak not counted\n");
+    }
+    doc["schedules"].push_back({{"schedule", loom::pp::schedule_name(run.schedule)},
+                                {"virtual_stages", run.virtual_stages},
+                                {"step_seconds_median", seconds},
+                                {"bubble_median", bubble},
+                                {"bubble_promised", promised},
+                                {"activation_peak_bytes", metered ? nlohmann::json(run.result.peak_bytes) : nlohmann::json()}});
+  }
+  return doc;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -130,7 +167,7 @@ int main(int argc, char** argv) {
   }
   std::vector<Run> runs;
   for (auto [schedule, v] : std::vector<std::pair<Schedule, int>>{
-           {Schedule::GPipe, 1}, {Schedule::OneFOneB, 1}, {Schedule::Interleaved1F1B, 2}}) {
+           {Schedule::GPipe, 1}, {Schedule::OneFOneB, 1}, {Schedule::Interleaved1F1B, 2}, {Schedule::ZeroBubbleH1, 1}}) {
     if (schedule == Schedule::Interleaved1F1B && c.micro_batches % ranks != 0) continue;
     runs.push_back({schedule, v, nullptr, {}, {}});
   }
@@ -156,28 +193,7 @@ int main(int argc, char** argv) {
       run.result.bubble.push_back(bubble);
       run.result.peak_bytes = std::max(run.result.peak_bytes, run.meter.peak);
     }
-  nlohmann::json doc = {{"ranks", ranks},       {"micro_batches", c.micro_batches}, {"hidden", c.hidden},
-                        {"rows", c.rows},       {"layers", layers},                 {"steps", c.steps},
-                        {"schedules", nlohmann::json::array()}};
-  if (me == 0)
-    std::printf("pipeline over %d ranks, %d micro-batches of [%lld, %lld], %d MLP blocks\n", ranks, c.micro_batches,
-                static_cast<long long>(c.rows), static_cast<long long>(c.hidden), layers);
-  const double gpipe_peak = runs.empty() ? 0 : static_cast<double>(runs[0].result.peak_bytes);
-  for (auto& run : runs) {
-    const double promised = run.executor->proof().bubble;
-    const double seconds = loom::bench::median(run.result.seconds), bubble = loom::bench::median(run.result.bubble);
-    if (me == 0)
-      std::printf("  %-16s step %8.2f ms   bubble %.3f (promised %.3f, off by %+.3f)   activation peak %6.1f MiB "
-                  "(%.2f of GPipe's)\n",
-                  loom::pp::schedule_name(run.schedule), seconds * 1e3, bubble, promised, bubble - promised,
-                  run.result.peak_bytes / 1048576.0, run.result.peak_bytes / gpipe_peak);
-    doc["schedules"].push_back({{"schedule", loom::pp::schedule_name(run.schedule)},
-                                {"virtual_stages", run.virtual_stages},
-                                {"step_seconds_median", seconds},
-                                {"bubble_median", bubble},
-                                {"bubble_promised", promised},
-                                {"activation_peak_bytes", run.result.peak_bytes}});
-  }
+  const nlohmann::json doc = report(runs, c, ranks, me, layers);
   if (me == 0 && !c.json.empty() && !loom::bench::write_json(c.json, doc, "pipeline_bench")) return 1;
   runs.clear();
   rt.reset();

@@ -7,10 +7,11 @@
 //
 //   build/loomrun -np 4 --tp 2 --pp 2 -- build/examples/train_gpt --schedule 1f1b --micro-batches 8
 //
-// Pipeline parallelism (--pp, --schedule gpipe|1f1b|interleaved, --virtual-stages): the blocks are
-// cut into stages (the embedding on the first, the head and loss on the last) that a
-// loom::pp::PipelineExecutor runs over the pipeline group; evaluation and the sample run forward
-// only through the stages (docs/pipeline-parallel.md).
+// Pipeline parallelism (--pp, --schedule gpipe|1f1b|interleaved|zero-bubble, --virtual-stages):
+// the blocks are cut into stages (the embedding on the first, the head and loss on the last) that
+// a loom::pp::PipelineExecutor runs over the pipeline group; evaluation and the sample run forward
+// only through the stages (docs/pipeline-parallel.md). The tensor-parallel layers compute their
+// weight gradients with the input gradient, so zero-bubble runs its order without deferring them.
 //
 // Model: token embedding split over the vocabulary (VocabParallelEmbedding), learned positions, N
 // ParallelTransformerBlocks (heads and MLP split over the TP group; optionally sequence-parallel
@@ -79,7 +80,7 @@ double seconds_since(Clock::time_point t) { return std::chrono::duration<double>
 struct Options {
   int tp = 0;  // 0: 2 when the world size is even, else 1
   int pp = 0;  // pipeline stages; 0: LOOM_PP when set, else 1
-  std::string schedule = "1f1b";  // gpipe, 1f1b or interleaved
+  std::string schedule = "1f1b";  // gpipe, 1f1b, interleaved or zero-bubble
   int virtual_stages = 0;         // model chunks per pipeline rank; 0: 2 with interleaved, else 1
   int64_t steps = 300;
   int64_t batch = 16;  // global sequences per step, split over DP replicas
@@ -1101,8 +1102,8 @@ void add_run_options(CLI::App& app, Options& o) {
                  "micro-batches per step (gradient accumulation; with --pp, the pipeline's micro-batches)")
       ->check(CLI::PositiveNumber);
   app.add_option("--pp", o.pp, "pipeline stages (default: LOOM_PP when set, else 1)")->check(CLI::NonNegativeNumber);
-  app.add_option("--schedule", o.schedule, "pipeline schedule with --pp: gpipe, 1f1b or interleaved")
-      ->check(CLI::IsMember({"gpipe", "1f1b", "interleaved"}));
+  app.add_option("--schedule", o.schedule, "pipeline schedule with --pp: gpipe, 1f1b, interleaved or zero-bubble")
+      ->check(CLI::IsMember({"gpipe", "1f1b", "interleaved", "zero-bubble"}));
   app.add_option("--virtual-stages", o.virtual_stages,
                  "model chunks per pipeline rank (interleaved: 2 or more; default 2 with it, else 1)")
       ->check(CLI::NonNegativeNumber);

@@ -44,6 +44,14 @@ void bind_pipeline(py::module_& m) {
       .def_property_readonly("holds_first_stage", &PipelineExecutor::holds_first_stage)
       .def_property_readonly("holds_last_stage", &PipelineExecutor::holds_last_stage)
       .def_property_readonly("rank", &PipelineExecutor::rank);
+  m.def(
+      "pipeline_linear",
+      [](const at::Tensor& input, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
+        return loom::pp::linear(input, weight, bias.value_or(at::Tensor()));
+      },
+      py::arg("input"), py::arg("weight"), py::arg("bias") = py::none(),
+      "torch.nn.functional.linear whose weight gradient a 'zero-bubble' PipelineExecutor computes apart from the "
+      "input gradient (its W step); elsewhere the same gradients at once.");
   m.def("stage_layers", &loom::pp::stage_layers, py::arg("layers"), py::arg("stages"), py::arg("stage"),
         "(first, end): the layers of `stage` when `layers` blocks are cut into `stages` consecutive runs.");
 }

@@ -25,7 +25,7 @@ import torch as _torch  # loads LibTorch and torch's Python bindings before the 
 from . import _C
 from ._C import (CheckpointError, CommError, Communicator, ConfigError, Error, InvalidArgumentError,
                  MismatchError, ParallelGroups, ParallelLayout, ParallelState, PipelineExecutor, PipelineStepTimes,
-                 ReduceOp, Runtime, TimeoutError, UnsupportedError, Work, World, stage_layers,
+                 ReduceOp, Runtime, TimeoutError, UnsupportedError, Work, World, pipeline_linear, stage_layers,
                  make_parallel_groups, planned_dp_rings)
 
 __version__: str = _C.__version__
@@ -119,7 +119,7 @@ from . import distributed  # noqa: E402  (registers torch.distributed's backend 
 __all__ = [
     "init", "is_initialized", "runtime", "world", "world_comm", "device_comm", "finalize", "placement_plan",
     "explain_placement", "planned_dp_rings", "Error", "InvalidArgumentError", "UnsupportedError", "ConfigError", "CommError", "TimeoutError",
-    "MismatchError", "CheckpointError", "Communicator", "Work", "World", "Runtime", "ReduceOp", "ParallelGroups", "ParallelLayout", "PipelineExecutor", "PipelineStepTimes", "stage_layers",
+    "MismatchError", "CheckpointError", "Communicator", "Work", "World", "Runtime", "ReduceOp", "ParallelGroups", "ParallelLayout", "PipelineExecutor", "PipelineStepTimes", "pipeline_linear", "stage_layers",
     "ParallelState", "make_parallel_groups", "DistributedDataParallel", "GradScaler", "comm_hooks",
     "tensor_parallel", "checkpoint", "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding",
     "vocab_parallel_cross_entropy", "Checkpointer", "TrainingProgress",

@@ -7,11 +7,13 @@
 #include <torch/csrc/autograd/autograd.h>
 
 #include <algorithm>
+#include <optional>
 #include <tuple>
 
 #include "loom/comm/agreement.h"
 #include "loom/error.h"
 #include "loom/trace.h"
+#include "parallel/deferred_weight_gradients.h"
 
 namespace loom::pp {
 
@@ -184,6 +186,7 @@ std::vector<at::Tensor> PipelineExecutor::step(const std::vector<at::Tensor>& in
   std::vector<at::Tensor> losses(holds_last_stage() ? micro_batches : 0);
   in_flight_.clear();
   backwards_done_.clear();
+  deferred_.clear();
   arrived_activations_.clear();
   arrived_gradients_.clear();
   last_step_ = {};
@@ -196,6 +199,9 @@ std::vector<at::Tensor> PipelineExecutor::step(const std::vector<at::Tensor>& in
         break;
       case Action::Kind::Backward:
         backward(action.micro_batch, action.stage);
+        break;
+      case Action::Kind::Weight:
+        weight(action.micro_batch, action.stage);
         break;
       case Action::Kind::Communicate:
         communicate(action);
@@ -250,6 +256,9 @@ void PipelineExecutor::backward(int micro_batch, int stage) {
   const bool last = ++backwards_done_[stage] == plan_.shape.micro_batches;
   try {
     if (options_.before_backward) options_.before_backward(stage, micro_batch, last);
+    // A zero-bubble plan: loom::pp::linear layers leave their weight gradients to the W action.
+    std::optional<detail::DeferWeightGradients> defer;
+    if (plan_.schedule == Schedule::ZeroBubbleH1) defer.emplace(deferred_[key(micro_batch, stage)]);
     if (f.loss.defined()) {
       torch::autograd::backward({f.loss});
     } else if (plan_.shape.rank_of_stage(stage + 1) == rank_) {
@@ -269,6 +278,19 @@ void PipelineExecutor::backward(int micro_batch, int stage) {
     f.input_grad = f.input.grad().defined() ? f.input.grad() : at::zeros_like(f.input);
   }
   f.input = f.output = f.loss = at::Tensor();
+}
+
+// The weight gradients micro-batch `micro_batch`'s input-gradient pass on `stage` deferred.
+void PipelineExecutor::weight(int micro_batch, int stage) {
+  auto found = deferred_.find(key(micro_batch, stage));
+  if (found == deferred_.end()) return;  // (proven: the backward ran; it deferred nothing)
+  try {
+    for (auto& gradient : found->second) gradient();
+  } catch (const std::exception& e) {
+    throw Error(where(rank_) + ": stage " + std::to_string(stage) + " failed computing the weight gradients of " +
+                "micro-batch " + std::to_string(micro_batch) + ": " + e.what());
+  }
+  deferred_.erase(found);
 }
 
 void PipelineExecutor::communicate(const Action& action) {

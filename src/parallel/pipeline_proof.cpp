@@ -12,7 +12,8 @@ namespace loom::pp {
 namespace {
 
 constexpr double kForwardCost = 1.0;
-constexpr double kBackwardCost = 2.0;
+constexpr double kBackwardCost = 2.0;  // the whole backward; split, an input and a weight gradient of 1 each
+constexpr double kSplitCost = 1.0;
 
 // One rank during the replay.
 struct RankState {
@@ -45,6 +46,8 @@ class Replay {
         ranks_(static_cast<size_t>(shape_.ranks)),
         forward_(cells(), 0),
         backward_(cells(), 0),
+        weight_(cells(), 0),
+        split_(plan.schedule == Schedule::ZeroBubbleH1),
         arrived_(2 * cells(), false) {
     if (plan.actions.size() != static_cast<size_t>(shape_.ranks))
       fail("the plan lists " + std::to_string(plan.actions.size()) + " ranks; its shape has " +
@@ -64,10 +67,11 @@ class Replay {
     }
     for (int m = 0; m < shape_.micro_batches; ++m)
       for (int s = 0; s < stages_; ++s)
-        if (forward_[cell(m, s)] != 1 || backward_[cell(m, s)] != 1)
+        if (forward_[cell(m, s)] != 1 || backward_[cell(m, s)] != 1 || weight_[cell(m, s)] != (split_ ? 1 : 0))
           fail("micro-batch " + std::to_string(m) + " on stage " + std::to_string(s) + " runs its forward " +
-               std::to_string(forward_[cell(m, s)]) + " and its backward " + std::to_string(backward_[cell(m, s)]) +
-               " time(s); expected once each");
+               std::to_string(forward_[cell(m, s)]) + ", its backward " + std::to_string(backward_[cell(m, s)]) +
+               " and its weight gradient " + std::to_string(weight_[cell(m, s)]) + " time(s); expected once each" +
+               (split_ ? "" : ", and no weight gradient apart from the backward"));
     for (const auto& r : ranks_) proof_.makespan = std::max(proof_.makespan, r.clock);
     double idle = 0;
     for (double busy : proof_.busy) idle += proof_.makespan > 0 ? 1.0 - busy / proof_.makespan : 0.0;
@@ -123,7 +127,11 @@ class Replay {
     if (shape_.rank_of_stage(s) != r) fail_at(r, "stage " + std::to_string(s) + " lives on rank " +
                                                      std::to_string(shape_.rank_of_stage(s)));
     const bool forward = a.kind == Action::Kind::Forward;
-    if (forward) {
+    if (a.kind == Action::Kind::Weight) {
+      if (!split_) fail_at(r, "a weight gradient apart from its backward, in a plan whose backward is whole");
+      if (backward_[cell(m, s)] == 0) fail_at(r, "the input gradient of this micro-batch on this stage has not run");
+      ++weight_[cell(m, s)];
+    } else if (forward) {
       const bool input = s == 0 || (shape_.rank_of_stage(s - 1) == r ? forward_[cell(m, s - 1)] > 0
                                                                        : arrived({Carries::Activation, m, s - 1, s}));
       if (!input) fail_at(r, "its input activation has not arrived");
@@ -136,7 +144,7 @@ class Replay {
       if (!gradient) fail_at(r, "its output gradient has not arrived");
       ++backward_[cell(m, s)];
     }
-    const double cost = forward ? kForwardCost : kBackwardCost;
+    const double cost = forward ? kForwardCost : split_ ? kSplitCost : kBackwardCost;
     st.clock += cost;
     proof_.busy[static_cast<size_t>(r)] += cost;
   }
@@ -223,7 +231,8 @@ class Replay {
   const PipelineShape shape_;
   const int stages_;
   std::vector<RankState> ranks_;
-  std::vector<int> forward_, backward_;  // runs per (micro-batch, stage)
+  std::vector<int> forward_, backward_, weight_;  // runs per (micro-batch, stage)
+  bool split_ = false;                            // backward split into input and weight gradients
   std::vector<bool> arrived_;
   Proof proof_;
 };

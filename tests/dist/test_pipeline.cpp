@@ -34,10 +34,12 @@ struct Stack {
   }
   at::Tensor run(const at::Tensor& x, int first, int end) {
     at::Tensor h = x;
-    for (int i = first; i < end; ++i) h = at::tanh(blocks[i]->forward(h)) + h;
+    for (int i = first; i < end; ++i)
+      h = at::tanh(deferrable ? pp::linear(h, blocks[i]->weight, blocks[i]->bias) : blocks[i]->forward(h)) + h;
     return h;
   }
   std::vector<torch::nn::Linear> blocks;
+  bool deferrable = false;  // loom::pp::linear: a zero-bubble plan computes the weight gradients apart
 };
 
 struct Data {
@@ -59,11 +61,13 @@ struct Case {
   int micro_batches;
   int virtual_stages;
   int layers;
+  bool deferrable = true;  // the stages' layers are loom::pp::linear (matters to zero-bubble plans)
 };
 
 std::string describe(const Case& c) {
   return std::string(pp::schedule_name(c.schedule)) + " M=" + std::to_string(c.micro_batches) +
-         " V=" + std::to_string(c.virtual_stages) + " L=" + std::to_string(c.layers);
+         " V=" + std::to_string(c.virtual_stages) + " L=" + std::to_string(c.layers) +
+         (c.deferrable ? " pp::linear" : " nn::Linear");
 }
 
 // Runs one step of `c` over the world as one pipeline and checks the losses (last stage) and the
@@ -74,6 +78,7 @@ void expect_equal_to_one_process(const Case& c, uint64_t seed) {
   const int ranks = world->size(), me = world->rank();
   const int stages = ranks * c.virtual_stages;
   Stack reference(c.layers, seed), staged(c.layers, seed);
+  staged.deferrable = c.deferrable;
   const Data data = make_data(c.micro_batches, 3, seed + 1);
   auto loss_of = [&](const at::Tensor& out, int m) {
     return at::mse_loss(out, data.targets[m]) / static_cast<double>(c.micro_batches);
@@ -126,6 +131,9 @@ TEST(Pipeline, EverySchedulesStepEqualsOneProcessOverTheSameMicroBatches) {
       {Schedule::OneFOneB, 1, 1, ranks},
       {Schedule::Interleaved1F1B, 2 * ranks, 2, 2 * ranks},
       {Schedule::Interleaved1F1B, ranks, 3, 3 * ranks + 2},
+      {Schedule::ZeroBubbleH1, 8, 1, 2 * ranks},
+      {Schedule::ZeroBubbleH1, 3, 1, ranks + 1, /*deferrable=*/false},
+      {Schedule::ZeroBubbleH1, 1, 1, ranks},
   };
   if (ranks > 1) cases.push_back({Schedule::OneFOneB, ranks - 1, 1, ranks});
   uint64_t seed = 11;
@@ -136,11 +144,15 @@ TEST(Pipeline, EverySchedulesStepEqualsOneProcessOverTheSameMicroBatches) {
 TEST(Pipeline, RandomPlansAreProvenAndRunEqualToOneProcess) {
   const int ranks = test::world()->size();
   std::mt19937 rng(2026);
-  const int plans = 60;
+  const int plans = 100;
   for (int k = 0; k < plans; ++k) {
     Case c{};
-    const int kind = static_cast<int>(rng() % 3);
-    c.schedule = kind == 0 ? Schedule::GPipe : kind == 1 ? Schedule::OneFOneB : Schedule::Interleaved1F1B;
+    const int kind = static_cast<int>(rng() % 4);
+    c.schedule = kind == 0   ? Schedule::GPipe
+                 : kind == 1 ? Schedule::OneFOneB
+                 : kind == 2 ? Schedule::Interleaved1F1B
+                             : Schedule::ZeroBubbleH1;
+    c.deferrable = rng() % 4 != 0;
     c.virtual_stages = c.schedule == Schedule::Interleaved1F1B ? 2 + static_cast<int>(rng() % 2) : 1;
     c.micro_batches = c.schedule == Schedule::Interleaved1F1B ? ranks * (1 + static_cast<int>(rng() % 3))
                                                               : 1 + static_cast<int>(rng() % (2 * ranks + 2));

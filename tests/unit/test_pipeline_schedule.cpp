@@ -3,11 +3,17 @@
 // refuses by name the plans that would hang or compute wrongly.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <random>
 #include <string>
 
+#include <ATen/ATen.h>
+#include <torch/csrc/autograd/autograd.h>
+
 #include "loom/error.h"
+#include "loom/parallel/pipeline.h"
 #include "loom/parallel/pipeline_schedule.h"
+#include "parallel/deferred_weight_gradients.h"
 
 namespace {
 
@@ -35,7 +41,7 @@ int64_t boundary_messages(const loom::pp::PipelineShape& s) {
 }
 
 TEST(PipelineSchedule, EveryPlanOfAGridOfShapesIsProven) {
-  for (Schedule schedule : {Schedule::GPipe, Schedule::OneFOneB})
+  for (Schedule schedule : {Schedule::GPipe, Schedule::OneFOneB, Schedule::ZeroBubbleH1})
     for (int p = 1; p <= 8; ++p)
       for (int m = 1; m <= 12; ++m) {  // fewer micro-batches than stages included
         const auto plan = make_schedule(schedule, {.ranks = p, .micro_batches = m});
@@ -127,15 +133,72 @@ TEST(PipelineSchedule, WrongPlansAreRefusedBeforeTheyRun) {
   {  // a forward run twice
     PipelinePlan plan = good;
     plan.actions[0].insert(plan.actions[0].begin(), plan.actions[0].front());
-    expect_refused(plan, {"micro-batch 0 on stage 0 runs its forward 2 and its backward 1 time(s)"});
+    expect_refused(plan, {"micro-batch 0 on stage 0 runs its forward 2, its backward 1"});
   }
+  {  // a weight gradient apart from the backward in a plan whose backward is whole
+    PipelinePlan plan = good;
+    plan.actions[1].push_back({Action::Kind::Weight, 0, 1, {}, {}});
+    expect_refused(plan, {"W0@s1", "a weight gradient apart from its backward, in a plan whose backward is whole"});
+  }
+  const PipelinePlan zero_bubble = make_schedule(Schedule::ZeroBubbleH1, {.ranks = 2, .micro_batches = 2});
+  auto weight_of = [](std::vector<Action>& actions, int micro_batch) {
+    return std::find_if(actions.begin(), actions.end(), [&](const Action& a) {
+      return a.kind == Action::Kind::Weight && a.micro_batch == micro_batch;
+    });
+  };
+  {  // a weight gradient dropped
+    PipelinePlan plan = zero_bubble;
+    plan.actions[0].erase(weight_of(plan.actions[0], 1));
+    expect_refused(plan, {"ZB-H1", "micro-batch 1 on stage 0", "its weight gradient 0 time(s); expected once each"});
+  }
+  {  // a weight gradient before its input gradient
+    PipelinePlan plan = zero_bubble;
+    auto& actions = plan.actions[1];
+    const Action w = *weight_of(actions, 0);
+    actions.erase(weight_of(actions, 0));
+    actions.insert(actions.begin(), w);
+    expect_refused(plan, {"rank 1, action 0 (W0@s1): the input gradient of this micro-batch on this stage has not run"});
+  }
+}
+
+// ZB-H1: the input gradient goes first, the weight gradient fills what 1F1B leaves idle. At p = 2
+// the plan reaches the paper's (p - 1) / (3m + p - 1) (0.04 at m = 8); at no shape does it idle
+// more than 1F1B (and less at the shapes below); no rank holds more micro-batches than one more than 1F1B's first rank (p + 1),
+// nor waits for more input gradients than 1F1B's rank r (p - r).
+TEST(PipelineSchedule, ZeroBubbleFillsTheBubbleWithinOneFOneBsMemory) {
+  EXPECT_NEAR(prove(make_schedule(Schedule::ZeroBubbleH1, {.ranks = 2, .micro_batches = 8})).bubble, 1.0 / 25, 1e-12);
+  for (auto [p, m, bubble] : {std::tuple{3, 13, 0.093}, {4, 8, 0.111}, {4, 16, 0.127}, {8, 16, 0.172}})
+    EXPECT_NEAR(prove(make_schedule(Schedule::ZeroBubbleH1, {.ranks = p, .micro_batches = m})).bubble, bubble, 5e-4)
+        << "p" << p << " m" << m << " (1F1B: " << double(p - 1) / (m + p - 1) << ")";
+  for (int p = 1; p <= 8; ++p)
+    for (int m = 1; m <= 16; ++m) {
+      SCOPED_TRACE("p" + std::to_string(p) + " m" + std::to_string(m));
+      const auto plan = make_schedule(Schedule::ZeroBubbleH1, {.ranks = p, .micro_batches = m});
+      const auto proof = prove(plan);
+      EXPECT_EQ(proof.messages, boundary_messages(plan.shape));
+      const double one_f_one_b = double(p - 1) / (m + p - 1);
+      EXPECT_LE(proof.bubble, one_f_one_b + 1e-12);
+      if (p == 2 && m > 1) EXPECT_NEAR(proof.bubble, 1.0 / (3 * m + 1), 1e-12);
+      for (int r = 0; r < p; ++r) {
+        int holding = 0, awaiting = 0, most_holding = 0, most_awaiting = 0;
+        for (const Action& a : plan.actions[r]) {
+          if (a.kind == Action::Kind::Forward) ++holding, ++awaiting;
+          if (a.kind == Action::Kind::Backward) --awaiting;
+          if (a.kind == Action::Kind::Weight) --holding;
+          most_holding = std::max(most_holding, holding);
+          most_awaiting = std::max(most_awaiting, awaiting);
+        }
+        EXPECT_LE(most_holding, p + 1) << "rank " << r;
+        EXPECT_LE(most_awaiting, p - r) << "rank " << r;
+      }
+    }
 }
 
 TEST(PipelineSchedule, RandomShapesAreAllProven) {
   std::mt19937 random(20261206);
   for (int i = 0; i < 300; ++i) {
     const int p = 1 + static_cast<int>(random() % 8);
-    const auto schedule = static_cast<Schedule>(random() % 3);
+    const auto schedule = static_cast<Schedule>(random() % 4);
     const int v = schedule == Schedule::Interleaved1F1B ? 2 + static_cast<int>(random() % 3) : 1;
     const int m = schedule == Schedule::Interleaved1F1B ? p * (1 + static_cast<int>(random() % 4))
                                                         : 1 + static_cast<int>(random() % 16);
@@ -145,6 +208,48 @@ TEST(PipelineSchedule, RandomShapesAreAllProven) {
     EXPECT_GE(proof.bubble, 0.0);
     EXPECT_LT(proof.bubble, 1.0);
   }
+}
+
+// loom::pp::linear: the gradients of at::linear, all at once outside a zero-bubble backward; inside
+// one (the executor's input-gradient pass) the input gradient at once and the weight and bias
+// gradients only when the deferred work runs, added to what .grad() held.
+TEST(PipelineLinear, GradientsEqualAtLinearAndDeferredOnesArriveWhenTheWeightStepRuns) {
+  at::manual_seed(5);
+  const at::Tensor x0 = at::randn({4, 3, 5}), w0 = at::randn({6, 5}), b0 = at::randn({6}), g = at::randn({4, 3, 6});
+  auto leaves = [&] {
+    return std::tuple{x0.clone().requires_grad_(true), w0.clone().requires_grad_(true), b0.clone().requires_grad_(true)};
+  };
+  auto [x_ref, w_ref, b_ref] = leaves();
+  at::linear(x_ref, w_ref, b_ref).backward(g);
+  auto [x, w, b] = leaves();
+  loom::pp::linear(x, w, b).backward(g);
+  EXPECT_TRUE(at::allclose(x.grad(), x_ref.grad(), 1e-6, 1e-6));
+  EXPECT_TRUE(at::allclose(w.grad(), w_ref.grad(), 1e-6, 1e-6));
+  EXPECT_TRUE(at::allclose(b.grad(), b_ref.grad(), 1e-6, 1e-6));
+
+  // Deferred: a second backward inside the scope leaves w and b as they were until the work runs.
+  std::vector<loom::pp::detail::DeferredGradient> deferred;
+  const at::Tensor w_before = w.grad().clone(), b_before = b.grad().clone(), x_before = x.grad().clone();
+  {
+    loom::pp::detail::DeferWeightGradients scope(deferred);
+    torch::autograd::backward({loom::pp::linear(x, w, b)}, {g});
+  }
+  EXPECT_TRUE(at::equal(x.grad(), x_before * 2) || at::allclose(x.grad(), x_before * 2, 1e-6, 1e-6));
+  EXPECT_TRUE(at::equal(w.grad(), w_before));
+  EXPECT_TRUE(at::equal(b.grad(), b_before));
+  ASSERT_EQ(deferred.size(), 1u);
+  deferred[0]();
+  EXPECT_TRUE(at::allclose(w.grad(), w_ref.grad() * 2, 1e-6, 1e-6));
+  EXPECT_TRUE(at::allclose(b.grad(), b_ref.grad() * 2, 1e-6, 1e-6));
+  // A weight that is computed (not a leaf) gets its gradient through autograd at once.
+  auto [x2, w2, b2] = leaves();
+  std::vector<loom::pp::detail::DeferredGradient> none;
+  {
+    loom::pp::detail::DeferWeightGradients scope(none);
+    loom::pp::linear(x2, w2 * 1.0, b2).backward(g);
+  }
+  EXPECT_TRUE(none.empty());
+  EXPECT_TRUE(at::allclose(w2.grad(), w_ref.grad(), 1e-6, 1e-6));
 }
 
 }  // namespace

@@ -55,6 +55,16 @@ struct PipelineOptions {
   std::function<void(int stage, int micro_batch, bool last)> before_backward;
 };
 
+// y = input W^T + b (at::linear) whose weight gradient a zero-bubble schedule (Schedule::ZeroBubbleH1)
+// computes apart from the input gradient: the executor's backward of a micro-batch computes dX,
+// which the previous stage waits for, and the plan's later W action computes dW and db into
+// .grad(). Elsewhere (any other schedule, no pipeline) it is at::linear with the same gradients.
+// Build stages from it to get the bubble ZB-H1 promises; any other layer computes its weight
+// gradient with the input gradient (the same result, with less of the bubble filled). A deferred
+// gradient is added to .grad() outside autograd: parameter hooks (a GradientReducer's) do not see it.
+//   h = loom::pp::linear(x, fc->weight, fc->bias);
+at::Tensor linear(const at::Tensor& input, const at::Tensor& weight, const at::Tensor& bias = {});
+
 // The layers of stage `stage` when `layers` blocks are cut into `stages` consecutive runs, as even
 // as possible (the first `layers % stages` stages take one more): {first, end}.
 //   stage_layers(10, 4, 1)   // {3, 6}
@@ -113,6 +123,7 @@ class PipelineExecutor {
   void forward(int micro_batch, int stage, const std::vector<at::Tensor>& inputs, const LossFunction& loss,
                std::vector<at::Tensor>& losses);
   void backward(int micro_batch, int stage);
+  void weight(int micro_batch, int stage);
   void communicate(const Action& action);
   const StageFunction& chunk_of(int stage) const;
   int key(int micro_batch, int stage) const { return micro_batch * plan_.shape.stages() + stage; }
@@ -127,6 +138,7 @@ class PipelineExecutor {
   std::map<int, InFlight> in_flight_;                                          // by key(m, stage)
   std::map<int, at::Tensor> arrived_activations_, arrived_gradients_;          // by key(m, receiving stage)
   std::map<int, int> backwards_done_;                                          // this step, by stage
+  std::map<int, std::vector<std::function<void()>>> deferred_;                 // weight gradients, by key(m, stage)
   PipelineStepTimes last_step_;
 };
 

@@ -1,11 +1,13 @@
 // Pipeline schedules as data: for each pipeline rank, the ordered list of what it does (the
-// forward or backward of micro-batch m on a stage; groups of sends and receives started together),
-// generated for GPipe, 1F1B and interleaved 1F1B, and proven before anything runs. The prover
+// forward or backward of micro-batch m on a stage, and with a zero-bubble schedule the weight
+// gradient apart from it; groups of sends and receives started together), generated for GPipe,
+// 1F1B, interleaved 1F1B and zero-bubble (ZB-H1), and proven before anything runs. The prover
 // replays every rank's list with rendezvous messages (a send completes only when its receive is
 // posted, the strictest transport), checks that each computation has its input when it runs and
 // that every stage computes every micro-batch once, and refuses a plan that would deadlock, naming
 // the rank and the action each stuck rank waits at. It also times the plan (a forward one unit, a
-// backward two), which gives the bubble the schedule promises.
+// backward two: one for the input gradient and one for the weight gradient when a zero-bubble
+// schedule splits them), which gives the bubble the schedule promises.
 //
 //   auto plan = loom::pp::make_schedule(loom::pp::Schedule::OneFOneB, {.ranks = 4, .micro_batches = 8});
 //   loom::pp::Proof proof = loom::pp::prove(plan);   // InvalidArgumentError when it would not finish
@@ -25,9 +27,17 @@ enum class Schedule {
   GPipe,            // every forward, then every backward
   OneFOneB,         // 1F1B: a warm-up of forwards, then one forward and one backward alternately
   Interleaved1F1B,  // 1F1B over virtual stages (micro-batches a multiple of the ranks)
+  // Zero-bubble ZB-H1 (Qi et al., 2023): backward split into the input gradient (B), which the
+  // previous stage waits for, and the weight gradient (W), which waits for nobody and fills what
+  // would be the bubble. Each rank holds at most p + 1 micro-batches' activations until their W
+  // (1F1B's first rank holds p). The plan's bubble: (p - 1) / (3m + p - 1) at p = 2 (0.04 at m = 8,
+  // against 1F1B's 0.111); never above 1F1B's (0.111 against 0.273 at p = 4, m = 8; 0.127 against
+  // 0.158 at p = 4, m = 16), short of the paper's formula beyond p = 2 (a list schedule here, where
+  // the paper places each pass by hand).
+  ZeroBubbleH1,
 };
 const char* schedule_name(Schedule schedule);
-// The schedule a command line or Python names: "gpipe", "1f1b" or "interleaved".
+// The schedule a command line or Python names: "gpipe", "1f1b", "interleaved" or "zero-bubble".
 // InvalidArgumentError naming the choices for anything else.
 Schedule parse_schedule(const std::string& name);
 
@@ -51,14 +61,16 @@ struct Message {
 };
 
 struct Action {
-  enum class Kind { Forward, Backward, Communicate };
+  // Backward: the whole backward, or in a zero-bubble plan the input gradient only; Weight: the
+  // weight gradient of a backward that ran (zero-bubble plans).
+  enum class Kind { Forward, Backward, Weight, Communicate };
   Kind kind = Kind::Forward;
-  int micro_batch = 0;  // Forward and Backward
-  int stage = 0;        // Forward and Backward: the global stage
+  int micro_batch = 0;  // Forward, Backward and Weight
+  int stage = 0;        // Forward, Backward and Weight: the global stage
   // Communicate: started together and complete together (one group: no order among them can
   // deadlock against the peers' groups).
   std::vector<Message> sends, receives;
-  // "F3@s1", "B3@s1", "send A3 s1>s2, recv G2 s2>s1".
+  // "F3@s1", "B3@s1", "W3@s1", "send A3 s1>s2, recv G2 s2>s1".
   std::string describe() const;
 };
 
