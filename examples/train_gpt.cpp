@@ -60,6 +60,7 @@
 #include <string>
 
 #include "loom/loom.h"
+#include "loom/parallel/grad_clip.h"
 #include "loom/parallel/recompute.h"
 #include "loom/parallel/tensor_parallel.h"
 #include "loom/parallel/zero.h"
@@ -90,6 +91,7 @@ struct Options {
   int64_t layers = 3;
   double dropout = 0.1;
   double lr = 2e-3;
+  double clip_grad_norm = 0;  // clip the gradients' global norm to this (0: no clipping)
   double warmup = 0.05;  // share of the steps with a linearly rising learning rate
   int64_t log_every = 20;
   int64_t eval_every = 100;
@@ -414,6 +416,7 @@ class GptRun {
   std::vector<std::vector<torch::Tensor>> chunk_parameters() const;
   std::vector<torch::Tensor> bucket_buffers() const;
   double accumulated_step(const torch::Tensor& batch);
+  void clip_gradients();
   double pipeline_step(const torch::Tensor& batch);
   torch::Tensor output_of(const torch::Tensor& input);
   void autocast(std::optional<loom::AutocastGuard>& guard) const;
@@ -564,6 +567,9 @@ void GptRun::build_pipeline() {
   if (o_.pp == 1) return;
   const loom::pp::Schedule schedule = loom::pp::parse_schedule(o_.schedule);
   if (o_.virtual_stages == 0) o_.virtual_stages = schedule == loom::pp::Schedule::Interleaved1F1B ? 2 : 1;
+  if (o_.clip_grad_norm > 0 && o_.zero > 0)
+    throw loom::InvalidArgumentError("train_gpt: --clip-grad-norm with --zero and --pp " + std::to_string(o_.pp) +
+                                     ": ZeRO's clip_grad_norm sums over its DP group, not over the stages");
   // A reducer finalizes after each synchronized backward: with several chunks on a rank each
   // needs its own (plain data parallelism builds one per chunk; ZeRO's optimizer holds one).
   if (o_.virtual_stages > 1 && o_.zero > 0)
@@ -611,8 +617,9 @@ void GptRun::print_setup() const {
   if (!log_) return;
   int64_t parameters = 0;
   for (const auto& p : model_->parameters()) parameters += p.numel();
-  std::printf("train_gpt: %d ranks = TP %d x PP %d x DP %d on %s; %s, %lld parameters on this rank\n", world_->size(),
-              ps_->tp_degree(), ps_->pp_degree(), ps_->dp_degree(), device_.str().c_str(), o_.precision.c_str(),
+  const std::string pipeline = pipeline_ ? " x PP " + std::to_string(ps_->pp_degree()) : "";
+  std::printf("train_gpt: %d ranks = TP %d%s x DP %d on %s; %s, %lld parameters on this rank\n", world_->size(),
+              ps_->tp_degree(), pipeline.c_str(), ps_->dp_degree(), device_.str().c_str(), o_.precision.c_str(),
               (long long)parameters);
   if (!precision_why_.empty())
     std::printf("  precision %s%s\n", precision_why_.rfind("bf16 as asked", 0) == 0 ? "WARNING: " : "",
@@ -819,6 +826,7 @@ double GptRun::train_step(int64_t step) {
     static_cast<torch::optim::AdamWOptions&>(group.options()).lr(o_.lr * std::min(1.0, step / warm));
   for (auto* reducer : reducers_) reducer->zero_grad();
   const double step_loss = pipeline_ ? pipeline_step(batch) : accumulated_step(batch);
+  if (o_.clip_grad_norm > 0) clip_gradients();
   if (scaler_) {
     zero_ ? scaler_->step(*zero_) : scaler_->step(*opt_);
     scaler_->update();
@@ -831,6 +839,18 @@ double GptRun::train_step(int64_t step) {
   ++window_steps_;
   time_.step += seconds_since(step_start);
   return step_loss;
+}
+
+// Clipping by the global norm over every stage and TP slice (after unscaling: the norm is the true
+// gradients'). ZeRO clips its shards over the DP group itself (one stage: refused with --pp).
+void GptRun::clip_gradients() {
+  if (zero_) {
+    if (scaler_) scaler_->unscale_(*zero_);
+    zero_->clip_grad_norm(o_.clip_grad_norm);
+    return;
+  }
+  if (scaler_) scaler_->unscale_(*opt_);
+  loom::clip_grad_norm(*model_, o_.clip_grad_norm, ps_->tp_group(), ps_->pp_group());
 }
 
 // The step's micro-batches one after another (gradient accumulation): only the last one's backward
@@ -1081,6 +1101,9 @@ void add_model_options(CLI::App& app, Options& o) {
   app.add_option("--layers", o.layers, "transformer blocks")->check(CLI::PositiveNumber);
   app.add_option("--dropout", o.dropout, "attention and hidden dropout")->check(CLI::Range(0.0, 0.9));
   app.add_option("--lr", o.lr, "AdamW learning rate")->check(CLI::PositiveNumber);
+  app.add_option("--clip-grad-norm", o.clip_grad_norm,
+                 "clip the gradients' global norm (over every stage and TP slice) to this; 0: no clipping")
+      ->check(CLI::NonNegativeNumber);
   app.add_option("--log-every", o.log_every, "log a line every this many steps")->check(CLI::PositiveNumber);
   app.add_option("--eval-every", o.eval_every, "held-out loss every this many steps (0: only at the end)")
       ->check(CLI::NonNegativeNumber);

@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 #include <torch/nn.h>
 
+#include <cmath>
 #include <filesystem>
 #include <limits>
 #include <random>
@@ -13,6 +14,7 @@
 #include "loom/amp/grad_scaler.h"
 #include "loom/error.h"
 #include "loom/parallel/data_parallel.h"
+#include "loom/parallel/grad_clip.h"
 #include "loom/parallel/pipeline.h"
 #include "loom/parallel/tensor_parallel.h"
 #include "loom/train/checkpoint.h"
@@ -358,13 +360,33 @@ TEST(Pipeline, TensorParallelStagesEqualThePlainModelInOneProcess) {
       return at::mse_loss(out, targets[m]) / static_cast<double>(micro_batches);
     });
     const int64_t n = f / 2, c0 = ps.tp_rank() * n;
-    for (int i = first; i < end; ++i) {
-      const auto& [column, row] = mine.at(i);
-      EXPECT_TRUE(at::allclose(column->weight.grad(), fc1[i]->weight.grad().narrow(0, c0, n), 0, 1e-6)) << i;
-      EXPECT_TRUE(at::allclose(column->bias.grad(), fc1[i]->bias.grad().narrow(0, c0, n), 0, 1e-6)) << i;
-      EXPECT_TRUE(at::allclose(row->weight.grad(), fc2[i]->weight.grad().narrow(1, c0, n), 0, 1e-6)) << i;
-      EXPECT_TRUE(at::allclose(row->bias.grad(), fc2[i]->bias.grad(), 0, 1e-6)) << i;
+    auto expect_plain_gradients = [&] {
+      for (int i = first; i < end; ++i) {
+        const auto& [column, row] = mine.at(i);
+        EXPECT_TRUE(at::allclose(column->weight.grad(), fc1[i]->weight.grad().narrow(0, c0, n), 0, 1e-6)) << i;
+        EXPECT_TRUE(at::allclose(column->bias.grad(), fc1[i]->bias.grad().narrow(0, c0, n), 0, 1e-6)) << i;
+        EXPECT_TRUE(at::allclose(row->weight.grad(), fc2[i]->weight.grad().narrow(1, c0, n), 0, 1e-6)) << i;
+        EXPECT_TRUE(at::allclose(row->bias.grad(), fc2[i]->bias.grad(), 0, 1e-6)) << i;
+      }
+    };
+    expect_plain_gradients();
+    // Clipping by the global norm: summed over both stages and both TP slices, the row-parallel
+    // bias (replicated over TP) counted once; equal to torch's clip_grad_norm_ on the plain model.
+    std::vector<at::Tensor> plain;
+    for (int i = 0; i < layers; ++i)
+      for (const auto& p : {fc1[i]->weight, fc1[i]->bias, fc2[i]->weight, fc2[i]->bias}) plain.push_back(p);
+    double plain_norm = 0;
+    for (const auto& p : plain) plain_norm += p.grad().pow(2).sum().item<double>();
+    plain_norm = std::sqrt(plain_norm);
+    const double max_norm = plain_norm / 3;  // clips
+    EXPECT_NEAR(torch::nn::utils::clip_grad_norm_(plain, max_norm), plain_norm, 1e-6);
+    torch::nn::Module part;
+    for (auto& [i, layer] : mine) {
+      part.register_module("up" + std::to_string(i), layer.first.ptr());
+      part.register_module("down" + std::to_string(i), layer.second.ptr());
     }
+    EXPECT_NEAR(clip_grad_norm(part, max_norm, ps.tp_group(), ps.pp_group()), plain_norm, 1e-6);
+    expect_plain_gradients();
   }
 }
 
