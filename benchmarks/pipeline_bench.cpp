@@ -5,13 +5,15 @@
 // by step in the same processes. Reported per schedule (medians over the steps; a sample is the slowest
 // rank's): step time, the bubble each rank measured (1 - compute / step time, averaged over ranks)
 // beside the bubble the schedule promises (loom::pp::prove: a forward costs 1, a backward 2), and
-// the activation memory each rank held at its peak: the bytes each block saves for backward (its
-// input, fc1's output and gelu's output), counted from a micro-batch's forward on a stage to that
-// stage's backward of it (for ZB-H1 not reported: what a deferred weight gradient keeps lives on
-// until its W action, which this count does not see).
+// the activation memory each rank held at its peak, counted from live storage: the heap in use
+// (glibc's count of allocated bytes, where every tensor of this rank's thread lives) above what it
+// was when the step began, sampled after every forward and before every backward. Gradients stay
+// allocated between steps (zero_grad without freeing), so the count is what the schedule keeps
+// for backward (and for ZB-H1's deferred weight gradients) plus the messages in flight.
 //
 //   mpirun -np 2 build/benchmarks/pipeline_bench --micro-batches 8 --json pipeline_np2.json
 #include <ATen/ATen.h>
+#include <malloc.h>
 #include <torch/torch.h>
 
 #include <CLI/CLI.hpp>
@@ -53,12 +55,18 @@ struct Block : torch::nn::Module {
   torch::nn::Linear fc1{nullptr}, fc2{nullptr};
 };
 
-// The bytes of every distinct storage reachable from the activations the stages keep for backward:
-// the stage outputs (their autograd graphs hold the intermediate activations alive with them).
+// The heap in use above its level at the start of a step, at its highest.
 struct ActivationMeter {
-  int64_t live = 0, peak = 0;
-  void add(int64_t bytes) { peak = std::max(peak, live += bytes); }
-  void sub(int64_t bytes) { live -= bytes; }
+  size_t baseline = 0, peak = 0;
+  static size_t heap_in_use() {
+    const struct mallinfo2 m = mallinfo2();
+    return m.uordblks + m.hblkhd;
+  }
+  void start() { baseline = heap_in_use(), peak = 0; }
+  void sample() {
+    const size_t now = heap_in_use();
+    if (now > baseline) peak = std::max(peak, now - baseline);
+  }
 };
 
 struct Result {
@@ -75,26 +83,21 @@ struct Run {
   Result result;
 };
 
-// This rank's chunks of the stack for the run's schedule, each counting the bytes its blocks save
-// for backward from a micro-batch's forward to the stage's backward of it. The run's meter is
-// captured by address: build once every run is in place.
+// This rank's chunks of the stack for the run's schedule, each sampling the heap after its forward
+// and before its backward. The run's meter is captured by address: build once every run is in place.
 void build_executor(Run& run, const std::shared_ptr<loom::Communicator>& world,
                     std::vector<std::shared_ptr<Block>>& blocks, const Config& c) {
   const int ranks = world->size(), me = world->rank();
   const int layers = static_cast<int>(blocks.size()), stages = ranks * run.virtual_stages;
-  // The bytes one block saves for backward: its input, fc1's output and gelu's output.
-  const int64_t per_block_bytes = c.rows * c.hidden * 4 * (1 + 4 + 4);
   std::vector<loom::pp::StageFunction> chunks;
-  std::map<int, int64_t> saved_bytes;  // by stage: what one micro-batch's forward keeps
   for (int v = 0; v < run.virtual_stages; ++v) {
     const int stage = v * ranks + me;
     const auto [first, end] = loom::pp::stage_layers(layers, stages, stage);
     ActivationMeter* meter = &run.meter;
-    const int64_t bytes = saved_bytes[stage] = per_block_bytes * (end - first);
-    chunks.push_back([&blocks, first = first, end = end, meter, bytes](const at::Tensor& x) {
+    chunks.push_back([&blocks, first = first, end = end, meter](const at::Tensor& x) {
       at::Tensor h = x;
       for (int i = first; i < end; ++i) h = blocks[i]->forward(h);
-      meter->add(bytes);
+      meter->sample();
       return h;
     });
   }
@@ -102,9 +105,7 @@ void build_executor(Run& run, const std::shared_ptr<loom::Communicator>& world,
       world, chunks,
       loom::pp::PipelineOptions{.schedule = run.schedule,
                                 .micro_batches = c.micro_batches,
-                                .before_backward = [meter = &run.meter, saved_bytes](int stage, int, bool) {
-                                  meter->sub(saved_bytes.at(stage));
-                                }});
+                                .before_backward = [meter = &run.meter](int, int, bool) { meter->sample(); }});
 }
 
 // Prints each schedule's medians (rank 0) and returns them as the JSON document.
@@ -119,22 +120,17 @@ nlohmann::json report(const std::vector<Run>& runs, const Config& c, int ranks, 
   for (auto& run : runs) {
     const double promised = run.executor->proof().bubble;
     const double seconds = loom::bench::median(run.result.seconds), bubble = loom::bench::median(run.result.bubble);
-    const bool metered = run.schedule != Schedule::ZeroBubbleH1;
-    if (me == 0) {
-      std::printf("  %-16s step %8.2f ms   bubble %.3f (promised %.3f, off by %+.3f)", loom::pp::schedule_name(run.schedule),
-                  seconds * 1e3, bubble, promised, bubble - promised);
-      if (metered)
-        std::printf("   activation peak %6.1f MiB (%.2f of GPipe's)\n", run.result.peak_bytes / 1048576.0,
-                    run.result.peak_bytes / gpipe_peak);
-      else
-        std::printf("   activation peak not counted\n");
-    }
+    if (me == 0)
+      std::printf("  %-16s step %8.2f ms   bubble %.3f (promised %.3f, off by %+.3f)   activation peak %6.1f MiB "
+                  "(%.2f of GPipe's)\n",
+                  loom::pp::schedule_name(run.schedule), seconds * 1e3, bubble, promised, bubble - promised,
+                  run.result.peak_bytes / 1048576.0, run.result.peak_bytes / gpipe_peak);
     doc["schedules"].push_back({{"schedule", loom::pp::schedule_name(run.schedule)},
                                 {"virtual_stages", run.virtual_stages},
                                 {"step_seconds_median", seconds},
                                 {"bubble_median", bubble},
                                 {"bubble_promised", promised},
-                                {"activation_peak_bytes", metered ? nlohmann::json(run.result.peak_bytes) : nlohmann::json()}});
+                                {"activation_peak_bytes", run.result.peak_bytes}});
   }
   return doc;
 }
@@ -175,9 +171,9 @@ int main(int argc, char** argv) {
   auto loss = [&](const at::Tensor& out, int m) { return at::mse_loss(out, targets[m]) / c.micro_batches; };
   for (int step = 0; step < c.warmup + c.steps; ++step)
     for (auto& run : runs) {
-      for (auto& b : blocks) b->zero_grad();
+      for (auto& b : blocks) b->zero_grad(/*set_to_none=*/false);  // allocated once, outside the count
       world->barrier()->wait();
-      run.meter = {};
+      run.meter.start();
       run.executor->step(run.executor->holds_first_stage() ? inputs : std::vector<at::Tensor>{}, loss);
       const auto& t = run.executor->last_step();
       double words[2] = {t.seconds, t.bubble()};
@@ -191,7 +187,7 @@ int main(int argc, char** argv) {
       }
       run.result.seconds.push_back(slowest);
       run.result.bubble.push_back(bubble);
-      run.result.peak_bytes = std::max(run.result.peak_bytes, run.meter.peak);
+      run.result.peak_bytes = std::max(run.result.peak_bytes, static_cast<int64_t>(run.meter.peak));
     }
   const nlohmann::json doc = report(runs, c, ranks, me, layers);
   if (me == 0 && !c.json.empty() && !loom::bench::write_json(c.json, doc, "pipeline_bench")) return 1;

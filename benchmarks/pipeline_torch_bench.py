@@ -5,7 +5,9 @@ same model split the same way, in the same processes and the same run.
 A stack of MLP blocks (hidden -> 4 hidden -> hidden, residual) is cut into one stage per rank
 (torchloom.stage_layers, for both); each step runs every micro-batch forward and backward under
 1F1B (or --schedule gpipe): torchloom.PipelineExecutor over the world communicator (MPI under
-mpirun), and torch.distributed.pipelining's Schedule1F1B over a Gloo process group. The two take
+mpirun), and torch.distributed.pipelining's Schedule1F1B over a Gloo process group. With
+--schedule zero-bubble torchloom runs ZB-H1, its blocks' linears through torchloom.pipeline_linear
+(weight gradients deferred to the plan's W steps), against torch's Schedule1F1B as before. The two take
 turns step by step, each on its own copy of the model; a step starts after a barrier and its time
 is the slowest rank's. Gradients of both are compared after the first step (they must agree).
 
@@ -27,7 +29,7 @@ def main():
     p.add_argument("--rows", type=int, default=256, help="rows of one micro-batch")
     p.add_argument("--layers-per-rank", type=int, default=4)
     p.add_argument("--micro-batches", type=int, default=8)
-    p.add_argument("--schedule", choices=["1f1b", "gpipe"], default="1f1b")
+    p.add_argument("--schedule", choices=["1f1b", "gpipe", "zero-bubble"], default="1f1b")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--json", help="write the results here (rank 0)")
@@ -56,9 +58,11 @@ def main():
         def __init__(self, h):
             super().__init__()
             self.fc1, self.fc2 = nn.Linear(h, 4 * h), nn.Linear(4 * h, h)
+            self.linear = nn.functional.linear  # torchloom.pipeline_linear: deferrable weight gradients
 
         def forward(self, x):
-            return x + self.fc2(nn.functional.gelu(self.fc1(x)))
+            h = nn.functional.gelu(self.linear(x, self.fc1.weight, self.fc1.bias))
+            return x + self.linear(h, self.fc2.weight, self.fc2.bias)
 
     torch.manual_seed(3)
     layers = args.layers_per_rank * ranks
@@ -66,6 +70,9 @@ def main():
     whole = [Block(args.hidden) for _ in range(layers)]
     ours_stage = nn.Sequential(*whole[first:end])
     theirs_stage = copy.deepcopy(ours_stage)
+    if args.schedule == "zero-bubble":
+        for block in ours_stage:
+            block.linear = torchloom.pipeline_linear
     m = args.micro_batches
     g = torch.Generator().manual_seed(4)
     inputs = [torch.randn(args.rows, args.hidden, generator=g) for _ in range(m)]
@@ -73,7 +80,7 @@ def main():
     last = rank == ranks - 1
 
     ours = torchloom.PipelineExecutor(comm, [ours_stage], schedule=args.schedule, micro_batches=m)
-    kind = Schedule1F1B if args.schedule == "1f1b" else ScheduleGPipe
+    kind = ScheduleGPipe if args.schedule == "gpipe" else Schedule1F1B
     theirs = kind(PipelineStage(theirs_stage, rank, ranks, torch.device("cpu")), n_microbatches=m,
                   loss_fn=nn.functional.mse_loss)
     whole_input, whole_target = torch.cat(inputs), torch.cat(targets)
