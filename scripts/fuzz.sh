@@ -33,7 +33,7 @@ FLAGS=(-std=c++20 -O1 -g -fno-omit-frame-pointer -fsanitize=fuzzer-no-link,addre
 TOPOLOGY=(model cpu_list link_costs text_lines parse_nvidia_smi xml_scan pcie_path parse_nccl_xml json_io load_file
           merge nvml_loader detect cost_model ordering grouping placement cpu_share explain render)
 LAUNCHER=(launcher/launcher_args launcher/hosts launcher/slurm launcher/mpirun_command)
-CORE=(core/env core/error_context)
+CORE=(core/env core/error_context core/parallel_layout)
 CHECKPOINT=(train/checkpoint_manifest train/safetensors train/checkpoint_checksum train/checkpoint_files)
 mkdir -p "$DIR/obj"
 compile() {  # source -> object, when newer
