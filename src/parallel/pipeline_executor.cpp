@@ -104,9 +104,15 @@ at::Tensor PipelineExecutor::relay_forward(const at::Tensor& input, const std::s
     } else if (plan_.shape.rank_of_stage(s - 1) == rank_) {
       received = carried;  // virtual stages on one rank: the previous stage was this rank's
     } else {
-      at::Tensor header = at::empty({kHeaderWords}, at::kLong);
+      // Headers travel on the chunks' device, as everything else (NCCL moves only device tensors).
+      at::Tensor header = at::empty({kHeaderWords}, at::TensorOptions().dtype(at::kLong).device(options_.device));
       pipeline_->recv(header, plan_.shape.rank_of_stage(s - 1), header_options)->wait();
+      header = header.cpu();
       const auto words = header.accessor<int64_t, 1>();
+      if (words[1] < 0 || words[1] > kMaxDims)
+        throw CommError(where(rank_) + ": stage " + std::to_string(s) + " received a header of " +
+                        std::to_string(words[1]) + " dimensions from pipeline rank " +
+                        std::to_string(plan_.shape.rank_of_stage(s - 1)) + "; expected 0 to " + std::to_string(kMaxDims));
       std::vector<int64_t> sizes(words[1]);
       for (int64_t d = 0; d < words[1]; ++d) sizes[d] = words[2 + d];
       const auto dtype = static_cast<at::ScalarType>(words[0]);
@@ -133,7 +139,7 @@ at::Tensor PipelineExecutor::relay_forward(const at::Tensor& input, const std::s
       carried = output;
       continue;
     }
-    pipeline_->send(header, next, header_options)->wait();
+    pipeline_->send(header.to(options_.device), next, header_options)->wait();
     pipeline_->send(output.contiguous(), next, header_options)->wait();
   }
   return at::Tensor();
@@ -141,10 +147,12 @@ at::Tensor PipelineExecutor::relay_forward(const at::Tensor& input, const std::s
 
 std::vector<at::Tensor> PipelineExecutor::forward_only(const std::vector<at::Tensor>& inputs) {
   // How many inputs: the first stage's rank knows (the others may pass none).
-  at::Tensor count = at::full({1}, static_cast<int64_t>(inputs.size()), at::kLong);
+  at::Tensor count =
+      at::full({1}, static_cast<int64_t>(inputs.size()), at::TensorOptions().dtype(at::kLong).device(options_.device));
   pipeline_->broadcast(count, {0})->wait();
   std::vector<at::Tensor> outputs;
-  for (int64_t i = 0; i < count.item<int64_t>(); ++i) {
+  const int64_t n = count.item<int64_t>();
+  for (int64_t i = 0; i < n; ++i) {
     at::Tensor out = relay_forward(holds_first_stage() ? inputs[i] : at::Tensor(),
                                    "forward-only input " + std::to_string(i), nullptr);
     if (holds_last_stage()) outputs.push_back(out);
@@ -160,7 +168,7 @@ void PipelineExecutor::agree_on_boundaries(const std::vector<at::Tensor>& inputs
   // Every rank learns every boundary it receives across: the sender's record is the agreed one,
   // and a receiver needs the shapes of what it receives (activations) and sends back (gradients).
   for (int s = 0; s + 1 < stages; ++s) {
-    at::Tensor words = at::zeros({kHeaderWords}, at::kLong);
+    at::Tensor words = at::zeros({kHeaderWords}, at::kLong);  // filled on the host, sent from the device
     const int holder = plan_.shape.rank_of_stage(s);
     if (holder == rank_) {
       const auto& [sizes, dtype] = boundaries_.at(s);
@@ -168,7 +176,9 @@ void PipelineExecutor::agree_on_boundaries(const std::vector<at::Tensor>& inputs
       words[1] = static_cast<int64_t>(sizes.size());
       for (size_t d = 0; d < sizes.size(); ++d) words[2 + d] = sizes[d];
     }
-    pipeline_->broadcast(words, {holder})->wait();
+    at::Tensor wire = words.to(options_.device);
+    pipeline_->broadcast(wire, {holder})->wait();
+    words = wire.cpu();
     const auto w = words.accessor<int64_t, 1>();
     std::vector<int64_t> sizes(w[1]);
     for (int64_t d = 0; d < w[1]; ++d) sizes[d] = w[2 + d];

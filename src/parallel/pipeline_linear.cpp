@@ -24,7 +24,9 @@ std::atomic<std::vector<DeferredGradient>*> open_list{nullptr};
 DeferWeightGradients::DeferWeightGradients(std::vector<DeferredGradient>& into) {
   std::vector<DeferredGradient>* none = nullptr;
   if (!open_list.compare_exchange_strong(none, &into))
-    throw InvalidArgumentError("loom::pp: weight gradients are already being deferred (one pipeline step at a time)");
+    throw InvalidArgumentError(ErrorContext("PipelineExecutor")(
+        "a zero-bubble step's input-gradient pass while another one defers weight gradients: expected one "
+        "pipeline step at a time per process, found two"));
 }
 DeferWeightGradients::~DeferWeightGradients() { open_list.store(nullptr); }
 std::vector<DeferredGradient>* deferred_weight_gradients() { return open_list.load(); }
