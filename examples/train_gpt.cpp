@@ -1185,7 +1185,8 @@ int main(int argc, char** argv) {
   } catch (const std::exception& e) {
     // Leaving without finalizing makes mpirun end the other ranks instead of letting them hang;
     // exit code 1, as when torchloom ends the job itself (MPI_Abort), whichever rank reports first.
-    std::fprintf(stderr, "train_gpt: %s\n", e.what());
+    const std::string what = e.what();  // train_gpt's own refusals name it already
+    std::fprintf(stderr, "%s%s\n", what.rfind("train_gpt:", 0) == 0 ? "" : "train_gpt: ", what.c_str());
     return 1;
   }
   loom::finalize();
