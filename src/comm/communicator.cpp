@@ -421,7 +421,8 @@ std::vector<std::shared_ptr<Work>> Communicator::unfinished_works() {
 }
 
 void Communicator::fail(const std::shared_ptr<Work>& work, std::exception_ptr error, const std::string& message) {
-  if (!work->fail(std::move(error))) return;  // it completed just in time
+  // Broken before the waiter wakes: a program leaving on this error tells the others its reason.
+  if (!work->fail(std::move(error), [&] { mark_broken(message); })) return;  // it completed just in time
   break_after(work, message);
 }
 

@@ -100,10 +100,11 @@ void Work::finish() {
   finished_.notify_all();
 }
 
-bool Work::fail(std::exception_ptr error) {
+bool Work::fail(std::exception_ptr error, const std::function<void()>& before_seen) {
   {
     std::lock_guard<std::mutex> lock(mutex_);
     if (terminal()) return false;
+    if (before_seen) before_seen();
     state_ = State::Failed;
     error_ = std::move(error);
     finished_at_ = Clock::now();

@@ -128,3 +128,23 @@ TEST(CommCore, DeviceFaultFoundBySubmissionPrune) {
   EXPECT_TRUE(eventually([&] { return comm->is_broken(); }, 5s));
   EXPECT_THROW(first->wait(), CommError);
 }
+
+// A timed-out operation's waiter finds its communicator broken by that timeout the moment the wait
+// throws: a program that leaves on the error (no loom::finalize) tells the other ranks this reason
+// from its exit handler, which reads it right then. Marked broken only after the waiter woke, the
+// departure notice went out without it (seen at 4 ranks: "rank 2 exited with status 1" and no why).
+TEST(CommCore, ATimedOutWaiterFindsItsCommunicatorAlreadyBrokenWithTheTimeout) {
+  at::Tensor t = at::ones({4});
+  int found_unbroken = 0;
+  for (int attempt = 0; attempt < 40; ++attempt) {
+    auto comm = FaultyDeviceCommunicator::make("timeout-" + std::to_string(attempt), Timeout(5));
+    WorkPtr stuck = comm->all_reduce(t);
+    try {
+      stuck->wait();
+      FAIL() << "an operation that never completes did not time out";
+    } catch (const TimeoutError&) {
+      if (!comm->is_broken() || comm->broken_reason().find("timed out after") == std::string::npos) ++found_unbroken;
+    }
+  }
+  EXPECT_EQ(found_unbroken, 0) << "times a waiter woke by a timeout before its communicator was broken by it";
+}

@@ -20,6 +20,7 @@
 #include <chrono>
 #include <condition_variable>
 #include <exception>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -81,8 +82,11 @@ class Work {
   bool start();
   // Running -> Done (releases the tensors). No effect once failed (a late completion).
   void finish();
-  // Any state -> Failed with this error; false when it had already finished.
-  bool fail(std::exception_ptr error);
+  // Any state -> Failed with this error; false when it had already finished. `before_seen` runs
+  // once the failure is decided and before any waiter can see it (under the work's lock): a
+  // communicator marks itself broken there, so a program that leaves on this error finds the
+  // reason when its exit handler asks (it was seen empty when marked after the waiter woke).
+  bool fail(std::exception_ptr error, const std::function<void()>& before_seen = nullptr);
 
   // Device backends: look whether the device has finished (and call finish() or fail()).
   virtual void poll() {}
