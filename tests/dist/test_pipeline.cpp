@@ -10,6 +10,7 @@
 #include <filesystem>
 #include <limits>
 #include <random>
+#include <thread>
 
 #include "loom/amp/grad_scaler.h"
 #include "loom/error.h"
@@ -475,6 +476,47 @@ TEST(Pipeline, BoundaryShapesAreAgreedOnTheFirstMicroBatchAndKeptAcrossSteps) {
     EXPECT_EQ(boundary->second, at::kFloat);
   }
   pipeline.step(pipeline.holds_first_stage() ? data.inputs : std::vector<at::Tensor>{}, loss);  // a second step
+}
+
+// On the host a stage does not wait for its neighbour to receive what it sent: the first stage's
+// GPipe forwards run back to back while every later stage is slow (300 ms a forward), its
+// activations (256 KB each, past MPI's eager size, so a send completes only once received) waited
+// for at the end of the step. Waited for in their message group, the first stage's third forward
+// would start only after the second stage's second one (2 x 300 ms later).
+TEST(Pipeline, HostSendsDoNotWaitForTheReceivingStage) {
+  auto world = test::world();
+  const int ranks = world->size(), me = world->rank();
+  if (ranks < 2) GTEST_SKIP() << "needs 2 ranks";
+  constexpr auto kSlowForward = std::chrono::milliseconds(300);
+  constexpr int kMicroBatches = 4;
+  at::Tensor scale = at::full({256}, 0.5).requires_grad_(true);
+  std::vector<std::chrono::steady_clock::time_point> forwards_done;
+  pp::PipelineExecutor pipeline(world, {[&](const at::Tensor& x) {
+                                  if (me != 0) std::this_thread::sleep_for(kSlowForward);
+                                  at::Tensor y = x * scale;
+                                  forwards_done.push_back(std::chrono::steady_clock::now());
+                                  return y;
+                                }},
+                                {.schedule = Schedule::GPipe, .micro_batches = kMicroBatches});
+  std::vector<at::Tensor> inputs(kMicroBatches, at::ones({256, 256}));
+  auto loss = [](const at::Tensor& out, int) { return out.mean(); };
+  pipeline.step(pipeline.holds_first_stage() ? inputs : std::vector<at::Tensor>{}, loss);  // agrees on boundaries
+  forwards_done.clear();
+  pipeline.step(pipeline.holds_first_stage() ? inputs : std::vector<at::Tensor>{}, loss);
+  ASSERT_EQ(forwards_done.size(), static_cast<size_t>(kMicroBatches));
+  if (me == 0) {
+    const auto span = forwards_done.back() - forwards_done.front();
+    EXPECT_LT(span, kSlowForward) << "the first stage's forwards took "
+                                  << std::chrono::duration<double>(span).count() << " s: its sends waited for stage 1";
+  }
+  // Every message was delivered: stage 0's gradient is the one-process gradient of the mean over
+  // the stages' products (each stage scales by 0.5; the loss is mean() per micro-batch).
+  if (me == 0) {
+    // d/dscale[j] of sum_m mean(x * 0.5^p) over [256, 256] ones: 256 rows / 65536 elements, times
+    // the other stages' 0.5s, per micro-batch.
+    const double expected = kMicroBatches * std::pow(0.5, ranks - 1) / 256.0;
+    EXPECT_NEAR(scale.grad()[0].item<double>(), 2 * expected, 1e-4);  // two steps accumulate
+  }
 }
 
 // A stage that raises: its rank's error names the stage, the micro-batch and the direction.

@@ -125,6 +125,7 @@ class PipelineExecutor {
   void backward(int micro_batch, int stage);
   void weight(int micro_batch, int stage);
   void communicate(const Action& action);
+  void let_go_of_sends(bool wait_for_all);
   const StageFunction& chunk_of(int stage) const;
   int key(int micro_batch, int stage) const { return micro_batch * plan_.shape.stages() + stage; }
 
@@ -139,6 +140,7 @@ class PipelineExecutor {
   std::map<int, at::Tensor> arrived_activations_, arrived_gradients_;          // by key(m, receiving stage)
   std::map<int, int> backwards_done_;                                          // this step, by stage
   std::map<int, std::vector<std::function<void()>>> deferred_;                 // weight gradients, by key(m, stage)
+  std::vector<std::pair<std::string, WorkPtr>> sends_in_flight_;               // host sends not yet waited for
   PipelineStepTimes last_step_;
 };
 
