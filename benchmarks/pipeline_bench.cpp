@@ -17,6 +17,7 @@
 #include <torch/torch.h>
 
 #include <CLI/CLI.hpp>
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <map>
@@ -26,6 +27,7 @@
 #include <vector>
 
 #include "bench_common.h"
+#include "loom/comm/agreement.h"
 #include "loom/loom.h"
 #include "loom/parallel/pipeline.h"
 
@@ -71,6 +73,7 @@ struct ActivationMeter {
 
 struct Result {
   std::vector<double> seconds, bubble;
+  std::vector<std::vector<loom::pp::PipelineStepTimes::ActionTime>> timelines;  // this rank's, by measured step
   int64_t peak_bytes = 0;
   double promised = 0;
 };
@@ -108,8 +111,31 @@ void build_executor(Run& run, const std::shared_ptr<loom::Communicator>& world,
                                 .before_backward = [meter = &run.meter](int, int, bool) { meter->sample(); }});
 }
 
+// Every rank's actions in the measured step whose time is the median (the same step on every rank:
+// the times are the gathered slowest ones): [[name, kind, start ms, end ms], ...] per rank, the
+// times from each rank's step start (the ranks start together, after a barrier).
+nlohmann::json median_step_timeline(const Run& run, loom::Communicator& world) {
+  const auto& seconds = run.result.seconds;
+  std::vector<size_t> order(seconds.size());
+  for (size_t i = 0; i < order.size(); ++i) order[i] = i;
+  std::sort(order.begin(), order.end(), [&](size_t a, size_t b) { return seconds[a] < seconds[b]; });
+  const auto& actions = run.executor->plan().actions[run.executor->rank()];
+  nlohmann::json mine = nlohmann::json::array();
+  if (!order.empty())
+    for (const auto& t : run.result.timelines[order[order.size() / 2]]) {
+      const auto& action = actions[t.action];
+      static const char* const kKind[] = {"F", "B", "W", "C"};  // by Action::Kind
+      mine.push_back({action.describe(), kKind[static_cast<int>(action.kind)], t.start * 1e3, t.end * 1e3});
+    }
+  nlohmann::json ranks = nlohmann::json::array();
+  for (const auto& text : loom::all_gather_strings(world, mine.dump(), {"pipeline_bench timeline"}))
+    ranks.push_back(nlohmann::json::parse(text));
+  return ranks;
+}
+
 // Prints each schedule's medians (rank 0) and returns them as the JSON document.
-nlohmann::json report(const std::vector<Run>& runs, const Config& c, int ranks, int me, int layers) {
+nlohmann::json report(const std::vector<Run>& runs, const Config& c, loom::Communicator& world, int layers) {
+  const int ranks = world.size(), me = world.rank();
   nlohmann::json doc = {{"ranks", ranks},       {"micro_batches", c.micro_batches}, {"hidden", c.hidden},
                         {"rows", c.rows},       {"layers", layers},                 {"steps", c.steps},
                         {"schedules", nlohmann::json::array()}};
@@ -130,7 +156,8 @@ nlohmann::json report(const std::vector<Run>& runs, const Config& c, int ranks, 
                                 {"step_seconds_median", seconds},
                                 {"bubble_median", bubble},
                                 {"bubble_promised", promised},
-                                {"activation_peak_bytes", run.result.peak_bytes}});
+                                {"activation_peak_bytes", run.result.peak_bytes},
+                                {"median_step_timeline", median_step_timeline(run, world)}});
   }
   return doc;
 }
@@ -187,9 +214,10 @@ int main(int argc, char** argv) {
       }
       run.result.seconds.push_back(slowest);
       run.result.bubble.push_back(bubble);
+      run.result.timelines.push_back(t.actions);
       run.result.peak_bytes = std::max(run.result.peak_bytes, static_cast<int64_t>(run.meter.peak));
     }
-  const nlohmann::json doc = report(runs, c, ranks, me, layers);
+  const nlohmann::json doc = report(runs, c, *world, layers);
   if (me == 0 && !c.json.empty() && !loom::bench::write_json(c.json, doc, "pipeline_bench")) return 1;
   runs.clear();
   rt.reset();

@@ -27,7 +27,8 @@ import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DPI = 100
-PLOTS = ["allreduce_busbw.png", "ddp_step.png", "zero_memory.png", "tp_mlp.png", "amp_unscale.png", "checkpoint.png", "placement.png"]
+PLOTS = ["allreduce_busbw.png", "ddp_step.png", "zero_memory.png", "tp_mlp.png", "pipeline_timeline.png", "amp_unscale.png",
+         "checkpoint.png", "placement.png"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -205,6 +206,14 @@ class Report:
         assert name in PLOTS, name
         self.figures.append(name)
         return f"![{caption}]({name})\n\n*{caption}; the plot's footer names the machine and run.*\n"
+
+    def result(self, name, missing):
+        """The results file `name` loaded, or None with `missing` noted among what the report lacks."""
+        p = self.path(name)
+        if os.path.exists(p):
+            return load(p)
+        self.skipped.append(missing)
+        return None
 
     def section(self, title, fn):
         before = len(self.figures)
@@ -642,12 +651,76 @@ class Report:
                               "sent/minimum", "calls per step", "output equal"], rows)
         return text
 
-    def amp(self):
-        p = self.path("amp.json")
-        if not os.path.exists(p):
-            self.skipped.append("GradScaler: no amp.json (BENCHMARKS without `amp`, or the run failed)")
+    def pipeline(self):
+        d = self.result("pipeline_np2.json",
+                        "pipeline schedules: no pipeline_np2.json (BENCHMARKS without `pipeline`, or the run failed)")
+        if d is None:
             return None
-        d = load(p)
+        runs = d["schedules"]
+        plt = self.plt
+        colors = {"F": "C0", "B": "C1", "W": "C2", "C": "0.8"}
+        fig, axes = plt.subplots(len(runs), 1, figsize=(8.4, 1.15 * len(runs) + 1.2), sharex=True)
+        axes = axes if len(runs) > 1 else [axes]
+        for ax, run in zip(axes, runs):
+            lanes = run.get("median_step_timeline", [])
+            for rank, actions in enumerate(lanes):
+                for name, kind, start, end in actions:
+                    if kind == "C" and end - start < 0.05:
+                        continue  # a message group that did not wait: invisible at this scale
+                    ax.broken_barh([(start, end - start)], (rank - 0.4, 0.8), facecolors=colors[kind],
+                                   edgecolors="white", linewidth=0.3)
+                    if kind != "C" and end - start > 6:
+                        ax.text((start + end) / 2, rank, name.split("@")[0], ha="center", va="center", fontsize=5.5,
+                                color="white")
+            ax.set_yticks(range(len(lanes)))
+            ax.set_yticklabels([f"rank {r}" for r in range(len(lanes))])
+            ax.invert_yaxis()
+            ax.grid(axis="y", visible=False)
+            ax.set_title(f"{run['schedule']}: step {run['step_seconds_median'] * 1e3:.0f} ms, bubble measured "
+                         f"{run['bubble_median']:.3f}, promised {run['bubble_promised']:.3f}", fontsize=8.5, loc="left")
+        axes[-1].set_xlabel("ms from the step's start (the step whose time is the median)")
+        handles = [plt.Rectangle((0, 0), 1, 1, color=colors[k]) for k in "FBWC"]
+        self.layout(fig, "pipeline")
+        fig.subplots_adjust(top=1 - 0.5 / fig.get_size_inches()[1])  # room for the legend above the first plot
+        fig.legend(handles, ["forward", "backward (for ZB-H1: the input gradient)", "weight gradient (ZB-H1)",
+                             "in a message group (waiting)"], loc="upper center", ncol=4, fontsize=7, frameon=False)
+        text = (f"A stack of {d['layers']} MLP blocks (hidden {d['hidden']} -> {4 * d['hidden']} -> {d['hidden']}, "
+                f"residual, linears through `loom::pp::linear`) cut into stages over {d['ranks']} ranks, "
+                f"{d['micro_batches']} micro-batches of [{d['rows']}, {d['hidden']}] float32, one thread per rank; "
+                f"the schedules take turns step by step in the same processes (`pipeline_bench`, medians of "
+                f"{d['steps']} steps). The bubble is measured (1 - compute / step time, averaged over the ranks) "
+                f"beside what the proven plan promises at unit costs (a forward 1, a backward 2, or 1 + 1 for ZB-H1's "
+                f"input and weight gradients); the activation peak is the heap in use above the step's start, at its "
+                f"highest. The timeline is each rank's actions in one step of each schedule (the one whose time is "
+                f"the median); white is idle outside any message group.\n\n")
+        text += self.save(fig, "pipeline_timeline.png", "Pipeline schedules: one step of each, rank by rank", "pipeline")
+        gpipe = runs[0]["activation_peak_bytes"] or 1
+        rows = [[r["schedule"], r["virtual_stages"], fmt(r["step_seconds_median"] * 1e3, 1), fmt(r["bubble_median"]),
+                 fmt(r["bubble_promised"]), f"{r['bubble_median'] - r['bubble_promised']:+.3f}",
+                 f"{r['activation_peak_bytes'] / 1048576:.1f} MiB", fmt(r["activation_peak_bytes"] / gpipe, 2)] for r in runs]
+        text += "\n" + table(["schedule", "virtual stages", "step ms", "bubble", "promised", "off by", "activation peak",
+                              "of GPipe's"], rows)
+        torch_rows = []
+        for name in ("pipeline_torch_np2.json", "pipeline_torch_zb_np2.json"):
+            tp = self.path(name)
+            if not os.path.exists(tp):
+                continue
+            t = load(tp)
+            ours, theirs = t["median_seconds"]["torchloom"], t["median_seconds"]["torch.distributed.pipelining"]
+            label = {"1f1b": "1F1B", "zero-bubble": "ZB-H1", "gpipe": "GPipe"}.get(t["schedule"], t["schedule"])
+            torch_rows.append([label, fmt(ours * 1e3, 1), fmt(theirs * 1e3, 1), fmt(t["ratio"]),
+                               fmt(t["bubble_measured"]), fmt(t["bubble_promised"])])
+        if torch_rows:
+            text += ("\nAgainst `torch.distributed.pipelining`'s Schedule1F1B over Gloo on the same stages "
+                     "(`pipeline_torch_bench.py`, the two taking turns step by step; ratio < 1: torchloom faster):\n\n")
+            text += table(["torchloom schedule", "torchloom ms", "torch 1F1B ms", "ratio", "torchloom bubble",
+                           "promised"], torch_rows)
+        return text
+
+    def amp(self):
+        d = self.result("amp.json", "GradScaler: no amp.json (BENCHMARKS without `amp`, or the run failed)")
+        if d is None:
+            return None
         ws = d["workloads"]
         keys = ["loom_unscale", "foreach_mul_no_check", "copy_per_tensor", "copy_flat", "naive_loop"]
         names = {"loom_unscale": "loom GradScaler.unscale_", "foreach_mul_no_check": "torch._foreach_mul_ (no check)",
@@ -879,6 +952,7 @@ class Report:
         self.section("ZeRO: memory per rank and step time against DDP", self.zero)
         self.section("ZeRO's collectives: reduce_scatter and all_gather against raw MPI", self.shard_collectives)
         self.section("Tensor parallelism: speed-up and bytes communicated", self.tp)
+        self.section("Pipeline schedules: bubble, activation memory and one step's timeline", self.pipeline)
         self.section("GradScaler: torchloom against PyTorch", self.amp)
         self.section("Checkpoints: throughput against the disk", self.checkpoint)
         self.section("Placement: planned layouts against naive ones", self.placement)

@@ -140,6 +140,9 @@ if [[ " $BENCHMARKS " == *" pipeline "* ]]; then
   echo "== torchloom's 1F1B against torch.distributed.pipelining's (Gloo), same stages, 2 ranks"
   PYTHONPATH="build/python${PYTHONPATH:+:$PYTHONPATH}" mpirun -np 2 $LOOM_MPIRUN_FLAGS "$PYTHON" \
     benchmarks/pipeline_torch_bench.py --json "$RESULTS/pipeline_torch_np2.json"
+  echo "== torchloom's ZB-H1 against torch.distributed.pipelining's 1F1B (Gloo), same stages, 2 ranks"
+  PYTHONPATH="build/python${PYTHONPATH:+:$PYTHONPATH}" mpirun -np 2 $LOOM_MPIRUN_FLAGS "$PYTHON" \
+    benchmarks/pipeline_torch_bench.py --schedule zero-bubble --json "$RESULTS/pipeline_torch_zb_np2.json"
 fi
 if [[ " $BENCHMARKS " == *" amp "* ]]; then
   # Python's torch.amp.GradScaler first: amp_bench reads its JSON and sets loom's numbers against it.

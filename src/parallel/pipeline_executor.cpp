@@ -202,7 +202,11 @@ std::vector<at::Tensor> PipelineExecutor::step(const std::vector<at::Tensor>& in
   sends_in_flight_.clear();
   last_step_ = {};
   const auto step_start = trace::now();
-  for (const Action& action : plan_.actions[rank_]) {
+  const std::vector<Action>& actions = plan_.actions[rank_];
+  last_step_.actions.reserve(actions.size());
+  auto since_start = [&](trace::Clock::time_point t) { return std::chrono::duration<double>(t - step_start).count(); };
+  for (size_t index = 0; index < actions.size(); ++index) {
+    const Action& action = actions[index];
     const auto start = trace::now();
     switch (action.kind) {
       case Action::Kind::Forward:
@@ -221,13 +225,14 @@ std::vector<at::Tensor> PipelineExecutor::step(const std::vector<at::Tensor>& in
     const auto end = trace::now();
     const bool computes = action.kind != Action::Kind::Communicate;
     (computes ? last_step_.compute : last_step_.communicate) += std::chrono::duration<double>(end - start).count();
+    last_step_.actions.push_back({static_cast<int>(index), since_start(start), since_start(end)});
     if (trace::enabled())
       trace::span(action.describe(), "pipeline", start, end, computes ? "pipeline compute" : "pipeline messages");
   }
   const auto sends_start = trace::now();
   let_go_of_sends(/*wait_for_all=*/true);  // the step ends with every message delivered
   last_step_.communicate += std::chrono::duration<double>(trace::now() - sends_start).count();
-  last_step_.seconds = std::chrono::duration<double>(trace::now() - step_start).count();
+  last_step_.seconds = since_start(trace::now());
   return losses;
 }
 

@@ -76,6 +76,14 @@ struct PipelineStepTimes {
   double seconds = 0;      // the whole step
   double compute = 0;      // forward and backward
   double communicate = 0;  // message groups
+  // When each of this rank's actions ran, in plan order: seconds from the step's start. `action`
+  // indexes plan().actions[rank()] (its describe() names it: "F3@s1", "send A3 s1>s2, recv G2 s2>s1").
+  // A timeline of one step without LOOM_TIMELINE (pipeline_bench draws one per schedule from it).
+  struct ActionTime {
+    int action = 0;
+    double start = 0, end = 0;
+  };
+  std::vector<ActionTime> actions;
   // The idle fraction this rank saw: 1 - compute / seconds (the plan's bubble, plus overheads).
   double bubble() const { return seconds > 0 ? 1.0 - compute / seconds : 0.0; }
 };
