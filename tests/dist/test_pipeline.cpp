@@ -476,6 +476,22 @@ TEST(Pipeline, BoundaryShapesAreAgreedOnTheFirstMicroBatchAndKeptAcrossSteps) {
     EXPECT_EQ(boundary->second, at::kFloat);
   }
   pipeline.step(pipeline.holds_first_stage() ? data.inputs : std::vector<at::Tensor>{}, loss);  // a second step
+  // The step's timeline: every action of this rank's plan once, in order, within the step, and the
+  // computing ones adding up to its compute time.
+  const auto& times = pipeline.last_step();
+  const auto& plan = pipeline.plan().actions[me];
+  ASSERT_EQ(times.actions.size(), plan.size());
+  double computed = 0, previous_end = 0;
+  for (size_t i = 0; i < plan.size(); ++i) {
+    const auto& t = times.actions[i];
+    EXPECT_EQ(t.action, static_cast<int>(i));
+    EXPECT_GE(t.start, previous_end);
+    EXPECT_GE(t.end, t.start);
+    previous_end = t.end;
+    if (plan[i].kind != pp::Action::Kind::Communicate) computed += t.end - t.start;
+  }
+  EXPECT_LE(previous_end, times.seconds);
+  EXPECT_NEAR(computed, times.compute, 1e-9);
 }
 
 // On the host a stage does not wait for its neighbour to receive what it sent: the first stage's
