@@ -76,6 +76,11 @@ namespace fs = std::filesystem;
 namespace {
 
 using Clock = std::chrono::steady_clock;
+
+// train_gpt refusing what it was given, naming this rank: "[rank 1] train_gpt: --batch 15 must be ...".
+loom::InvalidArgumentError refusal(const std::string& what) {
+  return loom::InvalidArgumentError(loom::ErrorContext("train_gpt")(what));
+}
 double seconds_since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
 
 struct Options {
@@ -143,7 +148,7 @@ std::string read_text(const std::string& where, int64_t limit) {
   std::string text;
   for (const auto& f : files) {
     std::ifstream in(f, std::ios::binary);
-    if (!in) throw loom::InvalidArgumentError("train_gpt: cannot read --data " + f.string());
+    if (!in) throw refusal("cannot read --data " + f.string());
     std::stringstream buffer;
     buffer << in.rdbuf();
     text += buffer.str();
@@ -344,9 +349,9 @@ Corpus read_corpus(Options& o) {
   c.held_out_bytes = static_cast<int64_t>(o.held_out * static_cast<double>(c.text.size()));
   c.train_bytes = static_cast<int64_t>(c.text.size()) - c.held_out_bytes;
   if (c.train_bytes < 4 * (o.seq + 1) || c.held_out_bytes < o.seq + 2)
-    throw loom::InvalidArgumentError("train_gpt: --data " + o.data + " has " + std::to_string(c.text.size()) +
-                                     " bytes; expected enough for training and held-out windows of --seq " +
-                                     std::to_string(o.seq) + " + 1");
+    throw refusal("--data " + o.data + " has " + std::to_string(c.text.size()) +
+                  " bytes; expected enough for training and held-out windows of --seq " +
+                  std::to_string(o.seq) + " + 1");
   const torch::Tensor all_ids =
       torch::from_blob(const_cast<char*>(c.text.data()), {static_cast<int64_t>(c.text.size())}, torch::kUInt8)
           .to(torch::kLong);
@@ -499,12 +504,12 @@ void GptRun::set_up_groups() {
   if (comm_->members() == world_->members()) config.dp_rings = loom::planned_dp_rings(o_.tp, o_.pp);
   ps_.emplace(comm_, config);
   if (o_.batch % (ps_->dp_degree() * o_.accumulate) != 0)
-    throw loom::InvalidArgumentError(
-        "train_gpt: --batch " + std::to_string(o_.batch) + " must be divisible by the data-parallel degree " +
+    throw refusal(
+        "--batch " + std::to_string(o_.batch) + " must be divisible by the data-parallel degree " +
         std::to_string(ps_->dp_degree()) + " x --accumulate " + std::to_string(o_.accumulate));
   if (o_.sequence_parallel && o_.seq % ps_->tp_degree() != 0)
-    throw loom::InvalidArgumentError("train_gpt: --seq " + std::to_string(o_.seq) +
-                                     " must be divisible by the tensor-parallel degree with --sequence-parallel");
+    throw refusal("--seq " + std::to_string(o_.seq) + " must be divisible by the tensor-parallel degree " +
+                  std::to_string(ps_->tp_degree()) + " with --sequence-parallel");
   per_replica_ = o_.batch / ps_->dp_degree();
 }
 
@@ -568,15 +573,15 @@ void GptRun::build_pipeline() {
   const loom::pp::Schedule schedule = loom::pp::parse_schedule(o_.schedule);
   if (o_.virtual_stages == 0) o_.virtual_stages = schedule == loom::pp::Schedule::Interleaved1F1B ? 2 : 1;
   if (o_.clip_grad_norm > 0 && o_.zero > 0)
-    throw loom::InvalidArgumentError("train_gpt: --clip-grad-norm with --zero and --pp " + std::to_string(o_.pp) +
-                                     ": ZeRO's clip_grad_norm sums over its DP group, not over the stages");
+    throw refusal("--clip-grad-norm with --zero and --pp " + std::to_string(o_.pp) +
+                  ": ZeRO's clip_grad_norm sums over its DP group, not over the stages");
   // A reducer finalizes after each synchronized backward: with several chunks on a rank each
   // needs its own (plain data parallelism builds one per chunk; ZeRO's optimizer holds one).
   if (o_.virtual_stages > 1 && o_.zero > 0)
-    throw loom::InvalidArgumentError("train_gpt: --zero " + std::to_string(o_.zero) + " with --virtual-stages " +
-                                     std::to_string(o_.virtual_stages) +
-                                     ": ZeRO's optimizer reduces every chunk of a rank at once, and a rank's chunks "
-                                     "finish backward at different times; use --schedule 1f1b or gpipe with --zero");
+    throw refusal("--zero " + std::to_string(o_.zero) + " with --virtual-stages " +
+                  std::to_string(o_.virtual_stages) +
+                  ": ZeRO's optimizer reduces every chunk of a rank at once, and a rank's chunks "
+                  "finish backward at different times; use --schedule 1f1b or gpipe with --zero");
   const int stages = o_.pp * o_.virtual_stages, layers = static_cast<int>(o_.layers);
   for (int c = 0; c < o_.virtual_stages; ++c) {
     const int s = c * o_.pp + ps_->pp_rank();
@@ -784,7 +789,7 @@ void GptRun::train_steps() {
   // The loss curve (rank 0): training loss at every logged step, held-out loss at every evaluation.
   if (log_ && !o_.loss_csv.empty()) {
     curve_.reset(std::fopen(o_.loss_csv.c_str(), o_.resume ? "a" : "w"));
-    if (!curve_) throw loom::InvalidArgumentError("train_gpt: cannot write --loss-csv " + o_.loss_csv);
+    if (!curve_) throw refusal("cannot write --loss-csv " + o_.loss_csv);
     if (!o_.resume || std::ftell(curve_.get()) == 0) std::fprintf(curve_.get(), "step,loss,held_out_loss\n");
   }
   for (int64_t step = first_step_; step <= o_.steps; ++step) {
@@ -1043,8 +1048,8 @@ void GptRun::score_file() {
   const std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
   const int64_t count = std::min<int64_t>(o_.score_windows, (static_cast<int64_t>(bytes.size()) - 1) / o_.seq);
   if (count < 1)
-    throw loom::InvalidArgumentError("train_gpt: --score " + o_.score + " holds " + std::to_string(bytes.size()) +
-                                     " bytes; expected at least --seq + 1 = " + std::to_string(o_.seq + 1));
+    throw refusal("--score " + o_.score + " holds " + std::to_string(bytes.size()) +
+                  " bytes; expected at least --seq + 1 = " + std::to_string(o_.seq + 1));
   torch::Tensor ids = torch::empty({o_.seq + 1, count}, torch::kLong);
   for (int64_t w = 0; w < count; ++w)
     for (int64_t i = 0; i <= o_.seq; ++i) ids[i][w] = static_cast<int64_t>(static_cast<unsigned char>(bytes[w * o_.seq + i]));
@@ -1185,8 +1190,8 @@ int main(int argc, char** argv) {
   } catch (const std::exception& e) {
     // Leaving without finalizing makes mpirun end the other ranks instead of letting them hang;
     // exit code 1, as when torchloom ends the job itself (MPI_Abort), whichever rank reports first.
-    const std::string what = e.what();  // train_gpt's own refusals name it already
-    std::fprintf(stderr, "%s%s\n", what.rfind("train_gpt:", 0) == 0 ? "" : "train_gpt: ", what.c_str());
+    const std::string what = e.what();  // train_gpt's own refusals name it already ("[rank 1] train_gpt: ...")
+    std::fprintf(stderr, "%s%s\n", what.find("train_gpt: ") != std::string::npos ? "" : "train_gpt: ", what.c_str());
     return 1;
   }
   loom::finalize();
