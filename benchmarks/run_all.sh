@@ -5,7 +5,7 @@
 #   bash benchmarks/run_all.sh [results-dir]
 # The last step writes benchmarks/report/README.md and its plots from the results (REPORT=0 skips
 # it; on its own: python3 benchmarks/report.py [results-dir]).
-# BENCHMARKS selects which run (default: all of "allreduce ddp zero python tp amp placement soak checkpoint"); DDP_ROUNDS how many times the
+# BENCHMARKS selects which run (default: all of "allreduce ddp zero python tp pipeline amp placement soak checkpoint"); DDP_ROUNDS how many times the
 # loom/PyTorch DDP pair is repeated, alternating which goes first (default 3); TORCHRUN_ROUNDS how many
 # times the all-reduce pair under torchrun (loom over Gloo) is run (default 3).
 set -euo pipefail
