@@ -33,13 +33,6 @@ int positive(const std::string& text) {
   return value;
 }
 
-// A long -H value or line, as shown in a message: its start, printable.
-std::string excerpt(const std::string& text) {
-  std::string out;
-  for (char c : text.substr(0, 60)) out += (static_cast<unsigned char>(c) < 0x20 || c == 0x7f) ? '?' : c;
-  return text.size() > 60 ? out + "..." : out;
-}
-
 // Hosts in order, duplicates found through a set (a scan of the list per host was quadratic).
 struct HostList {
   std::vector<Host> hosts;
@@ -59,7 +52,7 @@ struct HostList {
 
 std::vector<Host> parse_host_list(const std::string& text) {
   HostList hosts;
-  const std::string shown = excerpt(text);
+  const std::string list = shown(text);
   size_t pos = 0;
   while (pos <= text.size()) {
     size_t comma = text.find(',', pos);
@@ -67,16 +60,16 @@ std::vector<Host> parse_host_list(const std::string& text) {
     size_t colon = item.find(':');
     Host h{item.substr(0, colon), 1};
     if (!valid_host_name(h.name))
-      throw UsageError("-H '" + shown + "': '" + excerpt(item) + "' is not host or host:slots (the host name is " +
+      throw UsageError("-H '" + list + "': '" + shown(item) + "' is not host or host:slots (the host name is " +
                        (h.name.empty() ? "empty" : "not a valid name") + ")");
     if (colon != std::string::npos) {
       h.slots = positive(item.substr(colon + 1));
       if (h.slots < 0)
-        throw UsageError("-H '" + shown + "': '" + excerpt(item) +
+        throw UsageError("-H '" + list + "': '" + shown(item) +
                          "' is not host or host:slots (slots must be a positive integer, found '" +
-                         excerpt(item.substr(colon + 1)) + "')");
+                         shown(item.substr(colon + 1)) + "')");
     }
-    hosts.add(h, "-H '" + shown + "': ");
+    hosts.add(h, "-H '" + list + "': ");
     if (comma == std::string::npos) break;
     pos = comma + 1;
   }
@@ -110,17 +103,17 @@ std::vector<Host> parse_hostfile(const std::string& path) {
     std::istringstream words(line);
     std::string name, word;
     if (!(words >> name)) continue;
-    if (!valid_host_name(name)) throw UsageError(where + "'" + excerpt(name) + "' is not a host name");
+    if (!valid_host_name(name)) throw UsageError(where + "'" + shown(name) + "' is not a host name");
     Host h{name, 1};
     while (words >> word) {
       size_t eq = word.find('=');
       std::string key = word.substr(0, eq), value = eq == std::string::npos ? "" : word.substr(eq + 1);
       if (key == "slots" || key == "max_slots" || key == "max-slots") {
         int n = positive(value);
-        if (n < 0) throw UsageError(where + "'" + excerpt(word) + "': expected a positive integer");
+        if (n < 0) throw UsageError(where + "'" + shown(word) + "': expected a positive integer");
         if (key == "slots") h.slots = n;
       } else {
-        throw UsageError(where + "'" + excerpt(word) + "': expected slots=N or max_slots=N");
+        throw UsageError(where + "'" + shown(word) + "': expected slots=N or max_slots=N");
       }
     }
     hosts.add(h, where);

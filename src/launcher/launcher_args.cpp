@@ -13,6 +13,12 @@
 
 namespace loom::launcher {
 
+std::string shown(const std::string& text) {
+  std::string out;
+  for (char c : text.substr(0, 60)) out += (static_cast<unsigned char>(c) < 0x20 || c == 0x7f) ? '?' : c;
+  return text.size() > 60 ? out + "..." : out;
+}
+
 namespace {
 
 std::string absolute(const std::string& path) {
@@ -62,12 +68,6 @@ void check_output_dir(const std::string& dir) {
   if (::access(parent.c_str(), W_OK | X_OK) != 0)
     throw UsageError("--output-dir " + dir + ": cannot create it in " + parent.string() + " (" +
                      std::strerror(errno) + ")");
-}
-
-std::string shown(const std::string& text) {
-  std::string out;
-  for (char c : text.substr(0, 60)) out += (static_cast<unsigned char>(c) < 0x20 || c == 0x7f) ? '?' : c;
-  return text.size() > 60 ? out + "..." : out;
 }
 
 bool identifier(const std::string& name, bool leading_digit_ok) {

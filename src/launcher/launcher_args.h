@@ -24,6 +24,10 @@ class UsageError : public std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
+// What a UsageError quotes of the user's input: its first 60 bytes, control bytes as '?', "..."
+// after a longer text (a message stays one readable line whatever was passed).
+std::string shown(const std::string& text);
+
 // Limits on what loomrun passes on (docs/limits.md).
 inline constexpr size_t kMaxPassedOn = 10000;     // -x, --mca and --mpi-arg entries, each kind
 inline constexpr size_t kMaxVariableName = 255;   // -x NAME

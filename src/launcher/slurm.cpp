@@ -10,12 +10,6 @@ namespace loom::launcher {
 
 namespace {
 
-std::string excerpt(const std::string& text) {
-  std::string out;
-  for (char c : text.substr(0, 60)) out += (static_cast<unsigned char>(c) < 0x20 || c == 0x7f) ? '?' : c;
-  return text.size() > 60 ? out + "..." : out;
-}
-
 // Digits only, at most 9 of them (no overflow); -1 otherwise.
 long long number(const std::string& text) {
   if (text.empty() || text.size() > 9) return -1;
@@ -84,8 +78,8 @@ Pattern parse_entry(const std::string& item, const std::string& where, size_t& c
       const std::string high_text = dash == std::string::npos ? low_text : part.substr(dash + 1);
       Range r{number(low_text), number(high_text), low_text.size()};
       if (r.low < 0 || r.high < 0 || r.high < r.low)
-        throw UsageError(where + "'[" + excerpt(body) + "]': expected ranges like 01-03,07 (found '" +
-                         excerpt(part) + "')");
+        throw UsageError(where + "'[" + shown(body) + "]': expected ranges like 01-03,07 (found '" +
+                         shown(part) + "')");
       group_size += static_cast<size_t>(r.high - r.low + 1);
       if (group_size > kMaxHosts) break;  // the check below says so
       group.push_back(r);
@@ -118,7 +112,7 @@ void expand_entry(const Pattern& p, const std::string& where, std::vector<std::s
     partial = std::move(longer);
   }
   for (auto& name : partial) {
-    if (!valid_host_name(name)) throw UsageError(where + "'" + excerpt(name) + "' is not a host name");
+    if (!valid_host_name(name)) throw UsageError(where + "'" + shown(name) + "' is not a host name");
     names.push_back(std::move(name));
   }
 }
@@ -126,7 +120,7 @@ void expand_entry(const Pattern& p, const std::string& where, std::vector<std::s
 }  // namespace
 
 std::vector<std::string> expand_slurm_nodelist(const std::string& text, const std::string& variable) {
-  const std::string where = variable + "='" + excerpt(text) + "': ";
+  const std::string where = variable + "='" + shown(text) + "': ";
   if (text.size() > kMaxSlurmVariableBytes)
     throw UsageError(variable + ": more than " + std::to_string(kMaxSlurmVariableBytes) +
                      " bytes: exceeds the limit (docs/limits.md)");
@@ -147,7 +141,7 @@ std::vector<std::string> expand_slurm_nodelist(const std::string& text, const st
 }
 
 std::vector<int> expand_slurm_counts(const std::string& text, const std::string& variable) {
-  const std::string where = variable + "='" + excerpt(text) + "': ";
+  const std::string where = variable + "='" + shown(text) + "': ";
   if (text.size() > kMaxSlurmVariableBytes)
     throw UsageError(variable + ": more than " + std::to_string(kMaxSlurmVariableBytes) +
                      " bytes: exceeds the limit (docs/limits.md)");
@@ -162,7 +156,7 @@ std::vector<int> expand_slurm_counts(const std::string& text, const std::string&
                   : -1;
     }
     if (each < 1 || each > 1000000 || times < 1)
-      throw UsageError(where + "'" + excerpt(item) + "': expected N or N(xM), N from 1 to 1000000");
+      throw UsageError(where + "'" + shown(item) + "': expected N or N(xM), N from 1 to 1000000");
     if (counts.size() + static_cast<size_t>(times) > kMaxHosts)
       throw UsageError(where + "more than " + std::to_string(kMaxHosts) + " nodes: exceeds the limit (docs/limits.md)");
     counts.insert(counts.end(), static_cast<size_t>(times), static_cast<int>(each));
@@ -190,7 +184,7 @@ std::optional<SlurmHosts> hosts_from_slurm(const std::map<std::string, std::stri
   std::vector<int> counts = expand_slurm_counts(*counts_text, counts_name);
   if (counts.size() != names.size())
     throw UsageError(std::string(list_name) + " names " + std::to_string(names.size()) + " host(s) but " +
-                     counts_name + "='" + excerpt(*counts_text) + "' gives slots for " +
+                     counts_name + "='" + shown(*counts_text) + "' gives slots for " +
                      std::to_string(counts.size()) + ": expected one count per host");
   SlurmHosts out;
   std::set<std::string> seen;

@@ -21,8 +21,8 @@ using namespace loom;
 
 namespace {
 
-struct NetImpl : torch::nn::Module {
-  NetImpl() {
+struct ConvAuxNetImpl : torch::nn::Module {
+  ConvAuxNetImpl() {
     conv = register_module("conv", torch::nn::Conv2d(torch::nn::Conv2dOptions(3, 8, 3)));
     bn = register_module("bn", torch::nn::BatchNorm2d(8));
     head = register_module("head", torch::nn::Linear(8 * 6 * 6, 10));
@@ -37,7 +37,7 @@ struct NetImpl : torch::nn::Module {
   torch::nn::BatchNorm2d bn{nullptr};
   torch::nn::Linear head{nullptr}, aux{nullptr};
 };
-TORCH_MODULE(Net);
+TORCH_MODULE(ConvAuxNet);
 
 bool uses_aux(int step, int rank) { return step != 5 && (step + rank) % 2 == 0; }
 
@@ -58,7 +58,7 @@ TEST(PyTorchParity, DataParallelWithBatchNormFrozenParameterUnusedBranchAndAccum
   ASSERT_EQ(ref["world"].get<int>(), comm->size());
   const nlohmann::json& mine = ref["ranks"][comm->rank()];
 
-  Net net;
+  ConvAuxNet net;
   net->conv->bias.set_requires_grad(false);  // frozen
   {
     at::NoGradGuard no_grad;
@@ -67,7 +67,7 @@ TEST(PyTorchParity, DataParallelWithBatchNormFrozenParameterUnusedBranchAndAccum
   }
   ReducerOptions reducer;
   reducer.find_unused_parameters = true;
-  DistributedDataParallel<Net> ddp(net, comm, {reducer, /*broadcast_buffers=*/true});
+  DistributedDataParallel<ConvAuxNet> ddp(net, comm, {reducer, /*broadcast_buffers=*/true});
   std::vector<at::Tensor> trainable;
   for (auto& p : net->parameters())
     if (p.requires_grad()) trainable.push_back(p);

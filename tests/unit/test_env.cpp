@@ -17,7 +17,7 @@
 
 namespace {
 
-std::string error_of(const loom::Environment& env) {
+std::string config_error_of(const loom::Environment& env) {
   try {
     loom::parse_config(env);
   } catch (const loom::ConfigError& e) {
@@ -71,26 +71,26 @@ TEST(Config, ParsesEveryVariable) {
 
 TEST(Config, MalformedValuesNameVariableValueAndRange) {
   loom::detail::set_job_rank(3);
-  EXPECT_EQ(error_of({{"LOOM_TIMEOUT", "ten"}}),
+  EXPECT_EQ(config_error_of({{"LOOM_TIMEOUT", "ten"}}),
             "[rank 3] environment variable: LOOM_TIMEOUT='ten': expected seconds between 0.001 and 86400");
-  EXPECT_EQ(error_of({{"LOOM_TIMEOUT", "0"}}),
+  EXPECT_EQ(config_error_of({{"LOOM_TIMEOUT", "0"}}),
             "[rank 3] environment variable: LOOM_TIMEOUT='0': expected seconds between 0.001 and 86400");
-  EXPECT_EQ(error_of({{"LOOM_ON_ERROR", "ignore"}}),
+  EXPECT_EQ(config_error_of({{"LOOM_ON_ERROR", "ignore"}}),
             "[rank 3] environment variable: LOOM_ON_ERROR='ignore': expected one of abort, raise");
   // Once read lazily at the first failure, where a bad value defeated the abort: now at parse time.
-  EXPECT_EQ(error_of({{"LOOM_ABORT_GRACE", "abc"}}),
+  EXPECT_EQ(config_error_of({{"LOOM_ABORT_GRACE", "abc"}}),
             "[rank 3] environment variable: LOOM_ABORT_GRACE='abc': expected seconds between 0 and 600");
   // Once a std::terminate at the first log line: now a ConfigError like the others.
-  EXPECT_EQ(error_of({{"LOOM_LOG_LEVEL", "loud"}}),
+  EXPECT_EQ(config_error_of({{"LOOM_LOG_LEVEL", "loud"}}),
             "[rank 3] environment variable: LOOM_LOG_LEVEL='loud': expected one of trace, debug, info, warn, error, off");
-  EXPECT_EQ(error_of({{"LOOM_DEVICE", "-1"}}),
+  EXPECT_EQ(config_error_of({{"LOOM_DEVICE", "-1"}}),
             "[rank 3] environment variable: LOOM_DEVICE='-1': expected an integer from 0 to 1023");
-  EXPECT_EQ(error_of({{"LOOM_STALL_WARNING", "2"}}),
+  EXPECT_EQ(config_error_of({{"LOOM_STALL_WARNING", "2"}}),
             "[rank 3] environment variable: LOOM_STALL_WARNING='2': expected a number from 0 to 1");
-  EXPECT_EQ(error_of({{"LOOM_TIMEOUT", "nan"}}),
+  EXPECT_EQ(config_error_of({{"LOOM_TIMEOUT", "nan"}}),
             "[rank 3] environment variable: LOOM_TIMEOUT='nan': expected seconds between 0.001 and 86400");
   loom::detail::set_job_rank(-1);
-  EXPECT_EQ(error_of({{"LOOM_NCCL", "maybe"}}),
+  EXPECT_EQ(config_error_of({{"LOOM_NCCL", "maybe"}}),
             "[rank ?] environment variable: LOOM_NCCL='maybe': expected one of auto, on, off");
 }
 

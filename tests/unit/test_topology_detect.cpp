@@ -16,10 +16,6 @@ namespace {
 
 const std::string kSimulatedMachine = std::string(LOOM_SOURCE_DIR) + "/tests/fixtures/hwloc/two_socket_4gpu.xml";
 
-Link L(const char* text) {
-  return *parse_link(text);
-}
-
 // Sets an environment variable for one scope.
 class ScopedEnv {
  public:

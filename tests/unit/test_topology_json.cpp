@@ -13,10 +13,7 @@ using namespace loom::topo::testing;
 
 namespace {
 
-Link L(const char* text) {
-  return *parse_link(text);
-}
-std::string error_for(const std::string& text) {
+std::string json_error_for(const std::string& text) {
   return parse_error_of([&] { topology_from_json(text, "t.json"); });
 }
 
@@ -111,40 +108,40 @@ TEST(TopologyJson, LoadFileTellsFormatsApart) {
 
 TEST(TopologyJson, ErrorsNamePointerLineAndColumn) {
   // A bad class inside a matrix: the position of that very string.
-  EXPECT_EQ(error_for("{\"nodes\": [{\"gpus\": 2,\n \"links\": [[\"X\", \"NVX\"], [\"NVX\", \"X\"]]}]}"),
+  EXPECT_EQ(json_error_for("{\"nodes\": [{\"gpus\": 2,\n \"links\": [[\"X\", \"NVX\"], [\"NVX\", \"X\"]]}]}"),
             "t.json:2:18: /nodes/0/links/0/1: expected a link class (X, NV#, PIX, PXB, PHB, NODE, SYS), found \"NVX\"");
   // Asymmetric matrix.
-  EXPECT_EQ(error_for("{\"nodes\": [{\"gpus\": 2,\n \"links\": [[\"X\", \"NV2\"],\n  [\"NV1\", \"X\"]]}]}"),
+  EXPECT_EQ(json_error_for("{\"nodes\": [{\"gpus\": 2,\n \"links\": [[\"X\", \"NV2\"],\n  [\"NV1\", \"X\"]]}]}"),
             "t.json:3:4: /nodes/0/links/1/0: expected NV2 (the matrix is symmetric: entry [0][1] says so), found NV1");
   // Unknown key (a typo) at its value.
-  EXPECT_EQ(error_for("{\"nodes\": [{\"gpus\": 1, \"hostnme\": \"a\"}]}"),
+  EXPECT_EQ(json_error_for("{\"nodes\": [{\"gpus\": 1, \"hostnme\": \"a\"}]}"),
             "t.json:1:35: /nodes/0/hostnme: unknown key 'hostnme' (expected one of: hostname, replicate, sockets, "
             "numa_nodes, gpus, nics, links, nic_links, source, notes, comment)");
   // Wrong type, with a number as the value.
-  EXPECT_EQ(error_for("{\"nodes\": [{\"gpus\": 1, \"replicate\": -2}]}"),
+  EXPECT_EQ(json_error_for("{\"nodes\": [{\"gpus\": 1, \"replicate\": -2}]}"),
             "t.json:1:37: /nodes/0/replicate: expected an integer from 1 to 100000, found -2");
   // Syntax error.
-  EXPECT_EQ(error_for("{\"nodes\": [\n  {\"gpus\": 1,}\n]}").substr(0, 40), "t.json:2:14: expected valid JSON: syntax");
+  EXPECT_EQ(json_error_for("{\"nodes\": [\n  {\"gpus\": 1,}\n]}").substr(0, 40), "t.json:2:14: expected valid JSON: syntax");
   // Missing member: reported at the enclosing object.
-  EXPECT_EQ(error_for("{\"nodes\": [\n  {\"gpus\": 2}]}"),
+  EXPECT_EQ(json_error_for("{\"nodes\": [\n  {\"gpus\": 2}]}"),
             "t.json:2:3: /nodes/0: expected \"links\" (a matrix, or {\"default\": \"NV12\"}) for a node with 2 GPUs");
-  EXPECT_EQ(error_for("{\"nodes\": [{\"hostname\": \"a\", \"gpus\": 1}, {\"hostname\": \"a\", \"gpus\": 1}]}"),
+  EXPECT_EQ(json_error_for("{\"nodes\": [{\"hostname\": \"a\", \"gpus\": 1}, {\"hostname\": \"a\", \"gpus\": 1}]}"),
             "t.json:1:55: /nodes/1/hostname: hostname 'a' is used by two nodes");
-  EXPECT_EQ(error_for("{\"nodes\": [{\"numa_nodes\": [{\"id\": 0}], \"gpus\": [{\"numa\": 1}]}]}"),
+  EXPECT_EQ(json_error_for("{\"nodes\": [{\"numa_nodes\": [{\"id\": 0}], \"gpus\": [{\"numa\": 1}]}]}"),
             "t.json:1:58: /nodes/0/gpus/0/numa: NUMA node 1 is not in this node's \"numa_nodes\"");
-  EXPECT_EQ(error_for("{\"nodes\": [{\"gpus\": 1, \"nics\": [\"m\"]}]}"),
+  EXPECT_EQ(json_error_for("{\"nodes\": [{\"gpus\": 1, \"nics\": [\"m\"]}]}"),
             "t.json:1:12: /nodes/0: expected \"nic_links\" (a GPU x NIC matrix, or {\"default\": \"SYS\"}) for a node "
             "with NICs");
-  EXPECT_EQ(error_for("{\"nodes\": [{\"gpus\": 2, \"links\": {\"default\": \"X\"}}]}"),
+  EXPECT_EQ(json_error_for("{\"nodes\": [{\"gpus\": 2, \"links\": {\"default\": \"X\"}}]}"),
             "t.json:1:45: /nodes/0/links/default: expected a link class other than X as the default");
-  EXPECT_EQ(error_for("{\"nodes\": [{\"gpus\": 2, \"links\": {\"default\": \"NET\"}}]}"),
+  EXPECT_EQ(json_error_for("{\"nodes\": [{\"gpus\": 2, \"links\": {\"default\": \"NET\"}}]}"),
             "t.json:1:45: /nodes/0/links/default: NET joins different nodes; inside a node expected X, NV#, PIX, PXB, "
             "PHB, NODE or SYS");
-  EXPECT_EQ(error_for("{\"nodes\": []}"), "t.json:1:11: /nodes: expected a non-empty array of node objects, found []");
-  EXPECT_EQ(error_for("{\"link_costs\": {\"PIX\": {\"bandwidth_gbps\": 0}}, \"nodes\": [{\"gpus\": 1}]}"),
+  EXPECT_EQ(json_error_for("{\"nodes\": []}"), "t.json:1:11: /nodes: expected a non-empty array of node objects, found []");
+  EXPECT_EQ(json_error_for("{\"link_costs\": {\"PIX\": {\"bandwidth_gbps\": 0}}, \"nodes\": [{\"gpus\": 1}]}"),
             "t.json:1:43: /link_costs/PIX/bandwidth_gbps: expected a bandwidth above 0 GB/s, found 0");
   // Size limits: no node count or matrix that would exhaust memory.
-  EXPECT_NE(error_for("{\"nodes\": [{\"gpus\": 512, \"links\": {\"default\": \"SYS\"}, \"replicate\": 100000}]}")
+  EXPECT_NE(json_error_for("{\"nodes\": [{\"gpus\": 512, \"links\": {\"default\": \"SYS\"}, \"replicate\": 100000}]}")
                 .find("link entries in all (too large)"),
             std::string::npos);
 }

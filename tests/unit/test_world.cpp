@@ -12,7 +12,7 @@ using loom::world_from_environment;
 namespace {
 
 // Runs the parser and returns the ConfigError's message ("" when it did not throw).
-std::string error_of(const Environment& env) {
+std::string world_error_of(const Environment& env) {
   try {
     world_from_environment(env, "host");
   } catch (const ConfigError& e) {
@@ -117,32 +117,32 @@ TEST(World, SlurmBatchShellWithoutStepIsNotALaunch) {
 }
 
 TEST(World, MalformedValuesAreErrorsNamingTheVariable) {
-  EXPECT_EQ(error_of({{"RANK", "one"}, {"WORLD_SIZE", "2"}}),
+  EXPECT_EQ(world_error_of({{"RANK", "one"}, {"WORLD_SIZE", "2"}}),
             "launch environment (torchrun): RANK='one' is not a non-negative integer");
-  EXPECT_EQ(error_of({{"RANK", "-1"}, {"WORLD_SIZE", "2"}}),
+  EXPECT_EQ(world_error_of({{"RANK", "-1"}, {"WORLD_SIZE", "2"}}),
             "launch environment (torchrun): RANK='-1' is not a non-negative integer");
-  EXPECT_EQ(error_of({{"RANK", "2x"}, {"WORLD_SIZE", "2"}}),
+  EXPECT_EQ(world_error_of({{"RANK", "2x"}, {"WORLD_SIZE", "2"}}),
             "launch environment (torchrun): RANK='2x' is not a non-negative integer");
-  EXPECT_EQ(error_of({{"OMPI_COMM_WORLD_RANK", "0"}, {"OMPI_COMM_WORLD_SIZE", ""}}),
+  EXPECT_EQ(world_error_of({{"OMPI_COMM_WORLD_RANK", "0"}, {"OMPI_COMM_WORLD_SIZE", ""}}),
             "launch environment (openmpi): OMPI_COMM_WORLD_SIZE='' is not a non-negative integer");
 }
 
 TEST(World, InconsistentValuesAreErrorsWithBothSides) {
-  EXPECT_EQ(error_of({{"RANK", "4"}, {"WORLD_SIZE", "4"}}),
+  EXPECT_EQ(world_error_of({{"RANK", "4"}, {"WORLD_SIZE", "4"}}),
             "launch environment (torchrun): RANK=4 is out of range for WORLD_SIZE=4 (expected 0..3)");
-  EXPECT_EQ(error_of({{"RANK", "0"}, {"WORLD_SIZE", "0"}}),
+  EXPECT_EQ(world_error_of({{"RANK", "0"}, {"WORLD_SIZE", "0"}}),
             "launch environment (torchrun): WORLD_SIZE=0, expected at least 1");
-  EXPECT_EQ(error_of({{"RANK", "0"}}), "launch environment (torchrun): RANK is set but WORLD_SIZE is missing");
-  EXPECT_EQ(error_of({{"WORLD_SIZE", "2"}}), "launch environment (torchrun): WORLD_SIZE is set but RANK is missing");
-  EXPECT_EQ(error_of({{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"LOCAL_RANK", "0"}}),
+  EXPECT_EQ(world_error_of({{"RANK", "0"}}), "launch environment (torchrun): RANK is set but WORLD_SIZE is missing");
+  EXPECT_EQ(world_error_of({{"WORLD_SIZE", "2"}}), "launch environment (torchrun): WORLD_SIZE is set but RANK is missing");
+  EXPECT_EQ(world_error_of({{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"LOCAL_RANK", "0"}}),
             "launch environment (torchrun): LOCAL_RANK is set but LOCAL_WORLD_SIZE is missing");
-  EXPECT_EQ(error_of({{"OMPI_COMM_WORLD_RANK", "1"},
+  EXPECT_EQ(world_error_of({{"OMPI_COMM_WORLD_RANK", "1"},
                       {"OMPI_COMM_WORLD_SIZE", "2"},
                       {"OMPI_COMM_WORLD_LOCAL_RANK", "2"},
                       {"OMPI_COMM_WORLD_LOCAL_SIZE", "2"}}),
             "launch environment (openmpi): OMPI_COMM_WORLD_LOCAL_RANK=2 is out of range for "
             "OMPI_COMM_WORLD_LOCAL_SIZE=2 (expected 0..1)");
-  EXPECT_EQ(error_of({{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"LOCAL_RANK", "0"}, {"LOCAL_WORLD_SIZE", "4"}}),
+  EXPECT_EQ(world_error_of({{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"LOCAL_RANK", "0"}, {"LOCAL_WORLD_SIZE", "4"}}),
             "launch environment (torchrun): 4 processes on this node but only 2 in the job");
 }
 
@@ -150,10 +150,10 @@ TEST(World, SlurmTasksPerNodeMustDescribeTheNode) {
   Environment env = {{"SLURM_PROCID", "0"}, {"SLURM_NTASKS", "2"},  {"SLURM_LOCALID", "0"},
                      {"SLURM_NODEID", "1"}, {"SLURM_NNODES", "2"},  {"SLURM_STEP_ID", "0"},
                      {"SLURM_TASKS_PER_NODE", "2"}};
-  EXPECT_EQ(error_of(env),
+  EXPECT_EQ(world_error_of(env),
             "launch environment (slurm): SLURM_TASKS_PER_NODE='2' describes 1 nodes but SLURM_NODEID=1");
   env["SLURM_TASKS_PER_NODE"] = "2(y2)";
-  EXPECT_EQ(error_of(env), "launch environment (slurm): SLURM_TASKS_PER_NODE='2(y2)' is not of the form 4(x2),2");
+  EXPECT_EQ(world_error_of(env), "launch environment (slurm): SLURM_TASKS_PER_NODE='2(y2)' is not of the form 4(x2),2");
 }
 
 // Hostile counts: refused before anything is allocated ("1(x2000000000)" asked for 8 GB), and
@@ -163,10 +163,10 @@ TEST(World, SlurmTasksPerNodeIsBounded) {
                      {"SLURM_NODEID", "0"}, {"SLURM_NNODES", "1"}, {"SLURM_STEP_ID", "0"}};
   for (const char* bad : {"1(x2000000000)", "4294967298", "2(x4294967297)", "1(x60000),1(x60000)"}) {
     env["SLURM_TASKS_PER_NODE"] = bad;
-    EXPECT_NE(error_of(env).find("SLURM_TASKS_PER_NODE"), std::string::npos) << bad;
+    EXPECT_NE(world_error_of(env).find("SLURM_TASKS_PER_NODE"), std::string::npos) << bad;
   }
   env["SLURM_TASKS_PER_NODE"] = "1(x60000),1(x60000)";
-  EXPECT_NE(error_of(env).find("more than 100000 nodes"), std::string::npos) << error_of(env);
+  EXPECT_NE(world_error_of(env).find("more than 100000 nodes"), std::string::npos) << world_error_of(env);
 }
 
 TEST(World, CurrentEnvironmentSeesVariables) {

@@ -26,6 +26,10 @@ std::string read_fixture(const std::string& name) {
   return read_file(fixture_path(name));
 }
 
+Link L(const char* text) {
+  return *parse_link(text);
+}
+
 namespace {
 
 std::vector<std::string> list(const std::function<bool(const std::string&)>& keep) {

@@ -22,6 +22,9 @@ std::vector<std::string> p2p_fixtures();
 std::vector<std::string> xml_fixtures();
 inline const char* kMangledFixture = "h800_8gpu_10nic_gdr_stor_MANGLED_affinity.txt";
 
+// A link from its nvidia-smi spelling: L("NV2"), L("PIX"), L("SYS").
+Link L(const char* text);
+
 // The ParseError's what() ("" when `f` did not throw); a different exception propagates.
 std::string parse_error_of(const std::function<void()>& f);
 
