@@ -21,11 +21,9 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
-#include <map>
 #include <nlohmann/json.hpp>
 #include <set>
 #include <string>
-#include <tuple>
 #include <vector>
 
 #include "bench_common.h"
@@ -135,50 +133,30 @@ nlohmann::json median_step_timeline(const Run& run, loom::Communicator& world) {
   return ranks;
 }
 
-// The plan replayed with the median step's measured action times (`timeline`, every rank's, as
-// median_step_timeline gives them) and instant messages, sends posted at their group's start and
-// not waited for, as the executor does on the host: the bubble this schedule leaves at these costs,
-// averaged over the ranks as the measured one is. What the measured bubble has above it, messages
-// and the executor cost; what it has above the promise, unequal costs (stages, cores) cost.
-double bubble_at_measured_costs(const loom::pp::PipelinePlan& plan, const nlohmann::json& timeline) {
-  using loom::pp::Action;
-  const int ranks = static_cast<int>(plan.actions.size());
-  auto key = [](const loom::pp::Message& m) {
-    return std::make_tuple(static_cast<int>(m.carries), m.micro_batch, m.from_stage, m.to_stage);
-  };
-  std::map<std::tuple<int, int, int, int>, double> posted;  // message -> when its sender posted it
-  std::vector<size_t> next(ranks, 0);
-  std::vector<double> clock(ranks, 0), busy(ranks, 0);
-  for (bool progress = true; progress;) {
-    progress = false;
-    for (int r = 0; r < ranks; ++r) {
-      const auto& actions = plan.actions[r];
-      for (; next[r] < actions.size(); ++next[r], progress = true) {
-        const Action& a = actions[next[r]];
-        if (a.kind != Action::Kind::Communicate) {
-          const auto& t = timeline.at(r).at(next[r]);
-          const double seconds = (t.at(3).get<double>() - t.at(2).get<double>()) / 1e3;
-          clock[r] += seconds, busy[r] += seconds;
-          continue;
-        }
-        for (const auto& m : a.sends) posted.emplace(key(m), clock[r]);  // first, as the executor does
-        double ready = clock[r];
-        bool arrived = true;
-        for (const auto& m : a.receives) {
-          auto found = posted.find(key(m));
-          if (found == posted.end()) arrived = false;
-          else ready = std::max(ready, found->second);
-        }
-        if (!arrived) break;  // back here once the sender has posted it (the clock has not moved)
-        clock[r] = ready;
-      }
-    }
+// The plan replayed at each measured step's own action times (every rank's) with instant messages,
+// sends posted at their group's start and not waited for, as the executor does on the host
+// (loom::pp::prove at those costs): the bubble this schedule leaves at those costs, by step, to set
+// beside the bubble measured in the same step. What the measured bubble has above it, messages and
+// the executor cost; what it has above the promise, unequal costs (stages, cores) cost.
+std::vector<double> bubbles_at_measured_costs(const Run& run, loom::Communicator& world) {
+  const auto& plan = run.executor->plan();
+  const size_t my_actions = plan.actions[static_cast<size_t>(run.executor->rank())].size();
+  nlohmann::json mine = nlohmann::json::array();  // by step, by action: seconds
+  for (const auto& timeline : run.result.timelines) {
+    std::vector<double> seconds(my_actions, 0.0);
+    for (const auto& t : timeline) seconds.at(static_cast<size_t>(t.action)) = t.end - t.start;
+    mine.push_back(seconds);
   }
-  for (int r = 0; r < ranks; ++r)
-    if (next[r] != plan.actions[r].size()) return std::nan("");  // a proven plan finishes: not reached
-  double bubble = 0;
-  for (int r = 0; r < ranks; ++r) bubble += (clock[r] > 0 ? 1.0 - busy[r] / clock[r] : 0.0) / ranks;
-  return bubble;
+  std::vector<nlohmann::json> by_rank;
+  for (const auto& text : loom::all_gather_strings(world, mine.dump(), {"pipeline_bench costs"}))
+    by_rank.push_back(nlohmann::json::parse(text));
+  std::vector<double> bubbles;
+  for (size_t step = 0; step < run.result.timelines.size(); ++step) {
+    loom::pp::ReplayCosts costs{.sends_posted = true};
+    for (const auto& rank : by_rank) costs.action.push_back(rank.at(step).get<std::vector<double>>());
+    bubbles.push_back(loom::pp::prove(plan, costs).bubble);
+  }
+  return bubbles;
 }
 
 // Prints each schedule's medians (rank 0) and returns them as the JSON document.
@@ -195,7 +173,7 @@ nlohmann::json report(const std::vector<Run>& runs, const Config& c, loom::Commu
     const double promised = run.executor->proof().bubble;
     const double seconds = loom::bench::median(run.result.seconds), bubble = loom::bench::median(run.result.bubble);
     const nlohmann::json timeline = median_step_timeline(run, world);
-    const double replayed = bubble_at_measured_costs(run.executor->plan(), timeline);
+    const double replayed = loom::bench::median(bubbles_at_measured_costs(run, world));
     if (me == 0)
       std::printf("  %-16s step %8.2f ms   bubble %.3f (promised %.3f, off by %+.3f; at the measured costs %.3f)   "
                   "activation peak %6.1f MiB (%.2f of GPipe's)\n",

@@ -699,9 +699,10 @@ class Report:
                  fmt(r["bubble_promised"]), f"{r['bubble_median'] - r['bubble_promised']:+.3f}",
                  fmt(r.get("bubble_at_measured_costs", float("nan"))),
                  f"{r['activation_peak_bytes'] / 1048576:.1f} MiB", fmt(r["activation_peak_bytes"] / gpipe, 2)] for r in runs]
-        text += ("\nThe plan at the measured costs is the plan replayed with the timeline's own action times and "
-                 "instant messages: the measured bubble above it is what messages and the executor cost, and it "
-                 "above the promise is what unequal costs cost (stages, or cores running at different speeds).\n")
+        text += ("\nThe plan at the measured costs is the plan replayed (`loom::pp::prove`) with each measured "
+                 "step's own action times and instant messages, the median over the steps: the measured bubble "
+                 "above it is what messages and the executor cost, and it above the promise is what unequal costs "
+                 "cost (stages, or cores running at different speeds).\n")
         text += "\n" + table(["schedule", "virtual stages", "step ms", "bubble", "promised", "off by",
                               "plan at the measured costs", "activation peak", "of GPipe's"], rows)
         torch_rows = []

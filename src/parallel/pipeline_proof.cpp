@@ -1,6 +1,8 @@
-// The proof of a pipeline plan (loom::pp::prove): every rank's actions replayed together with
-// rendezvous messages and unit costs, until every rank is done or none can move.
+// The proof of a pipeline plan (loom::pp::prove): every rank's actions replayed together, with
+// rendezvous messages and unit costs (or the costs and send mode given), until every rank is done
+// or none can move.
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <string>
 
@@ -39,8 +41,9 @@ const PipelineShape& checked_shape(const PipelinePlan& plan) {
 
 class Replay {
  public:
-  explicit Replay(const PipelinePlan& plan)
+  Replay(const PipelinePlan& plan, const ReplayCosts& costs)
       : plan_(plan),
+        costs_(costs),
         shape_(checked_shape(plan)),
         stages_(shape_.stages()),
         ranks_(static_cast<size_t>(shape_.ranks)),
@@ -48,10 +51,12 @@ class Replay {
         backward_(cells(), 0),
         weight_(cells(), 0),
         split_(plan.schedule == Schedule::ZeroBubbleH1),
-        arrived_(2 * cells(), false) {
+        arrived_(2 * cells(), false),
+        posted_at_(costs.sends_posted ? 2 * cells() : 0, -1.0) {
     if (plan.actions.size() != static_cast<size_t>(shape_.ranks))
       fail("the plan lists " + std::to_string(plan.actions.size()) + " ranks; its shape has " +
            std::to_string(shape_.ranks));
+    check_costs();
     proof_.busy.assign(ranks_.size(), 0.0);
   }
 
@@ -82,9 +87,34 @@ class Replay {
  private:
   size_t cells() const { return static_cast<size_t>(shape_.micro_batches) * static_cast<size_t>(stages_); }
   size_t cell(int m, int s) const { return static_cast<size_t>(m) * static_cast<size_t>(stages_) + static_cast<size_t>(s); }
+  size_t message_slot(const Message& m) const {
+    return (m.carries == Carries::Gradient ? cells() : 0) + cell(m.micro_batch, m.to_stage);
+  }
   // Whether a message has arrived at its stage (activations, then gradients).
-  std::vector<bool>::reference arrived(const Message& m) {
-    return arrived_[(m.carries == Carries::Gradient ? cells() : 0) + cell(m.micro_batch, m.to_stage)];
+  std::vector<bool>::reference arrived(const Message& m) { return arrived_[message_slot(m)]; }
+  // With sends posted: when its sender posted it (-1 until then).
+  double& posted_at(const Message& m) { return posted_at_[message_slot(m)]; }
+
+  void check_costs() const {
+    const auto& costs = costs_.action;
+    if (costs.empty()) return;
+    if (costs.size() != plan_.actions.size())
+      fail("costs list " + std::to_string(costs.size()) + " ranks; the plan has " + std::to_string(plan_.actions.size()));
+    for (size_t r = 0; r < costs.size(); ++r) {
+      if (costs[r].size() != plan_.actions[r].size())
+        fail("costs list " + std::to_string(costs[r].size()) + " actions for rank " + std::to_string(r) +
+             "; its plan has " + std::to_string(plan_.actions[r].size()));
+      for (size_t i = 0; i < costs[r].size(); ++i)
+        if (!std::isfinite(costs[r][i]) || costs[r][i] < 0)
+          fail("the cost of rank " + std::to_string(r) + "'s action " + std::to_string(i) + " (" +
+               plan_.actions[r][i].describe() + ") is " + std::to_string(costs[r][i]) +
+               "; expected a finite number, 0 or more");
+    }
+  }
+  double cost_of(int r, const Action& a) const {
+    if (!costs_.action.empty())
+      return costs_.action[static_cast<size_t>(r)][ranks_[static_cast<size_t>(r)].next];
+    return a.kind == Action::Kind::Forward ? kForwardCost : split_ ? kSplitCost : kBackwardCost;
   }
   bool done(int r) const { return ranks_[static_cast<size_t>(r)].next >= plan_.actions[static_cast<size_t>(r)].size(); }
   const Action& current(int r) const { return plan_.actions[static_cast<size_t>(r)][ranks_[static_cast<size_t>(r)].next]; }
@@ -144,7 +174,7 @@ class Replay {
       if (!gradient) fail_at(r, "its output gradient has not arrived");
       ++backward_[cell(m, s)];
     }
-    const double cost = forward ? kForwardCost : split_ ? kSplitCost : kBackwardCost;
+    const double cost = cost_of(r, a);
     st.clock += cost;
     proof_.busy[static_cast<size_t>(r)] += cost;
   }
@@ -171,15 +201,42 @@ class Replay {
     st.posted = true;
     st.matched.assign(a.sends.size() + a.receives.size(), false);
     st.matched_at = st.clock;
+    if (!costs_.sends_posted) return;
+    for (size_t i = 0; i < a.sends.size(); ++i) {  // out, and done with as far as this rank goes
+      posted_at(a.sends[i]) = st.clock;
+      st.matched[i] = true;
+    }
   }
 
-  // Pairs every posted send with its posted receive; completes the groups all of whose messages
-  // are paired.
+  // With sends posted: a posted receive whose send has been posted arrives when both were.
+  bool receive_posted(int r) {
+    RankState& st = ranks_[static_cast<size_t>(r)];
+    const Action& a = current(r);
+    bool moved = false;
+    for (size_t j = 0; j < a.receives.size(); ++j) {
+      const size_t slot = a.sends.size() + j;
+      const Message& m = a.receives[j];
+      if (st.matched[slot] || posted_at(m) < 0) continue;
+      st.matched[slot] = true;
+      st.matched_at = std::max(st.matched_at, posted_at(m));
+      arrived(m) = true;
+      ++proof_.messages;
+      moved = true;
+    }
+    return moved;
+  }
+
+  // Pairs every posted send with its posted receive (with sends posted: every posted receive with
+  // its send); completes the groups all of whose messages are paired.
   bool match() {
     bool moved = false;
     for (int r = 0; r < shape_.ranks; ++r) {
       RankState& st = ranks_[static_cast<size_t>(r)];
       if (done(r) || !st.posted) continue;
+      if (costs_.sends_posted) {
+        moved = receive_posted(r) || moved;
+        continue;
+      }
       const Action& a = current(r);
       for (size_t i = 0; i < a.sends.size(); ++i) {
         if (st.matched[i]) continue;
@@ -228,17 +285,21 @@ class Replay {
   }
 
   const PipelinePlan& plan_;
+  const ReplayCosts& costs_;
   const PipelineShape shape_;
   const int stages_;
   std::vector<RankState> ranks_;
   std::vector<int> forward_, backward_, weight_;  // runs per (micro-batch, stage)
   bool split_ = false;                            // backward split into input and weight gradients
   std::vector<bool> arrived_;
+  std::vector<double> posted_at_;  // with sends posted: per message, when (-1: not yet)
   Proof proof_;
 };
 
 }  // namespace
 
-Proof prove(const PipelinePlan& plan) { return Replay(plan).run(); }
+Proof prove(const PipelinePlan& plan) { return Replay(plan, ReplayCosts{}).run(); }
+
+Proof prove(const PipelinePlan& plan, const ReplayCosts& costs) { return Replay(plan, costs).run(); }
 
 }  // namespace loom::pp

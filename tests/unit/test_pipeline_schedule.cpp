@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cmath>
 #include <random>
 #include <string>
 
@@ -208,6 +209,102 @@ TEST(PipelineSchedule, RandomShapesAreAllProven) {
     EXPECT_GE(proof.bubble, 0.0);
     EXPECT_LT(proof.bubble, 1.0);
   }
+}
+
+// Costs for every action of a plan: `compute(rank, action)` for computations, 0 for message groups.
+template <typename F>
+loom::pp::ReplayCosts costs_of(const PipelinePlan& plan, bool sends_posted, F compute) {
+  loom::pp::ReplayCosts costs{.sends_posted = sends_posted};
+  for (size_t r = 0; r < plan.actions.size(); ++r) {
+    costs.action.emplace_back();
+    for (const Action& a : plan.actions[r])
+      costs.action.back().push_back(a.kind == Action::Kind::Communicate ? 0.0 : compute(static_cast<int>(r), a));
+  }
+  return costs;
+}
+
+TEST(PipelineSchedule, ReplayAtTheUnitCostsIsTheProof) {
+  for (Schedule schedule : {Schedule::GPipe, Schedule::OneFOneB, Schedule::Interleaved1F1B, Schedule::ZeroBubbleH1})
+    for (auto [p, m] : {std::pair{2, 8}, {4, 8}, {3, 6}}) {
+      const int v = schedule == Schedule::Interleaved1F1B ? 2 : 1;
+      const auto plan = make_schedule(schedule, {.ranks = p, .micro_batches = m, .virtual_stages = v});
+      const bool split = schedule == Schedule::ZeroBubbleH1;
+      const auto unit = costs_of(plan, false, [&](int, const Action& a) {
+        return a.kind == Action::Kind::Forward ? 1.0 : split ? 1.0 : 2.0;
+      });
+      const auto proof = prove(plan), replay = prove(plan, unit);
+      EXPECT_DOUBLE_EQ(replay.makespan, proof.makespan) << schedule_name(schedule) << " p" << p << " m" << m;
+      EXPECT_DOUBLE_EQ(replay.bubble, proof.bubble) << schedule_name(schedule) << " p" << p << " m" << m;
+      EXPECT_EQ(replay.messages, proof.messages);
+    }
+}
+
+// GPipe over 2 ranks whose second stage is 3 times slower: rank 1 computes without a pause from the
+// first activation (t = 1) to its last backward (t = 1 + 9m); rank 0's last backward follows.
+TEST(PipelineSchedule, ReplayAtMeasuredCostsWaitsForTheSlowStage) {
+  constexpr int m = 4;
+  const auto plan = make_schedule(Schedule::GPipe, {.ranks = 2, .micro_batches = m});
+  for (bool posted : {false, true}) {
+    const auto proof = prove(plan, costs_of(plan, posted, [](int rank, const Action& a) {
+      return (a.kind == Action::Kind::Forward ? 1.0 : 2.0) * (rank == 1 ? 3.0 : 1.0);
+    }));
+    EXPECT_DOUBLE_EQ(proof.makespan, 9 * m + 3) << (posted ? "sends posted" : "rendezvous");
+    ASSERT_EQ(proof.busy.size(), 2u);
+    EXPECT_DOUBLE_EQ(proof.busy[0], 3 * m);
+    EXPECT_DOUBLE_EQ(proof.busy[1], 9 * m);
+    EXPECT_NEAR(proof.bubble, ((1 - 3.0 * m / (9 * m + 3)) + (1 - 9.0 * m / (9 * m + 3))) / 2, 1e-12);
+    EXPECT_EQ(proof.messages, 2 * m);
+  }
+}
+
+// Sends that are not waited for can only let a rank get further: never a longer replay than the
+// rendezvous at the same costs, and a shorter one where a sender would otherwise wait.
+TEST(PipelineSchedule, PostedSendsNeverLengthenTheReplay) {
+  std::mt19937 random(20261207);
+  std::uniform_real_distribution<double> cost(0.1, 3.0);
+  int shorter = 0;
+  for (int i = 0; i < 200; ++i) {
+    const int p = 2 + static_cast<int>(random() % 4);
+    const auto schedule = static_cast<Schedule>(random() % 4);
+    const int v = schedule == Schedule::Interleaved1F1B ? 2 : 1;
+    const int m = schedule == Schedule::Interleaved1F1B ? p * (1 + static_cast<int>(random() % 3))
+                                                        : 1 + static_cast<int>(random() % 10);
+    const auto plan = make_schedule(schedule, {.ranks = p, .micro_batches = m, .virtual_stages = v});
+    auto rendezvous = costs_of(plan, false, [&](int, const Action&) { return cost(random); });
+    auto posted = rendezvous;
+    posted.sends_posted = true;
+    const auto waited = prove(plan, rendezvous), not_waited = prove(plan, posted);
+    EXPECT_LE(not_waited.makespan, waited.makespan + 1e-9) << schedule_name(schedule) << " p" << p << " m" << m;
+    EXPECT_EQ(not_waited.messages, waited.messages);
+    shorter += not_waited.makespan < waited.makespan - 1e-9 ? 1 : 0;
+  }
+  EXPECT_GT(shorter, 0) << "posting the sends changed no replay: the two modes are one";
+}
+
+TEST(PipelineSchedule, CostsThatDoNotFitThePlanAreRefusedByName) {
+  const auto plan = make_schedule(Schedule::OneFOneB, {.ranks = 2, .micro_batches = 4});
+  auto refused = [&](const loom::pp::ReplayCosts& costs, const std::string& part) {
+    try {
+      prove(plan, costs);
+      ADD_FAILURE() << "replayed, expected a refusal";
+    } catch (const loom::InvalidArgumentError& e) {
+      EXPECT_NE(std::string(e.what()).find(part), std::string::npos) << e.what();
+    }
+  };
+  const auto good = costs_of(plan, true, [](int, const Action&) { return 1.0; });
+  EXPECT_NO_THROW(prove(plan, good));
+  auto fewer_ranks = good;
+  fewer_ranks.action.pop_back();
+  refused(fewer_ranks, "costs list 1 ranks; the plan has 2");
+  auto fewer_actions = good;
+  fewer_actions.action[1].pop_back();
+  refused(fewer_actions, "costs list " + std::to_string(plan.actions[1].size() - 1) + " actions for rank 1");
+  auto negative = good;
+  negative.action[0][0] = -1;
+  refused(negative, "the cost of rank 0's action 0 (F0@s0) is -1");
+  auto not_a_number = good;
+  not_a_number.action[1][2] = std::nan("");
+  refused(not_a_number, "expected a finite number");
 }
 
 // loom::pp::linear: the gradients of at::linear, all at once outside a zero-bubble backward; inside

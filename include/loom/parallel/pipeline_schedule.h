@@ -98,4 +98,24 @@ struct Proof {
 // deadlock (each stuck rank with the action it waits at).
 Proof prove(const PipelinePlan& plan);
 
+// The same replay at other costs: what a schedule leaves idle when its actions take the times one
+// step measured (PipelineStepTimes::actions, every rank's) and messages take none. That is the part
+// of a measured bubble the schedule answers for at those costs (unequal stages, cores); what the
+// measurement has above it, messages and the executor cost.
+//
+//   loom::pp::ReplayCosts costs{.action = seconds_by_rank_and_action, .sends_posted = true};
+//   double bubble = loom::pp::prove(plan, costs).bubble;
+struct ReplayCosts {
+  // Per pipeline rank, per action of plan.actions[rank]: how long it takes, in any unit (a
+  // Communicate action's entry is not read). Empty: the unit costs of prove(plan).
+  std::vector<std::vector<double>> action;
+  // Each group's sends posted at its start and never waited for, its receives waited for (the
+  // executor over MPI or Gloo), instead of every send completing only with its receive (the
+  // rendezvous of prove(plan); NCCL's group calls). A plan proven under rendezvous finishes here too.
+  bool sends_posted = false;
+};
+// InvalidArgumentError as prove(plan), and for costs that list other ranks or actions than the
+// plan's, or a cost that is negative or not finite.
+Proof prove(const PipelinePlan& plan, const ReplayCosts& costs);
+
 }  // namespace loom::pp
