@@ -89,6 +89,24 @@ std::string join_lines(const std::vector<std::string>& lines, const std::string&
   return text;
 }
 
+// Pipeline stages each load the part of the model they hold (the model provider passes over the
+// rest), so a model with fewer layers than the one saved, or other names, would load with every
+// stage content. Together they must hold every saved model tensor. `held`: the model tensors of
+// every rank that loads a part of a pipelined model (empty: none does, and there is nothing to check).
+std::optional<std::string> model_tensors_no_stage_holds(const Manifest& m, const std::set<std::string>& held) {
+  if (held.empty()) return std::nullopt;
+  constexpr size_t kNamed = 20;
+  std::vector<std::string> unheld;
+  size_t count = 0;
+  for (const auto& entry : m.tensors)
+    if (entry.first.rfind("model/", 0) == 0 && !held.count(entry.first) && count++ < kNamed)
+      unheld.push_back("- " + entry.first);
+  if (count == 0) return std::nullopt;
+  if (count > kNamed) unheld.push_back("(and " + std::to_string(count - kNamed) + " more)");
+  return "tensors of the checkpoint that no pipeline stage holds (a model with fewer layers than the one saved, "
+         "or other names; expected every saved model tensor on some stage):" + join_lines(unheld, "  ");
+}
+
 std::string random_nonce() {
   std::random_device device;
   const uint64_t value = (uint64_t(device()) << 32) ^ device() ^ uint64_t(::getpid());
@@ -688,6 +706,7 @@ CheckpointInfo Checkpointer::load(const std::string& path) {
   LoadedTensors loaded;
   uint64_t bytes_read = 0;
   TrainingProgress progress;
+  json held_here = json::array();  // this rank's model tensors, when pipeline stages hold parts of it
   const std::string manifest_path = path + "/" + kManifestName;
   const LoadContext context{m, path, live, s.rank, s.size, s.where, &garbage};
   try {
@@ -697,6 +716,9 @@ CheckpointInfo Checkpointer::load(const std::string& path) {
                                    << "its tensor-to-slice map is trusted as it stands");
     m = parse_manifest(manifest_text, s.where + ": manifest " + manifest_path);
     live = s.collect(/*for_load=*/true);
+    if (context.pipelined())
+      for (const auto& t : live.tensors)
+        if (t.name.rfind("model/", 0) == 0) held_here.push_back(t.name);
 
     progress = checked_progress(m, problems);
 
@@ -722,8 +744,10 @@ CheckpointInfo Checkpointer::load(const std::string& path) {
 
   // Every rank's verdict: nothing is touched unless all of them verified their part.
   std::vector<std::string> verdicts;
-  verdicts = s.exchange(dump_text(json({{"problems", problems}, {"bytes", bytes_read}})), "checkpoint load");
+  verdicts = s.exchange(dump_text(json({{"problems", problems}, {"bytes", bytes_read}, {"model_tensors", held_here}})),
+                        "checkpoint load");
   std::vector<std::string> all_problems;
+  std::set<std::string> held;  // by every stage together
   uint64_t total = 0;
   for (const auto& v : verdicts) {
     const json j = json::parse(v);
@@ -731,7 +755,9 @@ CheckpointInfo Checkpointer::load(const std::string& path) {
     for (const auto& p : j["problems"])
       if (std::find(all_problems.begin(), all_problems.end(), p.get<std::string>()) == all_problems.end())
         all_problems.push_back(p.get<std::string>());
+    for (const auto& name : j["model_tensors"]) held.insert(name.get<std::string>());
   }
+  if (auto unheld = model_tensors_no_stage_holds(m, held)) all_problems.push_back(s.where + ": " + *unheld);
   if (!all_problems.empty())
     throw CheckpointError(s.where + ": cannot load " + path + " (nothing was changed):" + join_lines(all_problems));
 

@@ -304,6 +304,43 @@ TEST(Pipeline, ACheckpointSavedAtTwoStagesResumesAtOneAndAtFour) {
   if (world->rank() == 0) std::filesystem::remove_all(dir);
 }
 
+// Each stage loads the part of the model it holds; together they must hold all of it. A pipeline
+// of 6 blocks loading a checkpoint of 8 (every name it has is there, at its shape) is refused on
+// every rank, naming the blocks no stage holds, and changes nothing.
+TEST(Pipeline, ALoadWhoseStagesTogetherLeaveSavedTensorsUnheldIsRefused) {
+  auto world = test::world();
+  if (world->size() != 2 && world->size() != 4) GTEST_SKIP() << "needs 2 or 4 ranks";
+  const std::string dir = test::shared_dir("pipeline_unheld");
+  {
+    PipelinedRun saved(2, 8, 50);
+    Checkpointer c(world, {.directory = dir, .async = false});
+    c.model(*saved.model).parallel_layout(saved.ps->layout(), saved.ps->groups().position);
+    c.save({.step = 1});
+  }
+  PipelinedRun shorter(2, 6, 51);
+  std::vector<at::Tensor> before;
+  for (const auto& p : shorter.model->parameters()) before.push_back(p.detach().clone());
+  Checkpointer c(world, {.directory = dir, .async = false});
+  c.model(*shorter.model).parallel_layout(shorter.ps->layout(), shorter.ps->groups().position);
+  try {
+    c.load(dir + "/step_000001");
+    ADD_FAILURE() << "loaded, expected a refusal";
+  } catch (const CheckpointError& e) {
+    const std::string what = e.what();
+    EXPECT_NE(what.find("rank " + std::to_string(world->rank())), std::string::npos) << what;
+    EXPECT_NE(what.find("nothing was changed"), std::string::npos) << what;
+    EXPECT_NE(what.find("no pipeline stage holds"), std::string::npos) << what;
+    for (const char* name : {"model/block6.weight", "model/block6.bias", "model/block7.weight", "model/block7.bias"})
+      EXPECT_NE(what.find(name), std::string::npos) << name << " not named in: " << what;
+    EXPECT_EQ(what.find("model/block5."), std::string::npos) << what;
+  }
+  const auto after = shorter.model->parameters();
+  ASSERT_EQ(after.size(), before.size());
+  for (size_t i = 0; i < after.size(); ++i) EXPECT_TRUE(at::equal(after[i], before[i])) << "parameter " << i;
+  world->barrier()->wait();
+  if (world->rank() == 0) std::filesystem::remove_all(dir);
+}
+
 // PP 2 x TP 2 on one layout (4 ranks): each stage's MLP blocks are column- and row-parallel over the
 // stage's TP group (master-weight initialisation: the plain layers from the same seeds); every TP
 // rank of a stage runs the pipeline with its peers at the other stage. Every shard's gradient
