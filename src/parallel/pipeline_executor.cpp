@@ -35,6 +35,24 @@ std::string shape_text(at::IntArrayRef sizes) {
 
 std::string where(int rank) { return ErrorContext("PipelineExecutor").prefix() + " pipeline rank " + std::to_string(rank); }
 
+// The first host send let go earlier that failed with a timeout: "<its group>: <its error>". Its
+// timeout broke the communicator, so a message group waiting after it fails as "not run" (a
+// CommError) while the cause is that timeout. Its failure is visible here: the watchdog fails the
+// timed-out work before the ones after it.
+std::optional<std::string> send_that_timed_out(const std::vector<std::pair<std::string, WorkPtr>>& sends) {
+  for (const auto& [group, work] : sends) {
+    const std::exception_ptr error = work->exception();
+    if (!error) continue;
+    try {
+      std::rethrow_exception(error);
+    } catch (const TimeoutError& e) {
+      return group + ": " + e.what();
+    } catch (...) {
+    }
+  }
+  return std::nullopt;
+}
+
 }  // namespace
 
 std::pair<int, int> stage_layers(int layers, int stages, int stage) {
@@ -379,6 +397,9 @@ void PipelineExecutor::communicate(const Action& action) {
   } catch (const TimeoutError& e) {  // the stages whose messages these were, then the cause
     throw TimeoutError(where(rank_) + ": " + action.describe() + " did not complete: " + e.what());
   } catch (const CommError& e) {
+    if (auto timed_out = send_that_timed_out(sends_in_flight_))
+      throw TimeoutError(where(rank_) + ": " + action.describe() + " did not complete: the sends of " + *timed_out +
+                         "; then this group: " + e.what());
     throw CommError(where(rank_) + ": " + action.describe() + " did not complete: " + e.what());
   }
   for (auto& [m, buffer] : landing) {
