@@ -107,6 +107,28 @@ std::optional<std::string> model_tensors_no_stage_holds(const Manifest& m, const
          "or other names; expected every saved model tensor on some stage):" + join_lines(unheld, "  ");
 }
 
+// Every rank's verdict on a load, together: the problems any rank found (each once, and the saved
+// model tensors no pipeline stage holds) and the bytes all of them read.
+struct LoadVerdicts {
+  std::vector<std::string> problems;
+  uint64_t bytes = 0;
+};
+
+LoadVerdicts combine_verdicts(const std::vector<std::string>& verdicts, const Manifest& m, const std::string& where) {
+  LoadVerdicts all;
+  std::set<std::string> held;  // by every stage together
+  for (const auto& v : verdicts) {
+    const json j = json::parse(v);
+    all.bytes += j["bytes"].get<uint64_t>();
+    for (const auto& p : j["problems"])
+      if (std::find(all.problems.begin(), all.problems.end(), p.get<std::string>()) == all.problems.end())
+        all.problems.push_back(p.get<std::string>());
+    for (const auto& name : j["model_tensors"]) held.insert(name.get<std::string>());
+  }
+  if (auto unheld = model_tensors_no_stage_holds(m, held)) all.problems.push_back(where + ": " + *unheld);
+  return all;
+}
+
 std::string random_nonce() {
   std::random_device device;
   const uint64_t value = (uint64_t(device()) << 32) ^ device() ^ uint64_t(::getpid());
@@ -743,23 +765,12 @@ CheckpointInfo Checkpointer::load(const std::string& path) {
     if (p.rfind(s.where, 0) != 0) p = s.where + ": " + p;
 
   // Every rank's verdict: nothing is touched unless all of them verified their part.
-  std::vector<std::string> verdicts;
-  verdicts = s.exchange(dump_text(json({{"problems", problems}, {"bytes", bytes_read}, {"model_tensors", held_here}})),
-                        "checkpoint load");
-  std::vector<std::string> all_problems;
-  std::set<std::string> held;  // by every stage together
-  uint64_t total = 0;
-  for (const auto& v : verdicts) {
-    const json j = json::parse(v);
-    total += j["bytes"].get<uint64_t>();
-    for (const auto& p : j["problems"])
-      if (std::find(all_problems.begin(), all_problems.end(), p.get<std::string>()) == all_problems.end())
-        all_problems.push_back(p.get<std::string>());
-    for (const auto& name : j["model_tensors"]) held.insert(name.get<std::string>());
-  }
-  if (auto unheld = model_tensors_no_stage_holds(m, held)) all_problems.push_back(s.where + ": " + *unheld);
-  if (!all_problems.empty())
-    throw CheckpointError(s.where + ": cannot load " + path + " (nothing was changed):" + join_lines(all_problems));
+  const LoadVerdicts all = combine_verdicts(
+      s.exchange(dump_text(json({{"problems", problems}, {"bytes", bytes_read}, {"model_tensors", held_here}})),
+                 "checkpoint load"),
+      m, s.where);
+  if (!all.problems.empty())
+    throw CheckpointError(s.where + ": cannot load " + path + " (nothing was changed):" + join_lines(all.problems));
 
   for (StateProvider* provider : s.providers()) provider->apply(context, loaded);
   context.discard(std::move(loaded));  // the data read: copied into the model, or adopted
@@ -769,13 +780,13 @@ CheckpointInfo Checkpointer::load(const std::string& path) {
   info.path = path;
   info.progress = progress;
   info.user = m.user;
-  info.bytes = total;
+  info.bytes = all.bytes;
   const auto end = trace::now();
   info.seconds = seconds_between(started, end);
   trace::span("checkpoint load " + path, "checkpoint", started, end, "train");
   if (info.seconds >= s.options.log_after_seconds)
-    LOOM_LOG(info, "checkpoint " << path << " loaded: " << total / 1e6 << " MB in " << info.seconds << " s ("
-                                 << total / 1e6 / info.seconds << " MB/s)");
+    LOOM_LOG(info, "checkpoint " << path << " loaded: " << all.bytes / 1e6 << " MB in " << info.seconds << " s ("
+                                 << all.bytes / 1e6 / info.seconds << " MB/s)");
   return info;
 }
 
