@@ -203,12 +203,16 @@ class Replay {
     st.matched_at = st.clock;
     if (!costs_.sends_posted) return;
     for (size_t i = 0; i < a.sends.size(); ++i) {  // out, and done with as far as this rank goes
+      if (posted_at(a.sends[i]) >= 0) fail_at(r, "sends a message it has sent before");
       posted_at(a.sends[i]) = st.clock;
       st.matched[i] = true;
     }
   }
 
-  // With sends posted: a posted receive whose send has been posted arrives when both were.
+  // With sends posted: a posted receive whose send has been posted arrives when both were. As under
+  // rendezvous, a receive that names another sending stage than the send, or a message received
+  // before, matches nothing (its rank then waits for ever: a deadlock). A message sent and never
+  // received needs no check of its own: the stage it was for then computes without its input.
   bool receive_posted(int r) {
     RankState& st = ranks_[static_cast<size_t>(r)];
     const Action& a = current(r);
@@ -216,7 +220,8 @@ class Replay {
     for (size_t j = 0; j < a.receives.size(); ++j) {
       const size_t slot = a.sends.size() + j;
       const Message& m = a.receives[j];
-      if (st.matched[slot] || posted_at(m) < 0) continue;
+      const int from = m.to_stage + (m.carries == Carries::Gradient ? 1 : -1);
+      if (st.matched[slot] || posted_at(m) < 0 || arrived(m) || m.from_stage != from) continue;
       st.matched[slot] = true;
       st.matched_at = std::max(st.matched_at, posted_at(m));
       arrived(m) = true;

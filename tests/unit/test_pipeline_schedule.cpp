@@ -281,6 +281,57 @@ TEST(PipelineSchedule, PostedSendsNeverLengthenTheReplay) {
   EXPECT_GT(shorter, 0) << "posting the sends changed no replay: the two modes are one";
 }
 
+// Sends that are not waited for must not let a wrong plan through: a receive dropped, a send or a
+// receive repeated, a receive naming another sending stage, each refused as under rendezvous.
+TEST(PipelineSchedule, PostedSendsRefuseWhatTheRendezvousRefuses) {
+  const PipelinePlan good = make_schedule(Schedule::OneFOneB, {.ranks = 2, .micro_batches = 2});
+  auto group_with = [](std::vector<Action>& actions, bool sends) {
+    return std::find_if(actions.begin(), actions.end(), [&](const Action& a) {
+      return a.kind == Action::Kind::Communicate && !(sends ? a.sends : a.receives).empty();
+    });
+  };
+  auto refused_both_ways = [](const PipelinePlan& plan, const std::string& posted_part) {
+    EXPECT_THROW(prove(plan), loom::InvalidArgumentError);
+    try {
+      prove(plan, loom::pp::ReplayCosts{.sends_posted = true});
+      ADD_FAILURE() << "replayed with sends posted, expected a refusal";
+    } catch (const loom::InvalidArgumentError& e) {
+      EXPECT_NE(std::string(e.what()).find(posted_part), std::string::npos) << e.what();
+    }
+  };
+  EXPECT_NO_THROW(prove(good, loom::pp::ReplayCosts{.sends_posted = true}));
+  {  // rank 0's last gradient receive dropped: sent by rank 1, received by nobody, and the backward
+     // that needs it runs without it
+    PipelinePlan plan = good;
+    auto& actions = plan.actions[0];
+    auto it = std::find_if(actions.rbegin(), actions.rend(), [](const Action& a) {
+      return a.kind == Action::Kind::Communicate && !a.receives.empty();
+    });
+    it->receives.clear();
+    refused_both_ways(plan, "its output gradient has not arrived");
+  }
+  {  // rank 0's first send repeated in a group of its own
+    PipelinePlan plan = good;
+    auto& actions = plan.actions[0];
+    auto it = group_with(actions, true);
+    actions.insert(it + 1, Action{Action::Kind::Communicate, 0, 0, {it->sends.front()}, {}});
+    refused_both_ways(plan, "sends a message it has sent before");
+  }
+  {  // rank 1's first receive repeated in a group of its own
+    PipelinePlan plan = good;
+    auto& actions = plan.actions[1];
+    auto it = group_with(actions, false);
+    actions.insert(it + 1, Action{Action::Kind::Communicate, 0, 0, {}, {it->receives.front()}});
+    refused_both_ways(plan, "would deadlock");
+  }
+  {  // rank 1's first receive names stage 1 as the sender of its own input
+    PipelinePlan plan = good;
+    auto& receive = group_with(plan.actions[1], false)->receives.front();
+    receive.from_stage = receive.to_stage;
+    refused_both_ways(plan, "");
+  }
+}
+
 TEST(PipelineSchedule, CostsThatDoNotFitThePlanAreRefusedByName) {
   const auto plan = make_schedule(Schedule::OneFOneB, {.ranks = 2, .micro_batches = 4});
   auto refused = [&](const loom::pp::ReplayCosts& costs, const std::string& part) {
