@@ -10,6 +10,7 @@
 #include "loom/error.h"
 #include "loom/log.h"
 #include "loom/parallel/data_parallel.h"
+#include "loom/parallel/fully_shard.h"
 #include "loom/parallel/grad_clip.h"
 #include "loom/parallel/layout.h"
 #include "loom/parallel/pipeline.h"

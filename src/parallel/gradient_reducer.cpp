@@ -24,6 +24,7 @@
 #include "loom/parallel/data_parallel.h"
 #include "loom/trace.h"
 #include "parallel/bucket_plan.h"
+#include "parallel/flat_alias.h"
 #include "parallel/released_buffers.h"
 
 namespace loom {
@@ -35,17 +36,6 @@ std::string shape_of(const at::Tensor& t) {
   for (int64_t d = 0; d < t.dim(); ++d) s << (d ? ", " : "") << t.size(d);
   s << "]";
   return s.str();
-}
-
-// A tensor sharing `buffer`'s storage at `offset`, shaped like `like`. Made with set_ rather than
-// narrow().view(): an autograd view could not be detach_()ed, which LibTorch's
-// Optimizer::zero_grad() does to every gradient.
-at::Tensor alias_into(const at::Tensor& buffer, int64_t offset, const at::Tensor& like) {
-  std::vector<int64_t> strides(like.dim(), 1);
-  for (int64_t d = like.dim() - 2; d >= 0; --d) strides[d] = strides[d + 1] * like.size(d + 1);
-  at::Tensor alias = at::empty({0}, buffer.options());
-  alias.set_(buffer.storage(), buffer.storage_offset() + offset, like.sizes(), strides);
-  return alias;
 }
 
 }  // namespace
@@ -193,7 +183,8 @@ struct GradientReducer::Impl : std::enable_shared_from_this<GradientReducer::Imp
     } else {
       bucket.buffer = at::zeros({bucket.numel}, bucket.tensor_options);
     }
-    for (size_t i : bucket.members) slots[i].view = alias_into(bucket.buffer, slots[i].offset, params[i]);
+    for (size_t i : bucket.members)
+      slots[i].view = detail::alias_into(bucket.buffer, slots[i].offset, params[i].sizes());
   }
 
   void release(size_t b) {

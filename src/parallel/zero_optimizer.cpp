@@ -27,20 +27,14 @@
 #include "loom/error.h"
 #include "loom/log.h"
 #include "loom/parallel/optimizer_state.h"
+#include "parallel/flat_alias.h"
+#include "parallel/sharded_step.h"
 
 namespace loom {
 namespace {
 
 // A plain tensor (no autograd view) over `numel` elements of `buffer` from `offset`, shaped `sizes`:
 // what an optimizer may update in place and what a parameter may be re-seated onto.
-at::Tensor alias_of(const at::Tensor& buffer, int64_t offset, at::IntArrayRef sizes) {
-  std::vector<int64_t> strides(sizes.size(), 1);
-  for (int64_t d = static_cast<int64_t>(sizes.size()) - 2; d >= 0; --d) strides[d] = strides[d + 1] * sizes[d + 1];
-  at::Tensor alias = at::empty({0}, buffer.options());
-  alias.set_(buffer.storage(), buffer.storage_offset() + offset, sizes, strides);
-  return alias;
-}
-
 // Bytes of the storages behind `tensors`, each storage counted once across calls sharing `seen`.
 int64_t storage_bytes(const std::vector<at::Tensor>& tensors, std::set<const void*>& seen) {
   int64_t bytes = 0;
@@ -130,7 +124,7 @@ struct ZeroOptimizer::Impl {
         const size_t i = shape.parameters[k];
         at::Tensor& p = params[i];
         const int64_t offset = shape.offsets[k];
-        at::Tensor seat = alias_of(flat, offset, p.sizes());
+        at::Tensor seat = detail::alias_into(flat, offset, p.sizes());
         seat.copy_(p.detach());
         p.set_data(seat);
         placements[i] = {b, offset, p.numel()};
@@ -138,7 +132,7 @@ struct ZeroOptimizer::Impl {
       const int64_t S = shape.numel / size;
       flat_params.push_back(flat);
       shard_numel.push_back(S);
-      shard_params.push_back(alias_of(flat, rank * S, {S}));
+      shard_params.push_back(detail::alias_into(flat, rank * S, {S}));
       const bool low_precision = flat.scalar_type() == at::kBFloat16 || flat.scalar_type() == at::kHalf;
       master_shards.push_back(options.master_weights && low_precision ? shard_params.back().to(at::kFloat, false, true)
                                                                       : at::Tensor());
@@ -232,31 +226,14 @@ struct ZeroOptimizer::Impl {
     for (size_t b = 0; b < flat_params.size(); ++b) {
       const int64_t S = shard_numel[b];
       if (options.stage == 1)
-        shard_grads.push_back(alias_of(buffers.at(b), rank * S, {S}));
+        shard_grads.push_back(detail::alias_into(buffers.at(b), rank * S, {S}));
       else
         shard_grads.push_back(at::zeros({S}, flat_params[b].options()));
     }
   }
 
   void adopt_optimizer(std::unique_ptr<torch::optim::Optimizer> made) {
-    if (!made) throw InvalidArgumentError(where() + ": the optimizer factory returned no optimizer");
-    if (!optimizer_kind(*made))
-      throw InvalidArgumentError(where() + ": " + unsupported_optimizer(*made, "sharded by ZeRO") +
-                                 " (element-wise optimizers: each element's update depends on that element alone, so "
-                                 "a shard can be stepped by itself)");
-    const auto& groups = made->param_groups();
-    size_t given = 0;
-    for (const auto& g : groups) given += g.params().size();
-    if (groups.size() != 1 || given != optimizer_shards.size())
-      throw InvalidArgumentError(where() + ": expected the optimizer over exactly the " +
-                                 std::to_string(optimizer_shards.size()) + " shard tensors it is given, in one parameter "
-                                 "group; found " + std::to_string(groups.size()) + " groups with " +
-                                 std::to_string(given) + " tensors");
-    for (size_t b = 0; b < optimizer_shards.size(); ++b)
-      if (!groups[0].params()[b].is_same(optimizer_shards[b]))
-        throw InvalidArgumentError(where() + ": the optimizer's tensor " + std::to_string(b) +
-                                   " is not shard tensor " + std::to_string(b) + " (pass the factory's argument through)");
-    optimizer = std::move(made);
+    optimizer = detail::adopt_shard_optimizer(std::move(made), optimizer_shards, where(), "ZeRO");
   }
 
   // Started from the last bucket, which holds the first parameters registered: those the next
@@ -361,15 +338,7 @@ double ZeroOptimizer::clip_grad_norm(double max_norm) {
   if (!(max_norm > 0))
     throw InvalidArgumentError(z.where("ZeroOptimizer::clip_grad_norm") + ": max_norm must be positive, found " +
                                std::to_string(max_norm));
-  const auto& grads = z.step_gradients();
-  at::Tensor squares = at::zeros({1}, grads.front().options().dtype(at::kDouble));
-  for (const auto& g : grads) squares += g.to(at::kDouble).pow(2).sum();
-  z.group->all_reduce(squares, {ReduceOp::Sum})->wait();
-  const double norm = std::sqrt(squares.item<double>());
-  const double coefficient = max_norm / (norm + 1e-6);
-  if (coefficient < 1)
-    for (const auto& g : grads) g.mul_(coefficient);
-  return norm;
+  return detail::clip_sharded_gradients(z.step_gradients(), *z.group, max_norm);
 }
 
 void ZeroOptimizer::step() {

@@ -24,6 +24,7 @@
 #include "loom/parallel/tensor_parallel.h"
 #include "loom/parallel/zero.h"
 #include "loom/train/checkpoint.h"
+#include "test_optimizers.h"
 #include "test_util.h"
 #include "train/checkpoint_files.h"
 #include "train/checkpoint_manifest.h"
@@ -44,19 +45,9 @@ struct NetImpl : torch::nn::Module {
 };
 TORCH_MODULE(Net);
 
-enum class Opt { SgdMomentum, Adam, AdamW };
-const char* opt_name(Opt o) { return o == Opt::SgdMomentum ? "SGD" : o == Opt::Adam ? "Adam" : "AdamW"; }
-
-std::unique_ptr<torch::optim::Optimizer> make(Opt opt, std::vector<at::Tensor> params) {
-  switch (opt) {
-    case Opt::SgdMomentum:
-      return std::make_unique<torch::optim::SGD>(params,
-                                                 torch::optim::SGDOptions(0.05).momentum(0.9).nesterov(true).weight_decay(1e-3));
-    case Opt::Adam: return std::make_unique<torch::optim::Adam>(params, torch::optim::AdamOptions(1e-2).weight_decay(1e-3));
-    case Opt::AdamW: return std::make_unique<torch::optim::AdamW>(params, torch::optim::AdamWOptions(1e-2));
-  }
-  return nullptr;
-}
+using test::Opt;
+using test::make;
+using test::opt_name;
 
 // This rank's micro-batch `m` of step `step` (different on every rank).
 std::pair<at::Tensor, at::Tensor> batch(int step, int m, int rank) {

@@ -1,0 +1,561 @@
+// FullyShardedDataParallel: units of parameters kept as flat shards, gathered into a flat buffer
+// for their forward and backward, gradients reduce-scattered as each unit's backward ends.
+//
+// Layout of unit u (identical on every rank, fixed at construction): its trainable parameters, in
+// the order the module lists them, one after another in a flat buffer `full` of N * S elements
+// (S = ceil(numel / N), the tail zero); rank r's `shard` is a copy of elements [r * S, (r + 1) * S).
+// The module's parameter tensors are re-seated as views of `full`'s storage. "Resharding" takes
+// that storage's memory away (its size becomes 0 bytes) and "gathering" gives it memory again and
+// all-gathers the shards into it: the parameters, and every view of them autograd saved for
+// backward, see the gathered values without their tensors changing (the approach of FSDP, which
+// resizes the storage of its unsharded parameters).
+//
+// Per iteration:
+//   forward(unit)        -> gather it (waiting for a prefetch), start the next unit's gather (the
+//                           previous iteration's order), run the body, reshard (not the root),
+//                           hook the outputs: their gradient arriving is the unit's "pre-backward"
+//   pre-backward(unit)   -> first in a backward: queue finalize() for the end of backward; gather
+//                           the unit, start the gather of the unit whose forward ended before it
+//   a gradient arrives   -> (AccumulateGrad's post hook) when a unit has them all it is ready;
+//                           ready units are reduce-scattered in one order on every rank: the
+//                           reverse of the order their forwards started
+//   finalize()           -> units that ran but got no gradient for some parameter reduce with zeros
+//                           there; wait for the reductions, add the averages into the gradient
+//                           shards, reshard everything
+#include "loom/parallel/fully_shard.h"
+
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
+#include <c10/core/StorageImpl.h>
+#include <torch/csrc/autograd/engine.h>
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/utils/lambda_post_hook.h>
+#include <torch/csrc/autograd/variable.h>
+#include <torch/nn/module.h>
+#include <torch/optim/optimizer.h>
+
+#include <algorithm>
+#include <mutex>
+#include <set>
+#include <unordered_map>
+#include <unordered_set>
+
+#include "loom/error.h"
+#include "loom/parallel/data_parallel.h"
+#include "parallel/flat_alias.h"
+#include "parallel/sharded_step.h"
+
+namespace loom {
+namespace {
+
+// Gives the storage under `flat` memory again (its content undefined until written).
+void give_storage_memory(const at::Tensor& flat) {
+  c10::StorageImpl* storage = flat.storage().unsafeGetStorageImpl();
+  const size_t bytes = static_cast<size_t>(flat.numel()) * flat.element_size();
+  if (storage->nbytes() == bytes) return;
+  storage->set_data_ptr_noswap(storage->allocator()->allocate(bytes));
+  storage->set_nbytes(bytes);
+}
+
+// Takes the memory of the storage under `flat` away; the tensors viewing it keep their shapes.
+void take_storage_memory(const at::Tensor& flat) {
+  c10::StorageImpl* storage = flat.storage().unsafeGetStorageImpl();
+  storage->set_data_ptr_noswap(at::DataPtr(nullptr, storage->device()));
+  storage->set_nbytes(0);
+}
+
+// "blocks.2" from "blocks.2.attn.weight" and "blocks.2.mlp.bias": the names' common module path.
+std::string common_module_path(const std::vector<std::string>& names) {
+  if (names.empty()) return "";
+  std::string prefix = names.front();
+  for (const auto& n : names) {
+    size_t k = 0;
+    while (k < prefix.size() && k < n.size() && prefix[k] == n[k]) ++k;
+    prefix.resize(k);
+  }
+  const size_t dot = prefix.rfind('.');
+  return dot == std::string::npos ? "" : prefix.substr(0, dot);
+}
+
+constexpr size_t kNoUnit = static_cast<size_t>(-1);
+
+}  // namespace
+
+struct FullyShardedDataParallel::Impl : std::enable_shared_from_this<FullyShardedDataParallel::Impl> {
+  struct Unit {
+    std::string name;  // "unit 2 (blocks.2)", "the root"
+    bool is_root = false;
+    std::vector<at::Tensor> params;  // trainable, as the module holds them
+    std::vector<int64_t> offsets;
+    int64_t numel = 0;
+    int64_t shard_numel = 0;
+    at::Tensor full;       // size * shard_numel elements; no memory while resharded
+    at::Tensor shard;      // this rank's elements: what the optimizer steps
+    WorkPtr gathering;     // an all-gather into `full` nobody waited for yet
+    bool unsharded = false;  // `full` holds the parameters (once `gathering` is waited for)
+    // This backward:
+    size_t gradients_pending = 0;
+    bool ran_forward = false;
+    bool pre_backward_done = false;
+    bool gradients_ready = false;
+  };
+  struct Reduction {
+    size_t unit;
+    WorkPtr work;
+    at::Tensor input;
+    at::Tensor output;
+  };
+  using AccumulatorPtr =
+      decltype(torch::autograd::impl::grad_accumulator(std::declval<const torch::autograd::Variable&>()));
+
+  std::shared_ptr<Communicator> group;
+  FullyShardOptions options;
+  int rank = 0;
+  int size = 1;
+  std::vector<Unit> units;  // the named units holding trainable parameters, then the root
+  std::unordered_map<const torch::nn::Module*, size_t> unit_of;  // kNoUnit: a unit without trainable ones
+  std::vector<at::Tensor> frozen;
+  std::unique_ptr<torch::optim::Optimizer> optimizer;
+  std::vector<AccumulatorPtr> accumulators;
+  std::vector<uintptr_t> hook_keys;
+
+  std::vector<size_t> forward_starts, forward_ends;  // this iteration's forwards, in order
+  std::vector<size_t> last_forward_starts;           // the last iteration's, for the prefetch
+  size_t forward_depth = 0;
+  size_t forward_position = 0;  // forwards started since the outermost one began
+  bool in_backward = false;
+  std::vector<size_t> reduce_order;  // this backward's: forward_starts reversed, each unit once
+  size_t next_to_reduce = 0;
+  std::vector<Reduction> reductions;
+  bool reduced_since_step = false;
+  FullyShardStats stats;
+  std::recursive_mutex mutex;  // hooks may run on autograd's device threads
+
+  std::string where(const char* what = "FullyShardedDataParallel") const { return group->context(what).prefix(); }
+
+  // --- gathering and resharding -------------------------------------------------------------
+  void start_gather(size_t u) {
+    Unit& unit = units[u];
+    if (unit.unsharded) return;
+    give_storage_memory(unit.full);
+    at::NoGradGuard no_grad;
+    if (size == 1) {
+      unit.full.copy_(unit.shard);
+    } else {
+      unit.gathering = group->all_gather(unit.full, unit.shard);
+      unit.gathering->run_in_background();
+      ++stats.all_gathers;
+      stats.bytes_all_gathered += unit.full.nbytes();
+    }
+    unit.unsharded = true;
+  }
+
+  void gather(size_t u) {
+    start_gather(u);
+    if (WorkPtr work = std::move(units[u].gathering)) work->wait();
+  }
+
+  void reshard(size_t u) {
+    Unit& unit = units[u];
+    if (!unit.unsharded) return;
+    if (WorkPtr work = std::move(unit.gathering)) work->wait();  // its output must stay until it is done
+    take_storage_memory(unit.full);
+    unit.unsharded = false;
+  }
+
+  void reshard_all() {
+    for (size_t u = 0; u < units.size(); ++u) reshard(u);
+  }
+
+  // --- forward ------------------------------------------------------------------------------
+  size_t unit_index(const torch::nn::Module& module) const {
+    auto it = unit_of.find(&module);
+    if (it == unit_of.end())
+      throw InvalidArgumentError(where("FullyShardedDataParallel::forward") + ": expected the root or one of the " +
+                                 std::to_string(unit_of.size() - 1) + " units given at construction, found another "
+                                 "module (" + module.name() + ")");
+    return it->second;
+  }
+
+  void enter_forward(size_t u) {
+    std::lock_guard<std::recursive_mutex> lock(mutex);
+    if (forward_depth++ == 0) forward_position = 0;
+    const size_t position = forward_position++;
+    if (u == kNoUnit) return;
+    if (at::GradMode::is_enabled()) {
+      forward_starts.push_back(u);
+      units[u].ran_forward = true;
+    }
+    gather(u);
+    // The next unit of the last iteration's order, when this one is where that order says.
+    if (options.prefetch && position + 1 < last_forward_starts.size() && last_forward_starts[position] == u)
+      start_gather(last_forward_starts[position + 1]);
+  }
+
+  void leave_forward(size_t u, const std::vector<at::Tensor>& outputs) {
+    std::lock_guard<std::recursive_mutex> lock(mutex);
+    --forward_depth;
+    if (u == kNoUnit) return;
+    Unit& unit = units[u];
+    if (options.reshard_after_forward && !unit.is_root && !in_backward) reshard(u);
+    if (!at::GradMode::is_enabled()) return;
+    forward_ends.push_back(u);
+    std::weak_ptr<Impl> weak = weak_from_this();
+    for (const auto& out : outputs)
+      if (out.defined() && out.requires_grad())
+        out.register_hook([weak, u](const at::Tensor& grad) {
+          if (auto self = weak.lock()) self->pre_backward(u);
+          return grad;
+        });
+  }
+
+  // --- backward -----------------------------------------------------------------------------
+  void begin_backward() {
+    if (in_backward) return;
+    in_backward = true;
+    reduce_order.clear();
+    std::unordered_set<size_t> seen;
+    for (auto it = forward_starts.rbegin(); it != forward_starts.rend(); ++it)
+      if (seen.insert(*it).second) reduce_order.push_back(*it);
+    next_to_reduce = 0;
+    for (Unit& unit : units) unit.gradients_pending = unit.params.size();
+    std::weak_ptr<Impl> weak = weak_from_this();
+    torch::autograd::Engine::get_default_engine().queue_callback([weak] {
+      if (auto self = weak.lock()) self->finalize();
+    });
+  }
+
+  void pre_backward(size_t u) {
+    std::lock_guard<std::recursive_mutex> lock(mutex);
+    begin_backward();
+    Unit& unit = units[u];
+    if (unit.pre_backward_done) return;
+    unit.pre_backward_done = true;
+    gather(u);
+    if (!options.prefetch) return;
+    // Backward reaches units in the reverse of the order their forwards ended: prefetch the next.
+    auto it = std::find(forward_ends.rbegin(), forward_ends.rend(), u);
+    for (++it; it != forward_ends.rend(); ++it)
+      if (!units[*it].pre_backward_done && !units[*it].gradients_ready) {
+        start_gather(*it);
+        break;
+      }
+  }
+
+  void on_gradient(size_t u) {
+    std::lock_guard<std::recursive_mutex> lock(mutex);
+    begin_backward();
+    Unit& unit = units[u];
+    if (unit.gradients_pending > 0 && --unit.gradients_pending == 0) unit.gradients_ready = true;
+    issue_ready_reductions();
+  }
+
+  void issue_ready_reductions() {
+    while (next_to_reduce < reduce_order.size() && units[reduce_order[next_to_reduce]].gradients_ready)
+      reduce(reduce_order[next_to_reduce++]);
+  }
+
+  // The unit's gradients into one padded flat buffer (zeros where a parameter got none), their
+  // reduce-scatter started, the parameters' own gradients dropped and the unit resharded.
+  void reduce(size_t u) {
+    Unit& unit = units[u];
+    at::NoGradGuard no_grad;
+    at::Tensor flat = at::empty({unit.full.numel()}, unit.full.options());
+    for (size_t k = 0; k < unit.params.size(); ++k) {
+      at::Tensor& grad = unit.params[k].mutable_grad();
+      at::Tensor slot = flat.narrow(0, unit.offsets[k], unit.params[k].numel());
+      if (grad.defined())
+        slot.copy_(grad.reshape({-1}));
+      else
+        slot.zero_();
+      grad.reset();
+    }
+    flat.narrow(0, unit.numel, flat.numel() - unit.numel).zero_();
+    Reduction r{u, nullptr, flat, flat};
+    if (size > 1) {
+      r.output = at::empty({unit.shard_numel}, flat.options());
+      r.work = group->reduce_scatter(r.output, flat, {ReduceOp::Sum});
+      r.work->run_in_background();
+      ++stats.reduce_scatters;
+      stats.bytes_reduce_scattered += flat.nbytes();
+    }
+    reductions.push_back(std::move(r));
+    reshard(u);
+  }
+
+  void finalize() {
+    std::lock_guard<std::recursive_mutex> lock(mutex);
+    if (!in_backward) return;
+    for (size_t u : reduce_order) units[u].gradients_ready = true;  // a parameter unused: zeros
+    issue_ready_reductions();
+    at::NoGradGuard no_grad;
+    for (Reduction& r : reductions) {
+      if (r.work) r.work->wait();
+      if (size > 1) r.output.div_(size);
+      at::Tensor& grad = units[r.unit].shard.mutable_grad();
+      if (grad.defined())
+        grad.add_(r.output);
+      else
+        grad = r.output;
+    }
+    reductions.clear();
+    reshard_all();
+    for (Unit& unit : units) unit.ran_forward = unit.pre_backward_done = unit.gradients_ready = false;
+    last_forward_starts = forward_starts;
+    forward_starts.clear();
+    forward_ends.clear();
+    in_backward = false;
+    reduced_since_step = true;
+  }
+
+  // --- construction -------------------------------------------------------------------------
+  void assign_units(torch::nn::Module& root, const std::vector<std::shared_ptr<torch::nn::Module>>& modules);
+  void lay_out(Unit& unit, const std::vector<std::string>& names);
+  void install_hooks();
+  void remove_hooks() {
+    size_t k = 0;
+    for (const Unit& unit : units)
+      for (size_t i = 0; i < unit.params.size(); ++i, ++k) accumulators[k]->del_post_hook(hook_keys[k]);
+    accumulators.clear();
+    hook_keys.clear();
+  }
+};
+
+// Which unit holds each trainable parameter: the named unit with the fewest parameters among those
+// holding it (the innermost), else the root. Frozen parameters stay out of every unit.
+void FullyShardedDataParallel::Impl::assign_units(torch::nn::Module& root,
+                                                  const std::vector<std::shared_ptr<torch::nn::Module>>& modules) {
+  std::vector<std::pair<std::string, at::Tensor>> named;
+  std::unordered_set<const void*> seen;
+  for (const auto& item : root.named_parameters(/*recurse=*/true))
+    if (item.value().defined() && seen.insert(item.value().unsafeGetTensorImpl()).second)
+      named.emplace_back(item.key(), item.value());
+  std::unordered_map<const void*, size_t> owner;  // parameter -> index into `modules`
+  std::vector<size_t> by_size(modules.size());
+  for (size_t m = 0; m < modules.size(); ++m) {
+    if (!modules[m]) throw InvalidArgumentError(where() + ": unit " + std::to_string(m) + " is a null module");
+    by_size[m] = m;
+  }
+  std::stable_sort(by_size.begin(), by_size.end(),
+                   [&](size_t a, size_t b) { return modules[a]->parameters().size() < modules[b]->parameters().size(); });
+  for (size_t m : by_size)
+    for (const auto& p : modules[m]->parameters()) {
+      if (!seen.count(p.unsafeGetTensorImpl()))
+        throw InvalidArgumentError(where() + ": unit " + std::to_string(m) + " (" + modules[m]->name() +
+                                   ") is not a submodule of the root: its parameters are not the root's");
+      owner.emplace(p.unsafeGetTensorImpl(), m);
+    }
+  std::vector<Unit> by_module(modules.size() + 1);  // the root last
+  std::vector<std::vector<std::string>> names(modules.size() + 1);
+  std::vector<at::Tensor> trainable;
+  std::vector<std::string> trainable_names;
+  for (auto& [name, p] : named) {
+    if (!p.requires_grad()) {
+      frozen.push_back(p.detach());
+      continue;
+    }
+    auto it = owner.find(p.unsafeGetTensorImpl());
+    const size_t m = it == owner.end() ? modules.size() : it->second;
+    by_module[m].params.push_back(p);
+    names[m].push_back(name);
+    trainable.push_back(p);
+    trainable_names.push_back(name);
+  }
+  detail::check_same_tensors_across_ranks(*group, trainable, trainable_names, "parameter", where());
+  for (size_t m = 0; m <= modules.size(); ++m) {
+    const bool is_root = m == modules.size();
+    if (!is_root) unit_of[modules[m].get()] = kNoUnit;
+    if (by_module[m].params.empty()) continue;
+    Unit& unit = by_module[m];
+    unit.is_root = is_root;
+    const std::string path = common_module_path(names[m]);
+    unit.name = is_root ? "the root" : "unit " + std::to_string(m) + (path.empty() ? "" : " (" + path + ")");
+    lay_out(unit, names[m]);
+    if (!is_root) unit_of[modules[m].get()] = units.size();
+    units.push_back(std::move(unit));
+  }
+  unit_of[&root] = units.empty() || !units.back().is_root ? kNoUnit : units.size() - 1;
+}
+
+// The unit's flat buffer, its parameters re-seated in it, this rank's shard copied out.
+void FullyShardedDataParallel::Impl::lay_out(Unit& unit, const std::vector<std::string>& names) {
+  at::NoGradGuard no_grad;
+  const at::Tensor& first = unit.params.front();
+  for (size_t k = 0; k < unit.params.size(); ++k) {
+    const at::Tensor& p = unit.params[k];
+    if (p.scalar_type() != first.scalar_type() || p.device() != group->device())
+      throw InvalidArgumentError(where() + ": " + unit.name + " holds " + names[k] + " as " +
+                                 std::string(c10::toString(p.scalar_type())) + " on " + p.device().str() +
+                                 ", expected every parameter of a unit as " +
+                                 std::string(c10::toString(first.scalar_type())) + " on the group's device " +
+                                 group->device().str());
+    unit.offsets.push_back(unit.numel);
+    unit.numel += p.numel();
+  }
+  unit.shard_numel = (unit.numel + size - 1) / size;
+  unit.full = at::zeros({unit.shard_numel * size}, first.options().requires_grad(false));
+  for (size_t k = 0; k < unit.params.size(); ++k) {
+    at::Tensor& p = unit.params[k];
+    at::Tensor seat = detail::alias_into(unit.full, unit.offsets[k], p.sizes());
+    seat.copy_(p.detach());
+    p.set_data(seat);
+  }
+  unit.shard = unit.full.narrow(0, rank * unit.shard_numel, unit.shard_numel).clone();
+  unit.unsharded = true;
+}
+
+void FullyShardedDataParallel::Impl::install_hooks() {
+  std::weak_ptr<Impl> weak = weak_from_this();
+  for (size_t u = 0; u < units.size(); ++u)
+    for (const auto& p : units[u].params) {
+      auto accumulator = torch::autograd::impl::grad_accumulator(p);
+      hook_keys.push_back(accumulator->add_post_hook(std::make_unique<torch::autograd::utils::LambdaPostHook>(
+          [weak, u](const torch::autograd::variable_list& outputs, const torch::autograd::variable_list&) {
+            if (auto self = weak.lock()) self->on_gradient(u);
+            return outputs;
+          })));
+      accumulators.push_back(std::move(accumulator));
+    }
+}
+
+FullyShardedDataParallel::FullyShardedDataParallel(torch::nn::Module& root,
+                                                   std::vector<std::shared_ptr<torch::nn::Module>> units,
+                                                   std::shared_ptr<Communicator> group,
+                                                   const OptimizerFactory& make_optimizer, FullyShardOptions options)
+    : impl_(std::make_shared<Impl>()) {
+  if (!group) throw InvalidArgumentError(ErrorContext("FullyShardedDataParallel")("expected a communicator, found none"));
+  Impl& f = *impl_;
+  f.group = std::move(group);
+  f.options = options;
+  f.rank = f.group->rank();
+  f.size = f.group->size();
+  if (!make_optimizer) throw InvalidArgumentError(f.where() + ": expected an optimizer factory, found none");
+  if (f.options.broadcast_parameters && f.size > 1) {
+    std::vector<at::Tensor> all;
+    for (const auto& p : root.parameters()) all.push_back(p.detach());
+    detail::broadcast_tensors(*f.group, all, "parameter broadcast");
+  }
+  f.assign_units(root, units);
+  if (f.units.empty()) throw InvalidArgumentError(f.where() + ": expected trainable parameters, found none");
+  f.reshard_all();
+  f.install_hooks();
+  f.optimizer = detail::adopt_shard_optimizer(make_optimizer(shard_parameters()), shard_parameters(), f.where(),
+                                              "FullyShardedDataParallel");
+}
+
+FullyShardedDataParallel::~FullyShardedDataParallel() {
+  try {
+    impl_->reshard_all();  // waits for gathers still in flight
+  } catch (...) {  // the communicator failed: nothing more to wait for
+  }
+  impl_->remove_hooks();
+}
+
+at::Tensor FullyShardedDataParallel::forward(const torch::nn::Module& unit, const at::Tensor& input,
+                                             const UnitForward& body) {
+  return forward(unit, std::vector<at::Tensor>{input},
+                 [&body](const std::vector<at::Tensor>& in) { return std::vector<at::Tensor>{body(in.front())}; })
+      .front();
+}
+
+std::vector<at::Tensor> FullyShardedDataParallel::forward(const torch::nn::Module& unit,
+                                                          const std::vector<at::Tensor>& inputs,
+                                                          const UnitForwardMany& body) {
+  Impl& f = *impl_;
+  const size_t u = f.unit_index(unit);
+  f.enter_forward(u);
+  std::vector<at::Tensor> outputs;
+  try {
+    outputs = body(inputs);
+  } catch (...) {
+    std::lock_guard<std::recursive_mutex> lock(f.mutex);
+    --f.forward_depth;
+    throw;
+  }
+  f.leave_forward(u, outputs);
+  return outputs;
+}
+
+void FullyShardedDataParallel::zero_grad() {
+  for (auto& unit : impl_->units) {
+    unit.shard.mutable_grad().reset();
+    for (auto& p : unit.params) p.mutable_grad().reset();
+  }
+}
+
+double FullyShardedDataParallel::clip_grad_norm(double max_norm) {
+  Impl& f = *impl_;
+  if (!f.reduced_since_step)
+    throw InvalidArgumentError(f.where("FullyShardedDataParallel::clip_grad_norm") +
+                               ": no backward since the last step: expected gradients to clip");
+  if (!(max_norm > 0))
+    throw InvalidArgumentError(f.where("FullyShardedDataParallel::clip_grad_norm") +
+                               ": max_norm must be positive, found " + std::to_string(max_norm));
+  return detail::clip_sharded_gradients(shard_gradients(), *f.group, max_norm);
+}
+
+void FullyShardedDataParallel::step() {
+  Impl& f = *impl_;
+  if (!f.reduced_since_step)
+    throw InvalidArgumentError(f.where("FullyShardedDataParallel::step") +
+                               ": no backward since the last step: expected reduced gradients to step with");
+  f.reshard_all();  // gathered values go stale with the step
+  {
+    at::NoGradGuard no_grad;
+    f.optimizer->step();
+  }
+  f.reduced_since_step = false;
+  ++f.stats.steps;
+}
+
+void FullyShardedDataParallel::unshard() {
+  Impl& f = *impl_;
+  std::lock_guard<std::recursive_mutex> lock(f.mutex);
+  for (size_t u = 0; u < f.units.size(); ++u) f.start_gather(u);
+  for (size_t u = 0; u < f.units.size(); ++u) f.gather(u);
+}
+
+void FullyShardedDataParallel::reshard() {
+  std::lock_guard<std::recursive_mutex> lock(impl_->mutex);
+  impl_->reshard_all();
+}
+
+std::vector<at::Tensor> FullyShardedDataParallel::shard_gradients() const {
+  std::vector<at::Tensor> grads;
+  for (const auto& unit : impl_->units)
+    if (unit.shard.grad().defined()) grads.push_back(unit.shard.grad());
+  return grads;
+}
+
+std::vector<at::Tensor> FullyShardedDataParallel::shard_parameters() const {
+  std::vector<at::Tensor> shards;
+  for (const auto& unit : impl_->units) shards.push_back(unit.shard);
+  return shards;
+}
+
+torch::optim::Optimizer& FullyShardedDataParallel::optimizer() { return *impl_->optimizer; }
+Communicator& FullyShardedDataParallel::group() const { return *impl_->group; }
+size_t FullyShardedDataParallel::units() const { return impl_->units.size(); }
+int64_t FullyShardedDataParallel::unit_numel(size_t unit) const { return impl_->units.at(unit).numel; }
+
+size_t FullyShardedDataParallel::units_unsharded() const {
+  return static_cast<size_t>(
+      std::count_if(impl_->units.begin(), impl_->units.end(), [](const Impl::Unit& u) { return u.unsharded; }));
+}
+
+ZeroMemory FullyShardedDataParallel::memory() const {
+  const Impl& f = *impl_;
+  std::vector<at::Tensor> tensors = f.frozen;
+  for (const auto& unit : f.units) {
+    tensors.push_back(unit.shard);
+    tensors.push_back(unit.full);  // 0 bytes while resharded
+    tensors.insert(tensors.end(), unit.params.begin(), unit.params.end());
+  }
+  std::vector<at::Tensor> in_flight;
+  for (const auto& r : f.reductions) in_flight.insert(in_flight.end(), {r.input, r.output});
+  return count_training_memory(tensors, in_flight, f.optimizer.get());
+}
+
+FullyShardStats FullyShardedDataParallel::stats() const { return impl_->stats; }
+
+}  // namespace loom

@@ -1,0 +1,269 @@
+// FullyShardedDataParallel against DDP: the same model and data on each rank, the same optimizer;
+// after 20 steps the parameters must agree to 1e-6 (fp32), with accumulation, clipping, a skipped
+// scaler step, and with resharding after forward on and off. Odd layer sizes give padded shards.
+// Also: memory counted from live storages against 16/N bytes per parameter, and the collectives
+// counted (two gathers and one reduce-scatter per unit and step; one gather without resharding).
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <limits>
+#include <optional>
+
+#include <torch/nn.h>
+#include <torch/optim.h>
+
+#include "loom/amp/grad_scaler.h"
+#include "loom/parallel/data_parallel.h"
+#include "loom/parallel/fully_shard.h"
+#include "test_optimizers.h"
+#include "test_util.h"
+
+using namespace loom;
+
+namespace {
+
+struct ShardBlockImpl : torch::nn::Module {
+  explicit ShardBlockImpl(int64_t width) {
+    up = register_module("up", torch::nn::Linear(width, 2 * width + 1));
+    down = register_module("down", torch::nn::Linear(2 * width + 1, width));
+  }
+  at::Tensor forward(const at::Tensor& x) { return x + down(torch::tanh(up(x))); }
+  torch::nn::Linear up{nullptr}, down{nullptr};
+};
+TORCH_MODULE(ShardBlock);
+
+// The root holds the input projection and the head; three blocks are units.
+struct ShardNetImpl : torch::nn::Module {
+  ShardNetImpl() {
+    in = register_module("in", torch::nn::Linear(12, 17));
+    for (int b = 0; b < 3; ++b) blocks.push_back(register_module("block" + std::to_string(b), ShardBlock(17)));
+    head = register_module("head", torch::nn::Linear(17, 4));
+  }
+  at::Tensor forward(const at::Tensor& x) {
+    at::Tensor h = in(x);
+    for (auto& b : blocks) h = b(h);
+    return head(h);
+  }
+  torch::nn::Linear in{nullptr}, head{nullptr};
+  std::vector<ShardBlock> blocks;
+};
+TORCH_MODULE(ShardNet);
+
+using test::Opt;
+using test::make;
+using test::opt_name;
+
+std::pair<at::Tensor, at::Tensor> shard_batch(int step, int m, int rank) {
+  at::manual_seed(20000 + 100 * step + 10 * m + rank);
+  return {at::randn({6, 12}), at::randn({6, 4})};
+}
+
+struct Run {
+  int steps = 20;
+  int micro_batches = 1;
+  double clip = 0;
+  bool scaler = false;  // with an overflow on rank 1 at step 7, in the head's bias (the root's shard)
+  FullyShardOptions options{};
+};
+
+struct Result {
+  std::vector<at::Tensor> params;
+  std::vector<double> norms;
+  double scale = 0;
+};
+
+at::Tensor overflow_on_rank_1(const ShardNet& net, int step, int rank, const at::Tensor& loss) {
+  if (step != 7 || rank != 1) return loss;
+  return loss + net->head->bias.sum() * std::numeric_limits<float>::infinity();
+}
+
+Result train_with_ddp(Opt opt, const Run& r) {
+  auto comm = test::world();
+  at::manual_seed(5);
+  ShardNet net;
+  DistributedDataParallel<ShardNet> ddp(net, comm);
+  auto optimizer = make(opt, ddp->parameters());
+  GradScaler scaler({.init_scale = 1024, .growth_interval = 3});
+  Result out;
+  for (int step = 0; step < r.steps; ++step) {
+    ddp.zero_grad();
+    for (int m = 0; m < r.micro_batches; ++m) {
+      auto guard = m + 1 < r.micro_batches ? std::optional(ddp.no_sync()) : std::nullopt;
+      auto [x, y] = shard_batch(step, m, comm->rank());
+      at::Tensor loss = torch::mse_loss(ddp(x), y) / r.micro_batches;
+      if (r.scaler) loss = scaler.scale(overflow_on_rank_1(net, step, comm->rank(), loss));
+      loss.backward();
+    }
+    if (r.scaler) scaler.unscale_(*optimizer);
+    if (r.clip > 0) out.norms.push_back(torch::nn::utils::clip_grad_norm_(ddp->parameters(), r.clip));
+    if (r.scaler) {
+      scaler.step(*optimizer);
+      scaler.update();
+    } else {
+      optimizer->step();
+    }
+  }
+  for (auto& p : net->parameters()) out.params.push_back(p.detach().clone());
+  out.scale = r.scaler ? scaler.get_scale() : 0;
+  return out;
+}
+
+std::vector<std::shared_ptr<torch::nn::Module>> units_of(ShardNet& net) {
+  std::vector<std::shared_ptr<torch::nn::Module>> units;
+  for (auto& b : net->blocks) units.push_back(b.ptr());
+  return units;
+}
+
+// The model's forward with each block, and the whole, run as units.
+at::Tensor sharded_forward(FullyShardedDataParallel& fsdp, ShardNet& net, const at::Tensor& x) {
+  return fsdp.forward(*net, x, [&](const at::Tensor& x) {
+    at::Tensor h = net->in(x);
+    for (auto& b : net->blocks) h = fsdp.forward(*b, h, [&](const at::Tensor& h) { return b(h); });
+    return net->head(h);
+  });
+}
+
+Result train_fully_sharded(Opt opt, const Run& r, FullyShardStats* stats = nullptr) {
+  auto comm = test::world();
+  at::manual_seed(comm->rank() == 0 ? 5 : 70 + comm->rank());  // rank 0's weights must be broadcast
+  ShardNet net;
+  FullyShardedDataParallel fsdp(*net, units_of(net), comm, [opt](std::vector<at::Tensor> s) { return make(opt, s); },
+                                r.options);
+  GradScaler scaler({.init_scale = 1024, .growth_interval = 3});
+  Result out;
+  for (int step = 0; step < r.steps; ++step) {
+    fsdp.zero_grad();
+    for (int m = 0; m < r.micro_batches; ++m) {
+      auto [x, y] = shard_batch(step, m, comm->rank());
+      at::Tensor loss = torch::mse_loss(sharded_forward(fsdp, net, x), y) / r.micro_batches;
+      if (r.scaler) loss = scaler.scale(overflow_on_rank_1(net, step, comm->rank(), loss));
+      loss.backward();
+      EXPECT_EQ(fsdp.units_unsharded(), 0u) << "step " << step << ": a unit still gathered after backward";
+    }
+    if (r.scaler) scaler.unscale_(fsdp);
+    if (r.clip > 0) out.norms.push_back(fsdp.clip_grad_norm(r.clip));
+    if (r.scaler) {
+      scaler.step(fsdp);
+      scaler.update();
+    } else {
+      fsdp.step();
+    }
+  }
+  fsdp.unshard();
+  for (auto& p : net->parameters()) out.params.push_back(p.detach().clone());
+  fsdp.reshard();
+  out.scale = r.scaler ? scaler.get_scale() : 0;
+  if (stats) *stats = fsdp.stats();
+  return out;
+}
+
+void expect_same(const Result& got, const Result& ddp, const std::string& what) {
+  ASSERT_EQ(got.params.size(), ddp.params.size());
+  for (size_t i = 0; i < got.params.size(); ++i) {
+    const double diff = (got.params[i] - ddp.params[i]).abs().max().item<double>();
+    EXPECT_LE(diff, 1e-6) << what << ": parameter " << i << " differs from DDP's by " << diff;
+  }
+  ASSERT_EQ(got.norms.size(), ddp.norms.size());
+  for (size_t k = 0; k < got.norms.size(); ++k) {
+    if (!std::isfinite(ddp.norms[k])) {
+      EXPECT_FALSE(std::isfinite(got.norms[k])) << what << ": gradient norm of step " << k;
+      continue;
+    }
+    EXPECT_NEAR(got.norms[k], ddp.norms[k], 1e-5 * ddp.norms[k]) << what << ": gradient norm of step " << k;
+  }
+  EXPECT_EQ(got.scale, ddp.scale) << what << ": loss scale";
+}
+
+void compare_with_ddp(const Run& r, const std::vector<Opt>& opts = {Opt::SgdMomentum, Opt::Adam, Opt::AdamW}) {
+  for (Opt opt : opts) expect_same(train_fully_sharded(opt, r), train_with_ddp(opt, r), opt_name(opt));
+}
+
+}  // namespace
+
+TEST(FullyShard, EqualsDdpAfter20Steps) { compare_with_ddp({}); }
+
+TEST(FullyShard, WithoutReshardingAfterForwardOrPrefetchEqualsDdp) {
+  compare_with_ddp({.options = {.reshard_after_forward = false}}, {Opt::Adam});
+  compare_with_ddp({.options = {.prefetch = false}}, {Opt::Adam});
+}
+
+TEST(FullyShard, GradientAccumulationEqualsDdpNoSync) { compare_with_ddp({.steps = 10, .micro_batches = 3}); }
+
+TEST(FullyShard, ClippingByTheGlobalNormOverShardsEqualsDdp) {
+  const double max_norm = 0.3;
+  compare_with_ddp({.steps = 10, .clip = max_norm}, {Opt::SgdMomentum, Opt::Adam});
+  for (double norm : train_with_ddp(Opt::Adam, {.steps = 10, .clip = max_norm}).norms)
+    EXPECT_GT(norm, max_norm) << "a step that did not clip";
+}
+
+TEST(FullyShard, ScalerSkipsEveryShardWhenOneRankOverflows) {
+  if (test::world()->size() < 2) GTEST_SKIP() << "needs two ranks for a one-rank overflow";
+  compare_with_ddp({.steps = 12, .clip = 1.0, .scaler = true}, {Opt::Adam});
+}
+
+TEST(FullyShard, TwoGathersAndOneReduceScatterPerUnitAndStep) {
+  const int n = test::world()->size();
+  if (n < 2) GTEST_SKIP() << "alone in the group nothing is communicated";
+  const int steps = 3;
+  FullyShardStats resharding, keeping;
+  train_fully_sharded(Opt::Adam, {.steps = steps}, &resharding);
+  train_fully_sharded(Opt::Adam, {.steps = steps, .options = {.reshard_after_forward = false}}, &keeping);
+  // 3 blocks and the root. The root is gathered once per step (it never reshards after forward);
+  // each block twice with resharding after forward, once without. unshard() at the end: 4 more.
+  EXPECT_EQ(resharding.all_gathers, static_cast<uint64_t>(steps * (3 * 2 + 1) + 4));
+  EXPECT_EQ(keeping.all_gathers, static_cast<uint64_t>(steps * (3 + 1) + 4));
+  EXPECT_EQ(resharding.reduce_scatters, static_cast<uint64_t>(steps * 4));
+  EXPECT_EQ(keeping.reduce_scatters, resharding.reduce_scatters);
+  // Bytes: the padded units, as sent. Block: 17*35+35 + 35*17+17 = 1242 parameters; root: 12*17+17 +
+  // 17*4+4 = 293.
+  auto padded = [n](int64_t numel) { return (numel + n - 1) / n * n * 4; };
+  const uint64_t per_step_rs = 3 * padded(1242) + padded(293);
+  EXPECT_EQ(resharding.bytes_reduce_scattered, steps * per_step_rs);
+  EXPECT_EQ(resharding.bytes_all_gathered, steps * (6 * padded(1242) + padded(293)) + per_step_rs);
+}
+
+TEST(FullyShard, MemoryIsSixteenBytesPerParameterOverN) {
+  auto comm = test::world();
+  const int n = comm->size();
+  ShardNet net;
+  int64_t count = 0;
+  for (auto& p : net->parameters()) count += p.numel();
+  FullyShardedDataParallel fsdp(*net, units_of(net), comm, [](std::vector<at::Tensor> s) { return make(Opt::Adam, s); });
+  for (int step = 0; step < 2; ++step) {
+    fsdp.zero_grad();
+    auto [x, y] = shard_batch(step, 0, comm->rank());
+    torch::mse_loss(sharded_forward(fsdp, net, x), y).backward();
+    fsdp.step();
+  }
+  const ZeroMemory m = fsdp.memory();
+  // Between steps nothing is gathered: parameters, gradients and Adam's two moments, each 4 bytes
+  // per parameter over N, padding included (at most N - 1 elements per unit).
+  const double per_parameter = 16.0 / n;
+  const int64_t padding_bytes = 4 * 4 * (n - 1) * 4;
+  const int64_t total = m.parameters + m.gradients + m.optimizer_state;
+  EXPECT_GE(total, static_cast<int64_t>(per_parameter * count));
+  EXPECT_LE(total, static_cast<int64_t>(per_parameter * count) + padding_bytes) << "parameters " << m.parameters
+      << ", gradients " << m.gradients << ", optimizer state " << m.optimizer_state << " for " << count << " parameters";
+  EXPECT_EQ(fsdp.units_unsharded(), 0u);
+  fsdp.unshard();
+  EXPECT_EQ(fsdp.units_unsharded(), 4u);
+  EXPECT_GE(fsdp.memory().parameters, 4 * count);
+  fsdp.reshard();
+}
+
+TEST(FullyShard, RefusesModulesThatAreNotUnitsAndOptimizersOverOtherTensors) {
+  auto comm = test::world();
+  ShardNet net;
+  FullyShardedDataParallel fsdp(*net, units_of(net), comm, [](std::vector<at::Tensor> s) { return make(Opt::Adam, s); });
+  const std::string not_a_unit = test::rejection([&] { fsdp.forward(*net->head, at::zeros({1, 17}), [](auto& x) { return x; }); });
+  test::expect_contains(not_a_unit, "expected the root or one of the 3 units");
+  test::expect_contains(not_a_unit, "rank " + std::to_string(comm->rank()));
+  test::expect_contains(test::rejection([&] { fsdp.step(); }), "no backward since the last step");
+  ShardNet other;
+  test::expect_contains(test::rejection([&] {
+                          FullyShardedDataParallel bad(*other, units_of(other), comm, [&](std::vector<at::Tensor>) {
+                            return make(Opt::Adam, other->parameters());
+                          });
+                        }),
+                        "expected the optimizer over exactly the 4 shard tensors");
+}
