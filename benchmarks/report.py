@@ -545,8 +545,10 @@ class Report:
         rows = []
         for n in ranks:
             for r in by_ranks[n]:
-                for key, label, _ in names + ([("zero2_overlap", "ZeRO stage 2, gather overlapping forward", "")]
-                                              if "zero2_overlap" in r["median_s"] else []):
+                extra = [(k, label, "") for k, label in (("zero2_overlap", "ZeRO stage 2, gather overlapping forward"),
+                                                          ("fsdp", "fully sharded (ZeRO stage 3), a unit per layer"))
+                         if k in r["median_s"]]
+                for key, label, _ in names + extra:
                     m = r["memory"][key]
                     ratio = r.get("step_time_over_ddp", {}).get(key)
                     target = "" if ratio is None or n != 2 else ("met" if ratio <= 1.05 else "**missed**")
@@ -557,6 +559,10 @@ class Report:
                                  "yes" if r["correct"] else "**no**"])
         text += "\n" + table(["ranks", "malloc", "variant", "step (ms)", "over DDP", "target", "bytes/param", "formula",
                                "MB handed to the communicator per step", "equal to DDP"], rows)
+        fsdp = [(r["ranks"], r["fsdp_over_zero2"]) for n in ranks for r in by_ranks[n] if "fsdp_over_zero2" in r]
+        if fsdp:
+            text += ("\nFully sharded over ZeRO stage 2, paired per step (target <= 1.15 at 2 ranks): " +
+                     ", ".join(f"{fmt(v)} at {n} ranks" for n, v in fsdp) + ".\n")
         bf16_rows = []
         for n in ranks:
             r = by_ranks[n][0]

@@ -188,7 +188,7 @@ struct FullyShardedDataParallel::Impl : std::enable_shared_from_this<FullySharde
     }
     gather(u);
     // The next unit of the last iteration's order, when this one is where that order says.
-    if (options.prefetch && position + 1 < last_forward_starts.size() && last_forward_starts[position] == u)
+    if (*options.prefetch && position + 1 < last_forward_starts.size() && last_forward_starts[position] == u)
       start_gather(last_forward_starts[position + 1]);
   }
 
@@ -232,7 +232,7 @@ struct FullyShardedDataParallel::Impl : std::enable_shared_from_this<FullySharde
     if (unit.pre_backward_done) return;
     unit.pre_backward_done = true;
     gather(u);
-    if (!options.prefetch) return;
+    if (!*options.prefetch) return;
     // Backward reaches units in the reverse of the order their forwards ended: prefetch the next.
     auto it = std::find(forward_ends.rbegin(), forward_ends.rend(), u);
     for (++it; it != forward_ends.rend(); ++it)
@@ -429,6 +429,7 @@ FullyShardedDataParallel::FullyShardedDataParallel(torch::nn::Module& root,
   f.options = options;
   f.rank = f.group->rank();
   f.size = f.group->size();
+  if (!f.options.prefetch) f.options.prefetch = f.group->device().type() != c10::DeviceType::CPU;
   if (!make_optimizer) throw InvalidArgumentError(f.where() + ": expected an optimizer factory, found none");
   if (f.options.broadcast_parameters && f.size > 1) {
     std::vector<at::Tensor> all;

@@ -182,9 +182,11 @@ void compare_with_ddp(const Run& r, const std::vector<Opt>& opts = {Opt::SgdMome
 
 TEST(FullyShard, EqualsDdpAfter20Steps) { compare_with_ddp({}); }
 
-TEST(FullyShard, WithoutReshardingAfterForwardOrPrefetchEqualsDdp) {
-  compare_with_ddp({.options = {.reshard_after_forward = false}}, {Opt::Adam});
-  compare_with_ddp({.options = {.prefetch = false}}, {Opt::Adam});
+TEST(FullyShard, WithPrefetchOrWithoutReshardingAfterForwardEqualsDdp) {
+  // The CPU's default is no prefetch: the prefetching path explicitly, both directions.
+  compare_with_ddp({.options = {.prefetch = true}}, {Opt::Adam});
+  compare_with_ddp({.options = {.reshard_after_forward = false, .prefetch = true}}, {Opt::Adam});
+  compare_with_ddp({.options = {.reshard_after_forward = false, .prefetch = false}}, {Opt::Adam});
 }
 
 TEST(FullyShard, GradientAccumulationEqualsDdpNoSync) { compare_with_ddp({.steps = 10, .micro_batches = 3}); }
@@ -206,7 +208,7 @@ TEST(FullyShard, TwoGathersAndOneReduceScatterPerUnitAndStep) {
   if (n < 2) GTEST_SKIP() << "alone in the group nothing is communicated";
   const int steps = 3;
   FullyShardStats resharding, keeping;
-  train_fully_sharded(Opt::Adam, {.steps = steps}, &resharding);
+  train_fully_sharded(Opt::Adam, {.steps = steps, .options = {.prefetch = true}}, &resharding);
   train_fully_sharded(Opt::Adam, {.steps = steps, .options = {.reshard_after_forward = false}}, &keeping);
   // 3 blocks and the root. The root is gathered once per step (it never reshards after forward);
   // each block twice with resharding after forward, once without. unshard() at the end: 4 more.
