@@ -112,6 +112,7 @@ struct FullyShardedDataParallel::Impl : std::enable_shared_from_this<FullySharde
   FullyShardOptions options;
   int rank = 0;
   int size = 1;
+  int64_t divisor = 1;  // ranks averaged over: the group's, times the replicate group's
   std::vector<Unit> units;  // the named units holding trainable parameters, then the root
   std::unordered_map<const torch::nn::Module*, size_t> unit_of;  // kNoUnit: a unit without trainable ones
   std::vector<at::Tensor> frozen;
@@ -291,7 +292,11 @@ struct FullyShardedDataParallel::Impl : std::enable_shared_from_this<FullySharde
     at::NoGradGuard no_grad;
     for (Reduction& r : reductions) {
       if (r.work) r.work->wait();
-      if (size > 1) r.output.div_(size);
+      if (options.replicate && options.replicate->size() > 1) {
+        options.replicate->all_reduce(r.output, {ReduceOp::Sum})->wait();
+        stats.bytes_all_reduced += r.output.nbytes();
+      }
+      if (divisor > 1) r.output.div_(divisor);
       at::Tensor& grad = units[r.unit].shard.mutable_grad();
       if (grad.defined())
         grad.add_(r.output);
@@ -431,10 +436,14 @@ FullyShardedDataParallel::FullyShardedDataParallel(torch::nn::Module& root,
   f.size = f.group->size();
   if (!f.options.prefetch) f.options.prefetch = f.group->device().type() != c10::DeviceType::CPU;
   if (!make_optimizer) throw InvalidArgumentError(f.where() + ": expected an optimizer factory, found none");
-  if (f.options.broadcast_parameters && f.size > 1) {
+  f.divisor = f.size * (f.options.replicate ? f.options.replicate->size() : 1);
+  if (f.options.broadcast_parameters) {
     std::vector<at::Tensor> all;
     for (const auto& p : root.parameters()) all.push_back(p.detach());
-    detail::broadcast_tensors(*f.group, all, "parameter broadcast");
+    // Every rank ends with the values of the rank that is rank 0 of both groups.
+    if (f.options.replicate && f.options.replicate->size() > 1)
+      detail::broadcast_tensors(*f.options.replicate, all, "parameter broadcast");
+    if (f.size > 1) detail::broadcast_tensors(*f.group, all, "parameter broadcast");
   }
   f.assign_units(root, units);
   if (f.units.empty()) throw InvalidArgumentError(f.where() + ": expected trainable parameters, found none");

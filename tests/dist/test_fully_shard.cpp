@@ -15,6 +15,7 @@
 #include "loom/amp/grad_scaler.h"
 #include "loom/parallel/data_parallel.h"
 #include "loom/parallel/fully_shard.h"
+#include "loom/parallel/tensor_parallel.h"
 #include "test_optimizers.h"
 #include "test_util.h"
 
@@ -123,11 +124,13 @@ at::Tensor sharded_forward(FullyShardedDataParallel& fsdp, ShardNet& net, const 
   });
 }
 
-Result train_fully_sharded(Opt opt, const Run& r, FullyShardStats* stats = nullptr) {
+// Shards over `group` (the world when null); the data still differs on every rank of the world.
+Result train_fully_sharded(Opt opt, const Run& r, FullyShardStats* stats = nullptr,
+                           std::shared_ptr<Communicator> group = nullptr) {
   auto comm = test::world();
   at::manual_seed(comm->rank() == 0 ? 5 : 70 + comm->rank());  // rank 0's weights must be broadcast
   ShardNet net;
-  FullyShardedDataParallel fsdp(*net, units_of(net), comm, [opt](std::vector<at::Tensor> s) { return make(opt, s); },
+  FullyShardedDataParallel fsdp(*net, units_of(net), group ? group : comm, [opt](std::vector<at::Tensor> s) { return make(opt, s); },
                                 r.options);
   GradScaler scaler({.init_scale = 1024, .growth_interval = 3});
   Result out;
@@ -268,4 +271,73 @@ TEST(FullyShard, RefusesModulesThatAreNotUnitsAndOptimizersOverOtherTensors) {
                           });
                         }),
                         "expected the optimizer over exactly the 4 shard tensors");
+}
+
+TEST(FullyShard, HybridShardingTwoByTwoEqualsDdpOverAllRanks) {
+  // Shards over pairs {0,1} and {2,3}, replicated over {0,2} and {1,3}; DDP over all four.
+  auto world = test::world();
+  if (world->size() != 4) GTEST_SKIP() << "HSDP 2 x 2 needs 4 ranks";
+  ParallelState ps(world, 2);  // tp_group: the contiguous pairs, dp_group: across them
+  for (Opt opt : {Opt::SgdMomentum, Opt::Adam}) {
+    const Result ddp = train_with_ddp(opt, {.clip = 0.3});
+    FullyShardStats stats;
+    const Result hybrid = train_fully_sharded(
+        opt, {.clip = 0.3, .options = {.prefetch = true, .replicate = ps.dp_group()}}, &stats, ps.tp_group());
+    expect_same(hybrid, ddp, std::string("HSDP ") + opt_name(opt));
+    EXPECT_GT(stats.bytes_all_reduced, 0u);
+  }
+}
+
+namespace {
+struct ShardTpNetImpl : torch::nn::Module {
+  explicit ShardTpNetImpl(const TensorParallelGroup& group) {
+    col = register_module("col", ColumnParallelLinear(12, 34, group));
+    row = register_module("row", RowParallelLinear(34, 4, group));
+  }
+  ColumnParallelLinear col{nullptr};
+  RowParallelLinear row{nullptr};
+};
+TORCH_MODULE(ShardTpNet);
+}  // namespace
+
+TEST(FullyShard, TensorParallel2xFullyShardedDataParallel2EqualsDdpOverTheDataParallelGroup) {
+  // FSDP shards each TP rank's slices over the DP group; the TP layers' all-reduces run over the TP
+  // group inside the units' forward and backward.
+  auto world = test::world();
+  if (world->size() != 4) GTEST_SKIP() << "TP 2 x FSDP 2 needs 4 ranks";
+  ParallelState ps(world, 2);
+  auto build = [&] {
+    at::manual_seed(3);
+    ps.seed(3);
+    return ShardTpNet(ps.tp_group());
+  };
+  auto train = [&](const std::function<at::Tensor(ShardTpNet&, const at::Tensor&)>& forward,
+                   const std::function<void(at::Tensor)>& step_fn, ShardTpNet& net) {
+    for (int step = 0; step < 20; ++step) {
+      auto [x, y] = shard_batch(step, 0, ps.dp_rank());  // the same on both ranks of a TP group
+      step_fn(torch::mse_loss(forward(net, x), y));
+    }
+  };
+  ShardTpNet ddp_net = build();
+  GradientReducer reducer(ddp_net->parameters(), ps.dp_group());
+  auto ddp_opt = make(Opt::Adam, ddp_net->parameters());
+  train([](ShardTpNet& n, const at::Tensor& x) { return n->row(torch::tanh(n->col(x))); },
+        [&](at::Tensor loss) { reducer.zero_grad(); loss.backward(); ddp_opt->step(); }, ddp_net);
+
+  ShardTpNet net = build();
+  FullyShardedDataParallel fsdp(*net, {net->col.ptr(), net->row.ptr()}, ps.dp_group(),
+                                [](std::vector<at::Tensor> s) { return make(Opt::Adam, s); }, {.prefetch = true});
+  auto unit = [&](auto& layer, const at::Tensor& h) {
+    return fsdp.forward(*layer, h, [&](const at::Tensor& h) { return layer(h); });
+  };
+  train([&](ShardTpNet& n, const at::Tensor& x) {
+          return fsdp.forward(*n, x, [&](const at::Tensor& x) { return unit(n->row, torch::tanh(unit(n->col, x))); });
+        },
+        [&](at::Tensor loss) { fsdp.zero_grad(); loss.backward(); fsdp.step(); }, net);
+  fsdp.unshard();
+  const auto got = net->parameters(), want = ddp_net->parameters();
+  ASSERT_EQ(got.size(), want.size());
+  for (size_t i = 0; i < got.size(); ++i)
+    EXPECT_LE((got[i] - want[i]).abs().max().item<double>(), 1e-6) << "parameter " << i;
+  fsdp.reshard();
 }

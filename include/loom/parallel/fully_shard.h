@@ -43,7 +43,9 @@
 // micro-batch; each backward reduce-scatters and adds into the gradient shards (the sum of the
 // micro-batches' averages, as DDP's no_sync gives it). Element-wise optimizers only, as for ZeRO
 // (SGD, Adam, AdamW, RMSprop, Adagrad); one parameter group. Frozen parameters (requires_grad
-// false) stay whole on every rank with rank 0's values. All trainable parameters of a unit share a
+// false) stay whole on every rank with rank 0's values. Hybrid sharding: FullyShardOptions::replicate
+// (shard within a node, replicate across nodes); tensor parallelism inside: pass the DP group, the
+// TP layers' parameters are this rank's slices. All trainable parameters of a unit share a
 // dtype and the group's device.
 #pragma once
 
@@ -78,8 +80,12 @@ struct FullyShardOptions {
   // zero_bench's fully sharded step slower, not faster (1.19-1.29 of ZeRO stage 2's step with it,
   // 1.05-1.21 without, 2 ranks, 4.2 M parameters).
   std::optional<bool> prefetch;
-  // Broadcast parameters from rank 0 of the group at construction.
+  // Broadcast parameters from rank 0 of the group at construction (and of `replicate` first).
   bool broadcast_parameters = true;
+  // Hybrid sharding (HSDP): shard over the group (a node), replicate over this one (the ranks
+  // holding the same shard in the other groups). After each unit's reduce-scatter its gradient
+  // shard is all-reduced over `replicate`; the average is over both. Null: shard over all ranks.
+  std::shared_ptr<Communicator> replicate;
 };
 
 // Collectives issued, counted on this rank since construction.
@@ -89,6 +95,7 @@ struct FullyShardStats {
   uint64_t bytes_all_gathered = 0;      // their outputs (whole padded units)
   uint64_t reduce_scatters = 0;         // unit gradient reductions
   uint64_t bytes_reduce_scattered = 0;  // their inputs (whole padded units)
+  uint64_t bytes_all_reduced = 0;       // gradient shards all-reduced over the replicate group (HSDP)
 };
 
 class FullyShardedDataParallel {
