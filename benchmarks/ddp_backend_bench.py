@@ -1,13 +1,17 @@
 #!/usr/bin/env python3
-"""PyTorch's own DistributedDataParallel over backend="loom" against over backend="gloo": the step
-time of the same model, in the same processes and the same run.
+"""PyTorch's own DistributedDataParallel (or, with --wrapper fsdp, its FSDP2 `fully_shard`) over
+backend="loom" against over backend="gloo": the step time of the same model, in the same processes
+and the same run.
 
 The default process group is "loom" (torchloom's world communicator: MPI under mpirun, Gloo under
 torchrun); the reference is a new_group(backend="gloo") over the same ranks. Two DDP replicas of
 one model (same initial weights, same batches) train in rounds of --steps steps, loom and gloo
 alternating which goes first; a round starts after a barrier and its time is the slowest rank's
 (barrier and max on a third gloo group, so neither timed group does other work). A step is
-forward, backward (DDP's bucketed all-reduce overlapping it) and SGD.
+forward, backward (DDP's bucketed all-reduce overlapping it) and SGD. With --wrapper fsdp each Linear
+is a fully_shard unit and the model the root (FSDP2's all-gathers and reduce-scatters instead; Gloo
+has no AVG reduce-scatter, so both sides sum and divide, as FSDP2's set_force_sum_reduction_for_comms
+makes them; target for FSDP2: loom <= 0.8 of gloo).
 
 ratio = loom step time / gloo step time (median of rounds): <= 1.0 means loom is at least as fast
 (issue 25's target). The two replicas' parameters are compared at the end (they must agree).
@@ -34,6 +38,7 @@ def main():
     p.add_argument("--rounds", type=int, default=10, help="timed rounds per backend")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps per backend first")
     p.add_argument("--bucket-mb", type=float, default=25.0, help="DDP bucket_cap_mb (both)")
+    p.add_argument("--wrapper", choices=["ddp", "fsdp"], default="ddp", help="PyTorch's DDP or FSDP2 (fully_shard)")
     p.add_argument("--json", help="write the results here (rank 0)")
     args = p.parse_args()
 
@@ -68,13 +73,23 @@ def main():
         layers.append(nn.Linear(args.width, 16))
         return nn.Sequential(*layers)
 
-    sides = {
-        "loom": nn.parallel.DistributedDataParallel(model(), process_group=dist.group.WORLD,
-                                                    bucket_cap_mb=args.bucket_mb),
-        "gloo": nn.parallel.DistributedDataParallel(model(), process_group=gloo, bucket_cap_mb=args.bucket_mb),
-    }
+    def wrapped(group):
+        if args.wrapper == "ddp":
+            return nn.parallel.DistributedDataParallel(model(), process_group=group, bucket_cap_mb=args.bucket_mb)
+        from torch.distributed.device_mesh import DeviceMesh
+        from torch.distributed.fsdp import fully_shard
+        mesh = DeviceMesh.from_group(group, "cpu")
+        net = model()
+        for layer in net:
+            if isinstance(layer, nn.Linear):
+                fully_shard(layer, mesh=mesh)
+        fully_shard(net, mesh=mesh)
+        net.set_force_sum_reduction_for_comms(True)
+        return net
+
+    sides = {"loom": wrapped(dist.group.WORLD), "gloo": wrapped(gloo)}
     optimizers = {name: torch.optim.SGD(m.parameters(), lr=1e-3) for name, m in sides.items()}
-    params = sum(p.numel() for p in sides["loom"].parameters())
+    params = sum(p.numel() for p in model().parameters())
     steps_done = {name: 0 for name in sides}
 
     def step(name):
@@ -105,10 +120,13 @@ def main():
             times[name].append(timed_round(name))
 
     # Same batches, same steps: the replicas must agree (the all-reduce order may differ by rounding).
-    agree = all(torch.allclose(a, b, rtol=1e-5, atol=1e-6)
+    def local(t):  # FSDP2's parameters are DTensors: this rank's shard
+        return t.to_local() if hasattr(t, "to_local") else t
+    agree = all(torch.allclose(local(a), local(b), rtol=1e-5, atol=1e-6)
                 for a, b in zip(sides["loom"].parameters(), sides["gloo"].parameters()))
     result = {
-        "benchmark": "ddp_backend",
+        "benchmark": "ddp_backend" if args.wrapper == "ddp" else "fsdp_backend",
+        "wrapper": args.wrapper,
         "launcher": torchloom.world().launcher,
         "loom_host_backend": comm.backend,
         "ranks": size,
@@ -125,9 +143,10 @@ def main():
     }
     result["ratio_loom_over_gloo"] = result["loom_step_s"] / result["gloo_step_s"]
     if rank == 0:
-        print(f"DDP step, {size} ranks, {params / 1e6:.2f} M parameters, batch {args.batch}/rank: "
+        print(f"{'DDP' if args.wrapper == 'ddp' else 'FSDP2'} step, {size} ranks, {params / 1e6:.2f} M parameters, batch {args.batch}/rank: "
               f"loom {result['loom_step_s'] * 1e3:.2f} ms, gloo {result['gloo_step_s'] * 1e3:.2f} ms, "
-              f"ratio loom/gloo {result['ratio_loom_over_gloo']:.3f} (target <= 1.0); replicas agree: {agree}")
+              f"ratio loom/gloo {result['ratio_loom_over_gloo']:.3f} "
+              f"(target <= {1.0 if args.wrapper == 'ddp' else 0.8}); replicas agree: {agree}")
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(result, f, indent=2)

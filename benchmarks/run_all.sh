@@ -129,6 +129,9 @@ if [[ " $BENCHMARKS " == *" python "* ]]; then
     PYTHONPATH="build/python${PYTHONPATH:+:$PYTHONPATH}" mpirun -np $np $LOOM_MPIRUN_FLAGS "$PYTHON" \
       benchmarks/ddp_backend_bench.py --json "$RESULTS/ddp_backend_np$np.json"
   done
+  echo "== PyTorch FSDP2 (fully_shard) over backend loom vs gloo, 2 ranks"
+  PYTHONPATH="build/python${PYTHONPATH:+:$PYTHONPATH}" mpirun -np 2 $LOOM_MPIRUN_FLAGS "$PYTHON" \
+    benchmarks/ddp_backend_bench.py --wrapper fsdp --json "$RESULTS/fsdp_backend_np2.json"
 fi
 if [[ " $BENCHMARKS " == *" tp "* ]]; then
   echo "== tensor-parallel MLP, TP=2 against TP=1, 2 ranks"
