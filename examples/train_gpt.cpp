@@ -63,6 +63,7 @@
 #include "loom/parallel/grad_clip.h"
 #include "loom/parallel/recompute.h"
 #include "loom/parallel/tensor_parallel.h"
+#include "loom/parallel/fully_shard.h"
 #include "loom/parallel/zero.h"
 #include "loom/topology/placement.h"
 #include "loom/trace.h"
@@ -210,7 +211,9 @@ struct GptImpl : torch::nn::Module {
   // ids [s, b] -> this rank's slice of the logits [s, b, vocab / tp]. Sequence-parallel: the
   // embedding's output is this rank's rows, and so is every activation up to the head.
   torch::Tensor forward(const torch::Tensor& ids) {
-    return stage(StageSpan{0, static_cast<int>(blocks.size()), true, true}, ids);
+    const StageSpan whole{0, static_cast<int>(blocks.size()), true, true};
+    if (fsdp) return fsdp->forward(*this, ids, [&](const torch::Tensor& ids) { return stage(whole, ids); });
+    return stage(whole, ids);
   }
   // One pipeline stage: from the ids (first stage) or the previous stage's activation to the next
   // stage's activation or the logits (last stage).
@@ -225,7 +228,7 @@ struct GptImpl : torch::nn::Module {
     }
     for (int l = span.first; l < span.end; ++l) {
       ready(blocks[l]->parameters());
-      x = blocks[l](x);
+      x = block(l, x);
     }
     if (!span.heads) return x;
     ready({lnf_weight, lnf_bias});
@@ -270,6 +273,12 @@ struct GptImpl : torch::nn::Module {
   std::function<void(const std::vector<torch::Tensor>&)> before_use;
   void ready(const std::vector<torch::Tensor>& params) {
     if (before_use) before_use(params);
+  }
+  // Fully sharded (--zero 3): each block's forward runs as a unit, the whole forward as the root's.
+  loom::FullyShardedDataParallel* fsdp = nullptr;
+  torch::Tensor block(int l, const torch::Tensor& x) {
+    if (!fsdp) return blocks[l](x);
+    return fsdp->forward(*blocks[l], x, [&](const torch::Tensor& x) { return blocks[l](x); });
   }
   void set_recompute(bool on) {
     for (auto& block : blocks)
@@ -418,6 +427,7 @@ class GptRun {
 
   torch::Tensor loss_of(const torch::Tensor& ids);
   void build_pipeline();
+  void refuse_what_fully_sharded_lacks() const;
   std::vector<std::vector<torch::Tensor>> chunk_parameters() const;
   std::vector<torch::Tensor> bucket_buffers() const;
   double accumulated_step(const torch::Tensor& batch);
@@ -431,6 +441,7 @@ class GptRun {
   double held_out_loss();
   uint64_t communicated() const {
     uint64_t bytes = loom::tp::comm_stats().total_bytes() + (zero_ ? zero_->stats().bytes_all_gathered : 0);
+    if (fsdp_) bytes += fsdp_->stats().bytes_all_gathered + fsdp_->stats().bytes_reduce_scattered;
     for (const auto* reducer : reducers_) bytes += reducer->stats().bytes_reduced;
     return bytes;
   }
@@ -455,6 +466,7 @@ class GptRun {
   std::unique_ptr<loom::pp::PipelineExecutor> pipeline_;
   bool score_in_fp32_ = false;
   std::unique_ptr<loom::ZeroOptimizer> zero_;
+  std::unique_ptr<loom::FullyShardedDataParallel> fsdp_;  // --zero 3
   std::vector<std::unique_ptr<loom::GradientReducer>> plain_reducers_;  // one per model chunk
   std::unique_ptr<torch::optim::AdamW> plain_opt_;
   std::vector<loom::GradientReducer*> reducers_;  // by model chunk (ZeRO: its one reducer)
@@ -518,6 +530,7 @@ void GptRun::build_model_and_optimizer() {
   ps.seed(o_.seed);  // replicated weights equal everywhere; shards and dropout per TP rank
   device_rng_ = &loom::rng_tracker(device_);
   if (on_gpu_) ps.seed(o_.seed, *device_rng_);
+  if (o_.zero == 3) refuse_what_fully_sharded_lacks();
   loom::ParallelInit init;
   init.device = device_;
   init.rng = on_gpu_ ? device_rng_ : nullptr;
@@ -528,7 +541,14 @@ void GptRun::build_model_and_optimizer() {
   // rank's shard of the DP group's buckets, the reducer inside the ZeroOptimizer).
   const auto adamw = torch::optim::AdamWOptions(o_.lr).weight_decay(0.01);
   const size_t bucket_cap = static_cast<size_t>(o_.bucket_cap_mb * (1 << 20));
-  if (o_.zero > 0) {
+  if (o_.zero == 3) {
+    std::vector<std::shared_ptr<torch::nn::Module>> units;
+    for (auto& block : model_->blocks) units.push_back(block.ptr());
+    fsdp_ = std::make_unique<loom::FullyShardedDataParallel>(
+        *model_, units, ps.dp_group(),
+        [&](std::vector<torch::Tensor> shards) { return std::make_unique<torch::optim::AdamW>(shards, adamw); });
+    model_->fsdp = fsdp_.get();
+  } else if (o_.zero > 0) {
     loom::ZeroOptions zero_options;
     zero_options.stage = o_.zero;
     zero_options.overlap_param_gather = o_.zero_overlap;
@@ -552,9 +572,10 @@ void GptRun::build_model_and_optimizer() {
   }
   if (zero_) reducers_.push_back(&zero_->reducer());
   for (const auto& reducer : plain_reducers_) reducers_.push_back(reducer.get());
-  reducer_ = reducers_.front();
-  opt_ = zero_ ? &zero_->optimizer() : plain_opt_.get();
-  accumulate_ = std::make_unique<loom::GradientAccumulator>(*reducer_, static_cast<size_t>(o_.accumulate));
+  // Fully sharded: every backward reduce-scatters into the gradient shards; no reducer to hold off.
+  reducer_ = reducers_.empty() ? nullptr : reducers_.front();
+  opt_ = fsdp_ ? &fsdp_->optimizer() : zero_ ? &zero_->optimizer() : plain_opt_.get();
+  if (reducer_) accumulate_ = std::make_unique<loom::GradientAccumulator>(*reducer_, static_cast<size_t>(o_.accumulate));
   if (o_.scaler || o_.precision == "fp16") {
     loom::GradScalerOptions scaler_options;
     // Gradients are split over the TP group and the pipeline stages: found-inf is agreed over both.
@@ -563,6 +584,19 @@ void GptRun::build_model_and_optimizer() {
     // Only the last stage scales the loss; the others' gradients come from its scaled backward.
     if (pipeline_ && !pipeline_->holds_last_stage()) scaler_->scaled_by_another_rank(device_);
   }
+}
+
+// What --zero 3 does not do yet, refused by name before anything is built.
+void GptRun::refuse_what_fully_sharded_lacks() const {
+  if (o_.pp > 1)
+    throw refusal("--zero 3 with --pp " + std::to_string(o_.pp) +
+                  ": fully sharded units inside pipeline stages are not built yet; use --zero 1 or 2 with --pp");
+  if (!o_.checkpoint_dir.empty())
+    throw refusal("--zero 3 with --checkpoint-dir: fully sharded checkpoints are not written yet (docs/zero.md); "
+                  "use --zero 2 to save checkpoints");
+  if (o_.clip_grad_norm > 0 && ps_->tp_degree() > 1)
+    throw refusal("--clip-grad-norm with --zero 3 and --tp " + std::to_string(ps_->tp_degree()) +
+                  ": the fully sharded clip sums the data-parallel group's shards, not the tensor-parallel slices");
 }
 
 // Pipeline parallelism (--pp): this rank keeps the stages it computes (global stage c x pp + its
@@ -830,11 +864,14 @@ double GptRun::train_step(int64_t step) {
   for (auto& group : opt_->param_groups())
     static_cast<torch::optim::AdamWOptions&>(group.options()).lr(o_.lr * std::min(1.0, step / warm));
   for (auto* reducer : reducers_) reducer->zero_grad();
+  if (fsdp_) fsdp_->zero_grad();
   const double step_loss = pipeline_ ? pipeline_step(batch) : accumulated_step(batch);
   if (o_.clip_grad_norm > 0) clip_gradients();
   if (scaler_) {
-    zero_ ? scaler_->step(*zero_) : scaler_->step(*opt_);
+    fsdp_ ? scaler_->step(*fsdp_) : zero_ ? scaler_->step(*zero_) : scaler_->step(*opt_);
     scaler_->update();
+  } else if (fsdp_) {
+    fsdp_->step();
   } else if (zero_) {
     zero_->step();
   } else {
@@ -849,6 +886,11 @@ double GptRun::train_step(int64_t step) {
 // Clipping by the global norm over every stage and TP slice (after unscaling: the norm is the true
 // gradients'). ZeRO clips its shards over the DP group itself (one stage: refused with --pp).
 void GptRun::clip_gradients() {
+  if (fsdp_) {
+    if (scaler_) scaler_->unscale_(*fsdp_);
+    fsdp_->clip_grad_norm(o_.clip_grad_norm);
+    return;
+  }
   if (zero_) {
     if (scaler_) scaler_->unscale_(*zero_);
     zero_->clip_grad_norm(o_.clip_grad_norm);
@@ -863,7 +905,7 @@ void GptRun::clip_gradients() {
 double GptRun::accumulated_step(const torch::Tensor& batch) {
   double step_loss = 0;
   for (const auto& micro : batch.chunk(o_.accumulate, 1)) {
-    auto scope = accumulate_->next();
+    auto scope = accumulate_ ? std::optional(accumulate_->next()) : std::nullopt;
     torch::Tensor loss = loss_of(micro) / double(o_.accumulate);
     if (scaler_)
       scaler_->scale(loss).backward();
@@ -1002,14 +1044,19 @@ void GptRun::report_time() {
 
 // Training state held per rank, counted from the live tensors' storages.
 void GptRun::report_memory() const {
-  const loom::ZeroMemory m =
-      zero_ ? zero_->memory() : loom::count_training_memory(model_->parameters(), bucket_buffers(), opt_);
+  if (fsdp_) fsdp_->reshard();  // the root stays gathered after the last evaluation's forward
+  const loom::ZeroMemory m = fsdp_   ? fsdp_->memory()
+                             : zero_ ? zero_->memory()
+                                     : loom::count_training_memory(model_->parameters(), bucket_buffers(), opt_);
   int64_t numel = 0;
   for (const auto& p : model_->parameters()) numel += p.numel();
   if (log_)
     std::printf("training state per rank (%s over %d replicas, %.2f M parameters on this rank): parameters %.1f MB, "
                 "gradients %.1f MB, optimizer state %.1f MB; %.2f bytes per parameter\n",
-                zero_ ? ("ZeRO stage " + std::to_string(o_.zero)).c_str() : "plain data parallelism", ps_->dp_degree(),
+                fsdp_   ? "fully sharded data parallelism (ZeRO stage 3)"
+                : zero_ ? ("ZeRO stage " + std::to_string(o_.zero)).c_str()
+                        : "plain data parallelism",
+                ps_->dp_degree(),
                 numel / 1e6, m.parameters / 1e6, m.gradients / 1e6, m.optimizer_state / 1e6,
                 double(m.parameters + m.gradients + m.optimizer_state) / double(numel));
 }
@@ -1140,8 +1187,10 @@ void add_run_options(CLI::App& app, Options& o) {
                  "or fp16")
       ->check(CLI::IsMember({"auto", "fp32", "bf16", "fp16"}));
   app.add_flag("--scaler", o.scaler, "scale the loss with loom::GradScaler whatever the precision");
-  app.add_option("--zero", o.zero, "ZeRO over the data-parallel group: 1 shards the optimizer state, 2 the gradients too")
-      ->check(CLI::Range(0, 2));
+  app.add_option("--zero", o.zero,
+                 "ZeRO over the data-parallel group: 1 shards the optimizer state, 2 the gradients too, 3 the "
+                 "parameters too (loom::FullyShardedDataParallel, a unit per block)")
+      ->check(CLI::Range(0, 3));
   app.add_option("--bucket-cap-mb", o.bucket_cap_mb, "gradient bucket size (the first bucket: 1 MB or this)")
       ->check(CLI::Range(0.001, 1024.0));
   app.add_flag("--zero-overlap", o.zero_overlap,
@@ -1174,7 +1223,7 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "train_gpt: --resume needs --checkpoint-dir\n");
     return 2;
   }
-  if (o.zero_overlap && o.zero == 0) {
+  if (o.zero_overlap && (o.zero == 0 || o.zero == 3)) {
     std::fprintf(stderr, "train_gpt: --zero-overlap needs --zero 1 or 2\n");
     return 2;
   }
