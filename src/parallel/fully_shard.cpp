@@ -125,6 +125,8 @@ struct FullyShardedDataParallel::Impl : std::enable_shared_from_this<FullySharde
   size_t forward_depth = 0;
   size_t forward_position = 0;  // forwards started since the outermost one began
   bool in_backward = false;
+  bool sync = true;            // no_sync() clears it
+  bool backward_syncs = true;  // this backward's: sync when it began
   std::vector<size_t> reduce_order;  // this backward's: forward_starts reversed, each unit once
   size_t next_to_reduce = 0;
   std::vector<Reduction> reductions;
@@ -149,6 +151,10 @@ struct FullyShardedDataParallel::Impl : std::enable_shared_from_this<FullySharde
       stats.bytes_all_gathered += unit.full.nbytes();
     }
     unit.unsharded = true;
+    uint64_t held = 0;
+    for (const Unit& other : units)
+      if (other.unsharded) held += other.full.nbytes();
+    stats.peak_unsharded_bytes = std::max(stats.peak_unsharded_bytes, held);
   }
 
   void gather(size_t u) {
@@ -214,6 +220,7 @@ struct FullyShardedDataParallel::Impl : std::enable_shared_from_this<FullySharde
   void begin_backward() {
     if (in_backward) return;
     in_backward = true;
+    backward_syncs = sync;
     reduce_order.clear();
     std::unordered_set<size_t> seen;
     for (auto it = forward_starts.rbegin(); it != forward_starts.rend(); ++it)
@@ -248,7 +255,7 @@ struct FullyShardedDataParallel::Impl : std::enable_shared_from_this<FullySharde
     begin_backward();
     Unit& unit = units[u];
     if (unit.gradients_pending > 0 && --unit.gradients_pending == 0) unit.gradients_ready = true;
-    issue_ready_reductions();
+    if (backward_syncs) issue_ready_reductions();
   }
 
   void issue_ready_reductions() {
@@ -287,7 +294,19 @@ struct FullyShardedDataParallel::Impl : std::enable_shared_from_this<FullySharde
   void finalize() {
     std::lock_guard<std::recursive_mutex> lock(mutex);
     if (!in_backward) return;
-    for (size_t u : reduce_order) units[u].gradients_ready = true;  // a parameter unused: zeros
+    if (backward_syncs) reduce_remaining_and_wait();
+    reshard_all();
+    for (Unit& unit : units) unit.ran_forward = unit.pre_backward_done = unit.gradients_ready = false;
+    last_forward_starts = forward_starts;
+    forward_starts.clear();
+    forward_ends.clear();
+    in_backward = false;
+  }
+
+  // Units still waiting for a gradient reduce with zeros there; every reduction is waited for and
+  // added into its gradient shard.
+  void reduce_remaining_and_wait() {
+    for (size_t u : reduce_order) units[u].gradients_ready = true;
     issue_ready_reductions();
     at::NoGradGuard no_grad;
     for (Reduction& r : reductions) {
@@ -304,12 +323,6 @@ struct FullyShardedDataParallel::Impl : std::enable_shared_from_this<FullySharde
         grad = r.output;
     }
     reductions.clear();
-    reshard_all();
-    for (Unit& unit : units) unit.ran_forward = unit.pre_backward_done = unit.gradients_ready = false;
-    last_forward_starts = forward_starts;
-    forward_starts.clear();
-    forward_ends.clear();
-    in_backward = false;
     reduced_since_step = true;
   }
 
@@ -484,6 +497,18 @@ std::vector<at::Tensor> FullyShardedDataParallel::forward(const torch::nn::Modul
   }
   f.leave_forward(u, outputs);
   return outputs;
+}
+
+FullyShardedDataParallel::NoSyncGuard::NoSyncGuard(FullyShardedDataParallel& fsdp)
+    : fsdp_(&fsdp), previous_(fsdp.impl_->sync) {
+  fsdp.impl_->sync = false;
+}
+FullyShardedDataParallel::NoSyncGuard::~NoSyncGuard() {
+  if (fsdp_) fsdp_->impl_->sync = previous_;
+}
+FullyShardedDataParallel::NoSyncGuard::NoSyncGuard(NoSyncGuard&& other) noexcept
+    : fsdp_(other.fsdp_), previous_(other.previous_) {
+  other.fsdp_ = nullptr;
 }
 
 void FullyShardedDataParallel::zero_grad() {

@@ -64,6 +64,7 @@ struct Run {
   int micro_batches = 1;
   double clip = 0;
   bool scaler = false;  // with an overflow on rank 1 at step 7, in the head's bias (the root's shard)
+  bool no_sync = false;  // micro-batches before the last under no_sync()
   FullyShardOptions options{};
 };
 
@@ -137,6 +138,7 @@ Result train_fully_sharded(Opt opt, const Run& r, FullyShardStats* stats = nullp
   for (int step = 0; step < r.steps; ++step) {
     fsdp.zero_grad();
     for (int m = 0; m < r.micro_batches; ++m) {
+      auto guard = r.no_sync && m + 1 < r.micro_batches ? std::optional(fsdp.no_sync()) : std::nullopt;
       auto [x, y] = shard_batch(step, m, comm->rank());
       at::Tensor loss = torch::mse_loss(sharded_forward(fsdp, net, x), y) / r.micro_batches;
       if (r.scaler) loss = scaler.scale(overflow_on_rank_1(net, step, comm->rank(), loss));
@@ -152,11 +154,11 @@ Result train_fully_sharded(Opt opt, const Run& r, FullyShardStats* stats = nullp
       fsdp.step();
     }
   }
+  if (stats) *stats = fsdp.stats();  // the steps' own, before the unshard() that reads the result
   fsdp.unshard();
   for (auto& p : net->parameters()) out.params.push_back(p.detach().clone());
   fsdp.reshard();
   out.scale = r.scaler ? scaler.get_scale() : 0;
-  if (stats) *stats = fsdp.stats();
   return out;
 }
 
@@ -192,7 +194,29 @@ TEST(FullyShard, WithPrefetchOrWithoutReshardingAfterForwardEqualsDdp) {
   compare_with_ddp({.options = {.reshard_after_forward = false, .prefetch = false}}, {Opt::Adam});
 }
 
-TEST(FullyShard, GradientAccumulationEqualsDdpNoSync) { compare_with_ddp({.steps = 10, .micro_batches = 3}); }
+TEST(FullyShard, GradientAccumulationEqualsDdpNoSync) {
+  compare_with_ddp({.steps = 10, .micro_batches = 3});                  // reduced every micro-batch
+  compare_with_ddp({.steps = 10, .micro_batches = 3, .no_sync = true});  // kept whole, reduced once
+}
+
+TEST(FullyShard, UnderNoSyncNothingIsReducedAndGradientsStayWhole) {
+  auto comm = test::world();
+  ShardNet net;
+  FullyShardedDataParallel fsdp(*net, units_of(net), comm, [](std::vector<at::Tensor> s) { return make(Opt::Adam, s); });
+  auto [x, y] = shard_batch(0, 0, comm->rank());
+  {
+    auto guard = fsdp.no_sync();
+    torch::mse_loss(sharded_forward(fsdp, net, x), y).backward();
+  }
+  EXPECT_EQ(fsdp.stats().reduce_scatters, 0u);
+  EXPECT_TRUE(fsdp.shard_gradients().empty());
+  for (const auto& p : net->parameters()) EXPECT_TRUE(p.grad().defined()) << "a gradient dropped under no_sync";
+  test::expect_contains(test::rejection([&] { fsdp.step(); }), "no backward since the last step");
+  torch::mse_loss(sharded_forward(fsdp, net, x), y).backward();
+  EXPECT_EQ(fsdp.stats().reduce_scatters, comm->size() > 1 ? 4u : 0u);
+  EXPECT_EQ(fsdp.shard_gradients().size(), 4u);
+  for (const auto& p : net->parameters()) EXPECT_FALSE(p.grad().defined()) << "a whole gradient kept after reducing";
+}
 
 TEST(FullyShard, ClippingByTheGlobalNormOverShardsEqualsDdp) {
   const double max_norm = 0.3;
@@ -214,9 +238,9 @@ TEST(FullyShard, TwoGathersAndOneReduceScatterPerUnitAndStep) {
   train_fully_sharded(Opt::Adam, {.steps = steps, .options = {.prefetch = true}}, &resharding);
   train_fully_sharded(Opt::Adam, {.steps = steps, .options = {.reshard_after_forward = false}}, &keeping);
   // 3 blocks and the root. The root is gathered once per step (it never reshards after forward);
-  // each block twice with resharding after forward, once without. unshard() at the end: 4 more.
-  EXPECT_EQ(resharding.all_gathers, static_cast<uint64_t>(steps * (3 * 2 + 1) + 4));
-  EXPECT_EQ(keeping.all_gathers, static_cast<uint64_t>(steps * (3 + 1) + 4));
+  // each block twice with resharding after forward, once without.
+  EXPECT_EQ(resharding.all_gathers, static_cast<uint64_t>(steps * (3 * 2 + 1)));
+  EXPECT_EQ(keeping.all_gathers, static_cast<uint64_t>(steps * (3 + 1)));
   EXPECT_EQ(resharding.reduce_scatters, static_cast<uint64_t>(steps * 4));
   EXPECT_EQ(keeping.reduce_scatters, resharding.reduce_scatters);
   // Bytes: the padded units, as sent. Block: 17*35+35 + 35*17+17 = 1242 parameters; root: 12*17+17 +
@@ -224,7 +248,7 @@ TEST(FullyShard, TwoGathersAndOneReduceScatterPerUnitAndStep) {
   auto padded = [n](int64_t numel) { return (numel + n - 1) / n * n * 4; };
   const uint64_t per_step_rs = 3 * padded(1242) + padded(293);
   EXPECT_EQ(resharding.bytes_reduce_scattered, steps * per_step_rs);
-  EXPECT_EQ(resharding.bytes_all_gathered, steps * (6 * padded(1242) + padded(293)) + per_step_rs);
+  EXPECT_EQ(resharding.bytes_all_gathered, steps * (6 * padded(1242) + padded(293)));
 }
 
 TEST(FullyShard, MemoryIsSixteenBytesPerParameterOverN) {
@@ -340,4 +364,19 @@ TEST(FullyShard, TensorParallel2xFullyShardedDataParallel2EqualsDdpOverTheDataPa
   for (size_t i = 0; i < got.size(); ++i)
     EXPECT_LE((got[i] - want[i]).abs().max().item<double>(), 1e-6) << "parameter " << i;
   fsdp.reshard();
+}
+
+TEST(FullyShard, PeakHoldsTheRootAndOneUnitTwoWithPrefetchAllWithoutResharding) {
+  const int n = test::world()->size();
+  auto bytes = [n](int64_t numel) { return static_cast<uint64_t>((numel + n - 1) / n * n * 4); };
+  const uint64_t root = bytes(293), block = bytes(1242);  // padded units, as in the count above
+  FullyShardStats plain, prefetching, keeping;
+  train_fully_sharded(Opt::Adam, {.steps = 2, .options = {.prefetch = false}}, &plain);
+  train_fully_sharded(Opt::Adam, {.steps = 2, .options = {.prefetch = true}}, &prefetching);
+  train_fully_sharded(Opt::Adam, {.steps = 2, .options = {.reshard_after_forward = false, .prefetch = false}}, &keeping);
+  // The root stays gathered through forward and backward; a block is freed after its forward and
+  // after its gradients are reduced, before the next one's gathers (AccumulateGrad runs first).
+  EXPECT_EQ(plain.peak_unsharded_bytes, root + block);
+  EXPECT_EQ(prefetching.peak_unsharded_bytes, root + 2 * block);  // the next block's gather started
+  EXPECT_EQ(keeping.peak_unsharded_bytes, root + 3 * block);      // every block kept for backward
 }

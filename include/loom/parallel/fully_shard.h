@@ -41,7 +41,8 @@
 // order, as FSDP requires (the gathers and reduce-scatters are collectives). The forward order of
 // the first iteration drives the prefetch after it. Gradient accumulation: call backward once per
 // micro-batch; each backward reduce-scatters and adds into the gradient shards (the sum of the
-// micro-batches' averages, as DDP's no_sync gives it). Element-wise optimizers only, as for ZeRO
+// micro-batches' averages, as DDP's no_sync gives it), or, under no_sync(), keeps the gradients
+// whole until the last micro-batch's backward reduces them once. Element-wise optimizers only, as for ZeRO
 // (SGD, Adam, AdamW, RMSprop, Adagrad); one parameter group. Frozen parameters (requires_grad
 // false) stay whole on every rank with rank 0's values. Hybrid sharding: FullyShardOptions::replicate
 // (shard within a node, replicate across nodes); tensor parallelism inside: pass the DP group, the
@@ -96,6 +97,8 @@ struct FullyShardStats {
   uint64_t reduce_scatters = 0;         // unit gradient reductions
   uint64_t bytes_reduce_scattered = 0;  // their inputs (whole padded units)
   uint64_t bytes_all_reduced = 0;       // gradient shards all-reduced over the replicate group (HSDP)
+  // The most bytes of gathered units held at once (the root, the unit computing, the one prefetched).
+  uint64_t peak_unsharded_bytes = 0;
 };
 
 class FullyShardedDataParallel {
@@ -122,7 +125,25 @@ class FullyShardedDataParallel {
   std::vector<at::Tensor> forward(const torch::nn::Module& unit, const std::vector<at::Tensor>& inputs,
                                   const UnitForwardMany& body);
 
-  // Drops the gradient shards: the next backward starts from zero.
+  // Gradient accumulation without communication (FSDP2's set_requires_gradient_sync(false)): a
+  // backward inside the guard reduces nothing and leaves each unit's gradients whole in the
+  // parameters' .grad (their memory, as DDP's); the next backward outside reduces the sum.
+  //   { auto guard = fsdp.no_sync(); loss_of(micro[0]).backward(); }  loss_of(micro[1]).backward();
+  class NoSyncGuard {
+   public:
+    explicit NoSyncGuard(FullyShardedDataParallel& fsdp);
+    ~NoSyncGuard();
+    NoSyncGuard(NoSyncGuard&& other) noexcept;
+    NoSyncGuard(const NoSyncGuard&) = delete;
+
+   private:
+    FullyShardedDataParallel* fsdp_;
+    bool previous_;
+  };
+  [[nodiscard]] NoSyncGuard no_sync() { return NoSyncGuard(*this); }
+
+  // Drops the gradient shards (and gradients kept whole under no_sync): the next backward starts
+  // from zero.
   void zero_grad();
   // The global L2 norm of the gradients (all shards, agreed over the group), and when it exceeds
   // max_norm every shard scaled by max_norm / (norm + 1e-6). Returns the norm before clipping.
