@@ -92,6 +92,7 @@ struct FullyShardedDataParallel::Impl : std::enable_shared_from_this<FullySharde
     at::Tensor full;       // size * shard_numel elements; no memory while resharded
     at::Tensor shard;      // this rank's elements: what the optimizer steps
     WorkPtr gathering;     // an all-gather into `full` nobody waited for yet
+    at::Tensor gather_input;  // its input: the shard cast to param_dtype
     bool unsharded = false;  // `full` holds the parameters (once `gathering` is waited for)
     // This backward:
     size_t gradients_pending = 0;
@@ -145,7 +146,10 @@ struct FullyShardedDataParallel::Impl : std::enable_shared_from_this<FullySharde
     if (size == 1) {
       unit.full.copy_(unit.shard);
     } else {
-      unit.gathering = group->all_gather(unit.full, unit.shard);
+      // In the parameters' dtype (param_dtype): this rank's shard cast first, held until gathered.
+      unit.gather_input = unit.shard.scalar_type() == unit.full.scalar_type() ? unit.shard
+                                                                              : unit.shard.to(unit.full.scalar_type());
+      unit.gathering = group->all_gather(unit.full, unit.gather_input);
       unit.gathering->run_in_background();
       ++stats.all_gathers;
       stats.bytes_all_gathered += unit.full.nbytes();
@@ -160,12 +164,14 @@ struct FullyShardedDataParallel::Impl : std::enable_shared_from_this<FullySharde
   void gather(size_t u) {
     start_gather(u);
     if (WorkPtr work = std::move(units[u].gathering)) work->wait();
+    units[u].gather_input.reset();
   }
 
   void reshard(size_t u) {
     Unit& unit = units[u];
     if (!unit.unsharded) return;
     if (WorkPtr work = std::move(unit.gathering)) work->wait();  // its output must stay until it is done
+    unit.gather_input.reset();
     take_storage_memory(unit.full);
     unit.unsharded = false;
   }
@@ -268,7 +274,7 @@ struct FullyShardedDataParallel::Impl : std::enable_shared_from_this<FullySharde
   void reduce(size_t u) {
     Unit& unit = units[u];
     at::NoGradGuard no_grad;
-    at::Tensor flat = at::empty({unit.full.numel()}, unit.full.options());
+    at::Tensor flat = at::empty({unit.full.numel()}, unit.full.options().dtype(reduce_dtype_of(unit)));
     for (size_t k = 0; k < unit.params.size(); ++k) {
       at::Tensor& grad = unit.params[k].mutable_grad();
       at::Tensor slot = flat.narrow(0, unit.offsets[k], unit.params[k].numel());
@@ -320,10 +326,15 @@ struct FullyShardedDataParallel::Impl : std::enable_shared_from_this<FullySharde
       if (grad.defined())
         grad.add_(r.output);
       else
-        grad = r.output;
+        grad = r.output.scalar_type() == units[r.unit].shard.scalar_type() ? r.output
+                                                                           : r.output.to(units[r.unit].shard.scalar_type());
     }
     reductions.clear();
     reduced_since_step = true;
+  }
+
+  at::ScalarType reduce_dtype_of(const Unit& unit) const {
+    return options.reduce_dtype.value_or(unit.shard.scalar_type());
   }
 
   // --- construction -------------------------------------------------------------------------
@@ -411,14 +422,15 @@ void FullyShardedDataParallel::Impl::lay_out(Unit& unit, const std::vector<std::
     unit.numel += p.numel();
   }
   unit.shard_numel = (unit.numel + size - 1) / size;
-  unit.full = at::zeros({unit.shard_numel * size}, first.options().requires_grad(false));
-  for (size_t k = 0; k < unit.params.size(); ++k) {
-    at::Tensor& p = unit.params[k];
-    at::Tensor seat = detail::alias_into(unit.full, unit.offsets[k], p.sizes());
-    seat.copy_(p.detach());
-    p.set_data(seat);
-  }
-  unit.shard = unit.full.narrow(0, rank * unit.shard_numel, unit.shard_numel).clone();
+  at::Tensor values = at::zeros({unit.shard_numel * size}, first.options().requires_grad(false));
+  for (size_t k = 0; k < unit.params.size(); ++k)
+    values.narrow(0, unit.offsets[k], unit.params[k].numel()).copy_(unit.params[k].detach().reshape({-1}));
+  // The shard keeps the parameters' dtype (fp32 masters under a param_dtype); the gathered buffer,
+  // and so the module's parameters, take param_dtype.
+  unit.shard = values.narrow(0, rank * unit.shard_numel, unit.shard_numel).clone();
+  unit.full = options.param_dtype ? values.to(*options.param_dtype) : values;
+  for (size_t k = 0; k < unit.params.size(); ++k)
+    unit.params[k].set_data(detail::alias_into(unit.full, unit.offsets[k], unit.params[k].sizes()));
   unit.unsharded = true;
 }
 
@@ -447,6 +459,10 @@ FullyShardedDataParallel::FullyShardedDataParallel(torch::nn::Module& root,
   f.options = options;
   f.rank = f.group->rank();
   f.size = f.group->size();
+  for (const auto& [dtype, name] : {std::pair{f.options.param_dtype, "param_dtype"}, {f.options.reduce_dtype, "reduce_dtype"}})
+    if (dtype && !at::isFloatingType(*dtype))
+      throw InvalidArgumentError(f.where() + ": " + name + " must be a floating-point dtype, found " +
+                                 std::string(c10::toString(*dtype)));
   if (!f.options.prefetch) f.options.prefetch = f.group->device().type() != c10::DeviceType::CPU;
   if (!make_optimizer) throw InvalidArgumentError(f.where() + ": expected an optimizer factory, found none");
   f.divisor = f.size * (f.options.replicate ? f.options.replicate->size() : 1);

@@ -380,3 +380,59 @@ TEST(FullyShard, PeakHoldsTheRootAndOneUnitTwoWithPrefetchAllWithoutResharding) 
   EXPECT_EQ(prefetching.peak_unsharded_bytes, root + 2 * block);  // the next block's gather started
   EXPECT_EQ(keeping.peak_unsharded_bytes, root + 3 * block);      // every block kept for backward
 }
+
+TEST(FullyShard, MixedPrecisionComputesInBf16AndStepsFp32MastersAsTheManualReference) {
+  // The reference, by hand on every rank: a bf16 copy of fp32 master weights computes; its
+  // gradients, in fp32, are all-reduced and averaged; Adam steps the masters; the copy takes them.
+  auto comm = test::world();
+  const int steps = 10;
+  at::manual_seed(5);
+  ShardNet ref;
+  std::vector<at::Tensor> masters;
+  for (auto& p : ref->parameters()) masters.push_back(p.detach().clone());
+  ref->to(at::kBFloat16);
+  auto ref_opt = make(Opt::Adam, masters);
+  const auto ref_params = ref->parameters();
+  for (int step = 0; step < steps; ++step) {
+    for (auto& p : ref_params) p.mutable_grad().reset();
+    auto [x, y] = shard_batch(step, 0, comm->rank());
+    torch::mse_loss(ref(x.to(at::kBFloat16)).to(at::kFloat), y).backward();
+    for (size_t i = 0; i < masters.size(); ++i) {
+      at::Tensor g = ref_params[i].grad().to(at::kFloat);
+      comm->all_reduce(g, {ReduceOp::Sum})->wait();
+      masters[i].mutable_grad() = g.div_(comm->size());
+    }
+    ref_opt->step();
+    at::NoGradGuard no_grad;
+    for (size_t i = 0; i < masters.size(); ++i) ref_params[i].copy_(masters[i]);
+  }
+
+  at::manual_seed(comm->rank() == 0 ? 5 : 70 + comm->rank());
+  ShardNet net;
+  FullyShardedDataParallel fsdp(*net, units_of(net), comm, [](std::vector<at::Tensor> s) { return make(Opt::Adam, s); },
+                                {.prefetch = true, .param_dtype = at::kBFloat16, .reduce_dtype = at::kFloat});
+  for (const auto& shard : fsdp.shard_parameters()) EXPECT_EQ(shard.scalar_type(), at::kFloat) << "the masters";
+  for (int step = 0; step < steps; ++step) {
+    fsdp.zero_grad();
+    auto [x, y] = shard_batch(step, 0, comm->rank());
+    torch::mse_loss(sharded_forward(fsdp, net, x.to(at::kBFloat16)).to(at::kFloat), y).backward();
+    for (const auto& g : fsdp.shard_gradients()) EXPECT_EQ(g.scalar_type(), at::kFloat);
+    fsdp.step();
+  }
+  fsdp.unshard();
+  const auto got = net->parameters();
+  ASSERT_EQ(got.size(), ref_params.size());
+  for (size_t i = 0; i < got.size(); ++i) {
+    EXPECT_EQ(got[i].scalar_type(), at::kBFloat16);
+    const double diff = (got[i].to(at::kFloat) - ref_params[i].to(at::kFloat)).abs().max().item<double>();
+    EXPECT_EQ(diff, 0.0) << "parameter " << i << " differs from the reference by " << diff;
+  }
+  fsdp.reshard();
+  test::expect_contains(test::rejection([&] {
+                          ShardNet other;
+                          FullyShardedDataParallel bad(*other, units_of(other), comm,
+                                                       [](std::vector<at::Tensor> s) { return make(Opt::Adam, s); },
+                                                       {.param_dtype = at::kInt});
+                        }),
+                        "param_dtype must be a floating-point dtype, found Int");
+}

@@ -83,6 +83,12 @@ struct FullyShardOptions {
   std::optional<bool> prefetch;
   // Broadcast parameters from rank 0 of the group at construction (and of `replicate` first).
   bool broadcast_parameters = true;
+  // Mixed precision (FSDP2's MixedPrecisionPolicy): gather and compute the parameters in
+  // param_dtype (bf16, fp16; the module's parameters take that dtype) while the shards keep the
+  // parameters' own (fp32 masters: what the optimizer steps); gradients are reduced in
+  // reduce_dtype (default: the shards' dtype) and added into the shards' gradients in theirs.
+  std::optional<at::ScalarType> param_dtype;
+  std::optional<at::ScalarType> reduce_dtype;
   // Hybrid sharding (HSDP): shard over the group (a node), replicate over this one (the ranks
   // holding the same shard in the other groups). After each unit's reduce-scatter its gradient
   // shard is all-reduced over `replicate`; the average is over both. Null: shard over all ranks.
