@@ -904,8 +904,13 @@ void GptRun::clip_gradients() {
 // reduces over the replicas.
 double GptRun::accumulated_step(const torch::Tensor& batch) {
   double step_loss = 0;
-  for (const auto& micro : batch.chunk(o_.accumulate, 1)) {
+  const auto micros = batch.chunk(o_.accumulate, 1);
+  for (size_t m = 0; m < micros.size(); ++m) {
+    const torch::Tensor& micro = micros[m];
     auto scope = accumulate_ ? std::optional(accumulate_->next()) : std::nullopt;
+    // Fully sharded: the gradients stay whole until the last micro-batch reduces their sum, as
+    // plain data parallelism adds them up (reducing each and adding the averages rounds otherwise).
+    auto whole = fsdp_ && m + 1 < micros.size() ? std::optional(fsdp_->no_sync()) : std::nullopt;
     torch::Tensor loss = loss_of(micro) / double(o_.accumulate);
     if (scaler_)
       scaler_->scale(loss).backward();
