@@ -436,3 +436,63 @@ TEST(FullyShard, MixedPrecisionComputesInBf16AndStepsFp32MastersAsTheManualRefer
                         }),
                         "param_dtype must be a floating-point dtype, found Int");
 }
+
+namespace {
+// Block 1's first layer frozen; block 2 holds a layer its forward never calls.
+void freeze_one_and_add_an_unused_layer(ShardNet& net) {
+  for (auto& p : net->blocks[1]->up->parameters()) p.requires_grad_(false);
+  net->blocks[2]->register_module("spare", torch::nn::Linear(17, 3));
+}
+}  // namespace
+
+TEST(FullyShard, FrozenParametersStayWholeAndAnUnusedOneGetsAZeroGradient) {
+  auto comm = test::world();
+  auto trained = [&](bool sharded) {
+    at::manual_seed(sharded && comm->rank() != 0 ? 70 + comm->rank() : 5);
+    ShardNet net;
+    freeze_one_and_add_an_unused_layer(net);
+    std::vector<at::Tensor> frozen_before;
+    for (auto& p : net->blocks[1]->up->parameters()) frozen_before.push_back(p.detach().clone());
+    std::vector<at::Tensor> out;
+    if (sharded) {
+      // SGD without momentum or decay: a zero gradient leaves the unused layer where it was, as
+      // DDP's missing one does.
+      FullyShardedDataParallel fsdp(*net, units_of(net), comm, [](std::vector<at::Tensor> s) {
+        return std::make_unique<torch::optim::SGD>(s, torch::optim::SGDOptions(0.05));
+      });
+      for (int step = 0; step < 5; ++step) {
+        fsdp.zero_grad();
+        auto [x, y] = shard_batch(step, 0, comm->rank());
+        torch::mse_loss(sharded_forward(fsdp, net, x), y).backward();
+        fsdp.step();
+      }
+      fsdp.unshard();
+      for (auto& p : net->parameters()) out.push_back(p.detach().clone());
+      fsdp.reshard();
+    } else {
+      DataParallelOptions options;
+      options.reducer.find_unused_parameters = true;
+      DistributedDataParallel<ShardNet> ddp(net, comm, options);
+      std::vector<at::Tensor> trainable;
+      for (auto& p : net->parameters())
+        if (p.requires_grad()) trainable.push_back(p);
+      torch::optim::SGD sgd(trainable, torch::optim::SGDOptions(0.05));
+      for (int step = 0; step < 5; ++step) {
+        ddp.zero_grad();
+        auto [x, y] = shard_batch(step, 0, comm->rank());
+        torch::mse_loss(ddp(x), y).backward();
+        sgd.step();
+      }
+      for (auto& p : net->parameters()) out.push_back(p.detach().clone());
+    }
+    // (Other ranks' frozen parameters took rank 0's values: compared with DDP's below.)
+    const auto frozen_after = net->blocks[1]->up->parameters();
+    for (size_t i = 0; i < frozen_before.size() && (!sharded || comm->rank() == 0); ++i)
+      EXPECT_TRUE(frozen_after[i].equal(frozen_before[i])) << (sharded ? "fully sharded" : "DDP") << ": a frozen parameter moved";
+    return out;
+  };
+  const auto ddp = trained(false), fsdp = trained(true);
+  ASSERT_EQ(fsdp.size(), ddp.size());
+  for (size_t i = 0; i < fsdp.size(); ++i)
+    EXPECT_LE((fsdp[i] - ddp[i]).abs().max().item<double>(), 1e-6) << "parameter " << i;
+}
