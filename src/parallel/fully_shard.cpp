@@ -96,7 +96,6 @@ struct FullyShardedDataParallel::Impl : std::enable_shared_from_this<FullySharde
     bool unsharded = false;  // `full` holds the parameters (once `gathering` is waited for)
     // This backward:
     size_t gradients_pending = 0;
-    bool ran_forward = false;
     bool pre_backward_done = false;
     bool gradients_ready = false;
   };
@@ -195,10 +194,7 @@ struct FullyShardedDataParallel::Impl : std::enable_shared_from_this<FullySharde
     if (forward_depth++ == 0) forward_position = 0;
     const size_t position = forward_position++;
     if (u == kNoUnit) return;
-    if (at::GradMode::is_enabled()) {
-      forward_starts.push_back(u);
-      units[u].ran_forward = true;
-    }
+    if (at::GradMode::is_enabled()) forward_starts.push_back(u);
     gather(u);
     // The next unit of the last iteration's order, when this one is where that order says.
     if (*options.prefetch && position + 1 < last_forward_starts.size() && last_forward_starts[position] == u)
@@ -302,7 +298,7 @@ struct FullyShardedDataParallel::Impl : std::enable_shared_from_this<FullySharde
     if (!in_backward) return;
     if (backward_syncs) reduce_remaining_and_wait();
     reshard_all();
-    for (Unit& unit : units) unit.ran_forward = unit.pre_backward_done = unit.gradients_ready = false;
+    for (Unit& unit : units) unit.pre_backward_done = unit.gradients_ready = false;
     last_forward_starts = forward_starts;
     forward_starts.clear();
     forward_ends.clear();
