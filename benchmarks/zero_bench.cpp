@@ -107,6 +107,45 @@ loom::ZeroMemory bf16_memory(const Config& c, int stage) {
   return zero.memory();
 }
 
+// The fully sharded variant: each Linear a unit, the Sequential the root (none of its own).
+struct FullyShardedMlp {
+  torch::nn::Sequential net;
+  std::unique_ptr<loom::FullyShardedDataParallel> sharded;
+
+  FullyShardedMlp(const Config& c, const torch::optim::AdamOptions& adam) : net(loom::bench::make_mlp(c.shape, c.seed)) {
+    std::vector<std::shared_ptr<torch::nn::Module>> layers;
+    for (auto& layer : *net)
+      if (!layer.ptr()->parameters().empty()) layers.push_back(layer.ptr());
+    sharded = std::make_unique<loom::FullyShardedDataParallel>(
+        *net, layers, loom::mpi::world_communicator(),
+        [&](std::vector<at::Tensor> s) { return std::make_unique<torch::optim::Adam>(s, adam); });
+  }
+  void step(const at::Tensor& x, const at::Tensor& y) {
+    loom::FullyShardedDataParallel& fsdp = *sharded;
+    fsdp.zero_grad();
+    at::Tensor out = fsdp.forward(*net, x, [&](const at::Tensor& x) {
+      at::Tensor h = x;
+      for (auto& layer : *net)
+        h = layer.ptr()->parameters().empty()
+                ? layer.forward<at::Tensor>(h)  // ReLU: no parameters, not a unit
+                : fsdp.forward(*layer.ptr(), h, [&](const at::Tensor& h) { return layer.forward<at::Tensor>(h); });
+      return h;
+    });
+    torch::nn::functional::cross_entropy(out, y).backward();
+    fsdp.step();
+  }
+  // The largest difference of the (gathered) parameters from `reference`'s.
+  double max_difference(const std::vector<at::Tensor>& reference) {
+    sharded->unshard();
+    double most = 0;
+    const auto params = net->parameters();
+    for (size_t i = 0; i < params.size(); ++i)
+      most = std::max(most, (params[i] - reference[i]).abs().max().item<double>());
+    sharded->reshard();
+    return most;
+  }
+};
+
 int benchmark(const Config& c, const std::shared_ptr<loom::Communicator>& comm) {
   const int rank = comm->rank();
   const int world = comm->size();
@@ -133,12 +172,7 @@ int benchmark(const Config& c, const std::shared_ptr<loom::Communicator>& comm) 
         zero_nets[v - 1]->parameters(), loom::mpi::world_communicator(),
         [&](std::vector<at::Tensor> shard) { return std::make_unique<torch::optim::Adam>(shard, adam); }, options);
   }
-  torch::nn::Sequential fsdp_net = loom::bench::make_mlp(c.shape, c.seed);
-  std::vector<std::shared_ptr<torch::nn::Module>> layers;
-  for (auto& layer : *fsdp_net)
-    if (!layer.ptr()->parameters().empty()) layers.push_back(layer.ptr());
-  loom::FullyShardedDataParallel fsdp(*fsdp_net, layers, loom::mpi::world_communicator(),
-                                      [&](std::vector<at::Tensor> s) { return std::make_unique<torch::optim::Adam>(s, adam); });
+  FullyShardedMlp fsdp(c, adam);
   int64_t numel = 0;
   for (const auto& p : ddp->parameters()) numel += p.numel();
 
@@ -147,20 +181,7 @@ int benchmark(const Config& c, const std::shared_ptr<loom::Communicator>& comm) 
   const at::Tensor y = torch::randint(c.shape.classes, {c.batch_per_rank}, gen);
 
   auto run = [&](int variant) {
-    if (variant == kFsdp) {
-      fsdp.zero_grad();
-      at::Tensor out = fsdp.forward(*fsdp_net, x, [&](const at::Tensor& x) {
-        at::Tensor h = x;
-        for (auto& layer : *fsdp_net)
-          h = layer.ptr()->parameters().empty()
-                  ? layer.forward<at::Tensor>(h)  // ReLU: no parameters, not a unit
-                  : fsdp.forward(*layer.ptr(), h, [&](const at::Tensor& h) { return layer.forward<at::Tensor>(h); });
-        return h;
-      });
-      torch::nn::functional::cross_entropy(out, y).backward();
-      fsdp.step();
-      return;
-    }
+    if (variant == kFsdp) return fsdp.step(x, y);
     if (variant == kDdp) {
       ddp.zero_grad();
       torch::nn::functional::cross_entropy(ddp.forward(x), y).backward();
@@ -199,13 +220,9 @@ int benchmark(const Config& c, const std::shared_ptr<loom::Communicator>& comm) 
     for (size_t i = 0; i < params.size(); ++i)
       max_diff = std::max(max_diff, (params[i] - reference[i]).abs().max().item<double>());
   }
-  const loom::ZeroMemory fsdp_memory = fsdp.memory();  // between steps: nothing gathered
-  const loom::FullyShardStats fsdp_stats = fsdp.stats();  // before the unshard() below
-  fsdp.unshard();
-  const auto fsdp_params = fsdp_net->parameters();
-  for (size_t i = 0; i < fsdp_params.size(); ++i)
-    max_diff = std::max(max_diff, (fsdp_params[i] - reference[i]).abs().max().item<double>());
-  fsdp.reshard();
+  const loom::ZeroMemory fsdp_memory = fsdp.sharded->memory();  // between steps: nothing gathered
+  const loom::FullyShardStats fsdp_stats = fsdp.sharded->stats();  // before max_difference gathers
+  max_diff = std::max(max_diff, fsdp.max_difference(reference));
   const bool correct = max_diff <= 1e-5;
 
   const std::array<loom::ZeroMemory, kVariants> memory = {
