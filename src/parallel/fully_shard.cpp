@@ -125,6 +125,7 @@ struct FullyShardedDataParallel::Impl : std::enable_shared_from_this<FullySharde
   size_t forward_depth = 0;
   size_t forward_position = 0;  // forwards started since the outermost one began
   bool in_backward = false;
+  bool backward_finished = false;  // since the last forward: the forward lists are complete
   bool sync = true;            // no_sync() clears it
   bool backward_syncs = true;  // this backward's: sync when it began
   std::vector<size_t> reduce_order;  // this backward's: forward_starts reversed, each unit once
@@ -192,6 +193,14 @@ struct FullyShardedDataParallel::Impl : std::enable_shared_from_this<FullySharde
   void enter_forward(size_t u) {
     std::lock_guard<std::recursive_mutex> lock(mutex);
     if (forward_depth++ == 0) forward_position = 0;
+    // The first forward after a backward: the finished iteration's order drives the prefetch now.
+    // (Kept until here, so that a second backward through the same graph reduces as the first.)
+    if (backward_finished && at::GradMode::is_enabled()) {
+      last_forward_starts = std::move(forward_starts);
+      forward_starts.clear();
+      forward_ends.clear();
+      backward_finished = false;
+    }
     const size_t position = forward_position++;
     if (u == kNoUnit) return;
     if (at::GradMode::is_enabled()) forward_starts.push_back(u);
@@ -245,6 +254,7 @@ struct FullyShardedDataParallel::Impl : std::enable_shared_from_this<FullySharde
     if (!*options.prefetch) return;
     // Backward reaches units in the reverse of the order their forwards ended: prefetch the next.
     auto it = std::find(forward_ends.rbegin(), forward_ends.rend(), u);
+    if (it == forward_ends.rend()) return;
     for (++it; it != forward_ends.rend(); ++it)
       if (!units[*it].pre_backward_done && !units[*it].gradients_ready) {
         start_gather(*it);
@@ -257,7 +267,10 @@ struct FullyShardedDataParallel::Impl : std::enable_shared_from_this<FullySharde
     begin_backward();
     Unit& unit = units[u];
     if (unit.gradients_pending > 0 && --unit.gradients_pending == 0) unit.gradients_ready = true;
-    if (backward_syncs) issue_ready_reductions();
+    if (backward_syncs)
+      issue_ready_reductions();
+    else if (unit.gradients_ready)
+      reshard(u);  // its gradients stay whole in .grad; its parameters are not needed again
   }
 
   void issue_ready_reductions() {
@@ -299,9 +312,7 @@ struct FullyShardedDataParallel::Impl : std::enable_shared_from_this<FullySharde
     if (backward_syncs) reduce_remaining_and_wait();
     reshard_all();
     for (Unit& unit : units) unit.pre_backward_done = unit.gradients_ready = false;
-    last_forward_starts = forward_starts;
-    forward_starts.clear();
-    forward_ends.clear();
+    backward_finished = true;
     in_backward = false;
   }
 
@@ -376,7 +387,7 @@ void FullyShardedDataParallel::Impl::assign_units(torch::nn::Module& root,
   std::vector<std::string> trainable_names;
   for (auto& [name, p] : named) {
     if (!p.requires_grad()) {
-      frozen.push_back(p.detach());
+      frozen.push_back(p);
       continue;
     }
     auto it = owner.find(p.unsafeGetTensorImpl());
@@ -471,6 +482,13 @@ FullyShardedDataParallel::FullyShardedDataParallel(torch::nn::Module& root,
     if (f.size > 1) detail::broadcast_tensors(*f.group, all, "parameter broadcast");
   }
   f.assign_units(root, units);
+  at::NoGradGuard no_grad;
+  // Frozen parameters compute beside the gathered ones: in param_dtype too (as FSDP2 casts them).
+  if (f.options.param_dtype)
+    for (auto& p : f.frozen) p.set_data(p.detach().to(*f.options.param_dtype));
+  // A gradient left from before would be reduced with the first backward's.
+  for (const auto& unit : f.units)
+    for (auto p : unit.params) p.mutable_grad().reset();
   if (f.units.empty()) throw InvalidArgumentError(f.where() + ": expected trainable parameters, found none");
   f.reshard_all();
   f.install_hooks();

@@ -379,6 +379,11 @@ TEST(FullyShard, PeakHoldsTheRootAndOneUnitTwoWithPrefetchAllWithoutResharding) 
   EXPECT_EQ(plain.peak_unsharded_bytes, root + block);
   EXPECT_EQ(prefetching.peak_unsharded_bytes, root + 2 * block);  // the next block's gather started
   EXPECT_EQ(keeping.peak_unsharded_bytes, root + 3 * block);      // every block kept for backward
+  // Under no_sync a unit is freed as soon as its gradients are in, though nothing is reduced.
+  FullyShardStats accumulating;
+  train_fully_sharded(Opt::Adam, {.steps = 2, .micro_batches = 2, .no_sync = true, .options = {.prefetch = false}},
+                      &accumulating);
+  EXPECT_EQ(accumulating.peak_unsharded_bytes, root + block);
 }
 
 TEST(FullyShard, MixedPrecisionComputesInBf16AndStepsFp32MastersAsTheManualReference) {
@@ -495,4 +500,48 @@ TEST(FullyShard, FrozenParametersStayWholeAndAnUnusedOneGetsAZeroGradient) {
   ASSERT_EQ(fsdp.size(), ddp.size());
   for (size_t i = 0; i < fsdp.size(); ++i)
     EXPECT_LE((fsdp[i] - ddp[i]).abs().max().item<double>(), 1e-6) << "parameter " << i;
+}
+
+TEST(FullyShard, TwoBackwardsThroughOneForwardReduceBothAsDdp) {
+  // backward(retain_graph) then backward again: the second reduces as the first (the units are
+  // gathered again), and the gradients add up, as DDP's do.
+  auto comm = test::world();
+  auto sgd = [](std::vector<at::Tensor> p) { return std::make_unique<torch::optim::SGD>(p, torch::optim::SGDOptions(0.05)); };
+  at::manual_seed(5);
+  ShardNet reference;
+  DistributedDataParallel<ShardNet> ddp(reference, comm);
+  auto ddp_opt = sgd(ddp->parameters());
+  at::manual_seed(5);
+  ShardNet net;
+  FullyShardedDataParallel fsdp(*net, units_of(net), comm, sgd, {.prefetch = true});
+  for (int step = 0; step < 3; ++step) {
+    auto [x, y] = shard_batch(step, 0, comm->rank());
+    ddp.zero_grad();
+    at::Tensor ddp_loss = torch::mse_loss(ddp(x), y);
+    ddp_loss.backward({}, /*retain_graph=*/true);
+    ddp_loss.backward();
+    ddp_opt->step();
+    fsdp.zero_grad();
+    at::Tensor loss = torch::mse_loss(sharded_forward(fsdp, net, x), y);
+    loss.backward({}, /*retain_graph=*/true);
+    loss.backward();
+    fsdp.step();
+  }
+  fsdp.unshard();
+  const auto got = net->parameters(), want = reference->parameters();
+  for (size_t i = 0; i < got.size(); ++i)
+    EXPECT_LE((got[i] - want[i]).abs().max().item<double>(), 1e-6) << "parameter " << i;
+  fsdp.reshard();
+}
+
+TEST(FullyShard, FrozenParametersComputeInTheParamDtypeToo) {
+  auto comm = test::world();
+  ShardNet net;
+  for (auto& p : net->blocks[1]->up->parameters()) p.requires_grad_(false);
+  FullyShardedDataParallel fsdp(*net, units_of(net), comm, [](std::vector<at::Tensor> s) { return make(Opt::Adam, s); },
+                                {.param_dtype = at::kBFloat16});
+  for (auto& p : net->blocks[1]->up->parameters()) EXPECT_EQ(p.scalar_type(), at::kBFloat16);
+  auto [x, y] = shard_batch(0, 0, comm->rank());
+  torch::mse_loss(sharded_forward(fsdp, net, x.to(at::kBFloat16)).to(at::kFloat), y).backward();
+  fsdp.step();
 }
