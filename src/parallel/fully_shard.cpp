@@ -506,6 +506,9 @@ FullyShardedDataParallel::~FullyShardedDataParallel() {
 
 at::Tensor FullyShardedDataParallel::forward(const torch::nn::Module& unit, const at::Tensor& input,
                                              const UnitForward& body) {
+  if (!body)
+    throw InvalidArgumentError(impl_->where("FullyShardedDataParallel::forward") +
+                               ": expected the unit's forward function, found an empty one");
   return forward(unit, std::vector<at::Tensor>{input},
                  [&body](const std::vector<at::Tensor>& in) { return std::vector<at::Tensor>{body(in.front())}; })
       .front();
@@ -515,6 +518,9 @@ std::vector<at::Tensor> FullyShardedDataParallel::forward(const torch::nn::Modul
                                                           const std::vector<at::Tensor>& inputs,
                                                           const UnitForwardMany& body) {
   Impl& f = *impl_;
+  if (!body)
+    throw InvalidArgumentError(f.where("FullyShardedDataParallel::forward") +
+                               ": expected the unit's forward function, found an empty one");
   const size_t u = f.unit_index(unit);
   f.enter_forward(u);
   std::vector<at::Tensor> outputs;
@@ -601,7 +607,12 @@ std::vector<at::Tensor> FullyShardedDataParallel::shard_parameters() const {
 torch::optim::Optimizer& FullyShardedDataParallel::optimizer() { return *impl_->optimizer; }
 Communicator& FullyShardedDataParallel::group() const { return *impl_->group; }
 size_t FullyShardedDataParallel::units() const { return impl_->units.size(); }
-int64_t FullyShardedDataParallel::unit_numel(size_t unit) const { return impl_->units.at(unit).numel; }
+int64_t FullyShardedDataParallel::unit_numel(size_t unit) const {
+  if (unit >= impl_->units.size())
+    throw InvalidArgumentError(impl_->where("FullyShardedDataParallel::unit_numel") + ": expected a unit below " +
+                               std::to_string(impl_->units.size()) + ", found " + std::to_string(unit));
+  return impl_->units[unit].numel;
+}
 
 size_t FullyShardedDataParallel::units_unsharded() const {
   return static_cast<size_t>(

@@ -287,6 +287,9 @@ TEST(FullyShard, RefusesModulesThatAreNotUnitsAndOptimizersOverOtherTensors) {
   const std::string not_a_unit = test::rejection([&] { fsdp.forward(*net->head, at::zeros({1, 17}), [](auto& x) { return x; }); });
   test::expect_contains(not_a_unit, "expected the root or one of the 3 units");
   test::expect_contains(not_a_unit, "rank " + std::to_string(comm->rank()));
+  test::expect_contains(test::rejection([&] { fsdp.unit_numel(4); }), "expected a unit below 4, found 4");
+  test::expect_contains(test::rejection([&] { fsdp.forward(*net, at::zeros({1, 12}), FullyShardedDataParallel::UnitForward()); }),
+                        "expected the unit's forward function, found an empty one");
   test::expect_contains(test::rejection([&] { fsdp.step(); }), "no backward since the last step");
   ShardNet other;
   test::expect_contains(test::rejection([&] {
