@@ -12,10 +12,10 @@
 #include "runtime/device_choice.h"
 
 using namespace loom;
-using detail::choose_device;
-using detail::DeviceRequest;
-using detail::RankDevice;
-using detail::shared_gpu_problems;
+using loom::detail::choose_device;
+using loom::detail::DeviceRequest;
+using loom::detail::RankDevice;
+using loom::detail::shared_gpu_problems;
 
 namespace {
 
