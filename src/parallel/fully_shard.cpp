@@ -29,6 +29,7 @@
 #include <c10/core/StorageImpl.h>
 #include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/graph_task.h>
 #include <torch/csrc/autograd/utils/lambda_post_hook.h>
 #include <torch/csrc/autograd/variable.h>
 #include <torch/nn/module.h>
@@ -39,8 +40,10 @@
 #include <set>
 #include <unordered_map>
 #include <unordered_set>
+#include <utility>
 
 #include "loom/error.h"
+#include "loom/log.h"
 #include "loom/parallel/data_parallel.h"
 #include "parallel/flat_alias.h"
 #include "parallel/sharded_step.h"
@@ -94,6 +97,9 @@ struct FullyShardedDataParallel::Impl : std::enable_shared_from_this<FullySharde
     WorkPtr gathering;     // an all-gather into `full` nobody waited for yet
     at::Tensor gather_input;  // its input: the shard cast to param_dtype
     bool unsharded = false;  // `full` holds the parameters (once `gathering` is waited for)
+    // Under no_sync, when the parameters' dtype is not the reduce dtype: the micro-batches' gradients
+    // summed in the reduce dtype (as `full` is laid out), instead of in the parameters' own .grad.
+    at::Tensor accumulated;
     // This backward:
     size_t gradients_pending = 0;
     bool pre_backward_done = false;
@@ -104,6 +110,7 @@ struct FullyShardedDataParallel::Impl : std::enable_shared_from_this<FullySharde
     WorkPtr work;
     at::Tensor input;
     at::Tensor output;
+    double predivided = 1;  // the input was divided by this before the sum (fp16: predivide_factor)
   };
   using AccumulatorPtr =
       decltype(torch::autograd::impl::grad_accumulator(std::declval<const torch::autograd::Variable&>()));
@@ -180,6 +187,34 @@ struct FullyShardedDataParallel::Impl : std::enable_shared_from_this<FullySharde
     for (size_t u = 0; u < units.size(); ++u) reshard(u);
   }
 
+  // A backward that failed (an exception inside it) leaves no finalize callback behind: autograd
+  // runs none after an error. Seen from outside any backward (the next forward, zero_grad, step),
+  // such a backward is abandoned: the reductions it started are waited for (each bounded by the
+  // group's timeout) and dropped, with every gradient not yet in the shards; the units are freed.
+  void abandon_failed_backward() {
+    std::lock_guard<std::recursive_mutex> lock(mutex);
+    if (!in_backward || torch::autograd::get_current_graph_task_id() != -1) return;
+    LOOM_LOG(warn, where() << ": the last backward did not finish (it raised): abandoning it; the gradients "
+                              "it had not yet reduced into the shards are dropped");
+    for (Reduction& r : reductions) {
+      if (!r.work) continue;
+      try {
+        r.work->wait();
+      } catch (const std::exception& e) {
+        LOOM_LOG(warn, where() << ": a reduce-scatter of the abandoned backward failed too: " << e.what());
+      }
+    }
+    reductions.clear();
+    for (Unit& unit : units) {
+      for (auto& p : unit.params) p.mutable_grad().reset();
+      unit.accumulated.reset();
+      unit.pre_backward_done = unit.gradients_ready = false;
+    }
+    reshard_all();
+    backward_finished = true;
+    in_backward = false;
+  }
+
   // --- forward ------------------------------------------------------------------------------
   size_t unit_index(const torch::nn::Module& module) const {
     auto it = unit_of.find(&module);
@@ -192,6 +227,7 @@ struct FullyShardedDataParallel::Impl : std::enable_shared_from_this<FullySharde
 
   void enter_forward(size_t u) {
     std::lock_guard<std::recursive_mutex> lock(mutex);
+    if (forward_depth == 0) abandon_failed_backward();
     if (forward_depth++ == 0) forward_position = 0;
     // The first forward after a backward: the finished iteration's order drives the prefetch now.
     // (Kept until here, so that a second backward through the same graph reduces as the first.)
@@ -201,8 +237,9 @@ struct FullyShardedDataParallel::Impl : std::enable_shared_from_this<FullySharde
       forward_ends.clear();
       backward_finished = false;
     }
-    const size_t position = forward_position++;
     if (u == kNoUnit) return;
+    // Positions count units with parameters only: those are what the recorded order holds.
+    const size_t position = forward_position++;
     if (at::GradMode::is_enabled()) forward_starts.push_back(u);
     gather(u);
     // The next unit of the last iteration's order, when this one is where that order says.
@@ -267,10 +304,28 @@ struct FullyShardedDataParallel::Impl : std::enable_shared_from_this<FullySharde
     begin_backward();
     Unit& unit = units[u];
     if (unit.gradients_pending > 0 && --unit.gradients_pending == 0) unit.gradients_ready = true;
-    if (backward_syncs)
+    if (backward_syncs) {
       issue_ready_reductions();
-    else if (unit.gradients_ready)
-      reshard(u);  // its gradients stay whole in .grad; its parameters are not needed again
+    } else if (unit.gradients_ready) {
+      accumulate_in_reduce_dtype(unit);
+      reshard(u);  // its gradients stay whole; its parameters are not needed again
+    }
+  }
+
+  // Under no_sync, gradients computed in param_dtype would add up in it from micro-batch to
+  // micro-batch (bf16 keeps 8 significant bits): they are summed in the reduce dtype instead, as
+  // FSDP2 does, and reduce() starts from that sum.
+  void accumulate_in_reduce_dtype(Unit& unit) {
+    const at::ScalarType dtype = reduce_dtype_of(unit);
+    if (unit.full.scalar_type() == dtype) return;
+    at::NoGradGuard no_grad;
+    if (!unit.accumulated.defined()) unit.accumulated = at::zeros({unit.full.numel()}, unit.full.options().dtype(dtype));
+    for (size_t k = 0; k < unit.params.size(); ++k) {
+      at::Tensor& grad = unit.params[k].mutable_grad();
+      if (!grad.defined()) continue;
+      unit.accumulated.narrow(0, unit.offsets[k], unit.params[k].numel()).add_(grad.reshape({-1}));
+      grad.reset();
+    }
   }
 
   void issue_ready_reductions() {
@@ -283,18 +338,24 @@ struct FullyShardedDataParallel::Impl : std::enable_shared_from_this<FullySharde
   void reduce(size_t u) {
     Unit& unit = units[u];
     at::NoGradGuard no_grad;
-    at::Tensor flat = at::empty({unit.full.numel()}, unit.full.options().dtype(reduce_dtype_of(unit)));
+    // The micro-batches accumulated under no_sync (zeros where none came), or a fresh buffer.
+    const bool accumulated = unit.accumulated.defined();
+    at::Tensor flat = accumulated ? std::exchange(unit.accumulated, at::Tensor())
+                                  : at::empty({unit.full.numel()}, unit.full.options().dtype(reduce_dtype_of(unit)));
     for (size_t k = 0; k < unit.params.size(); ++k) {
       at::Tensor& grad = unit.params[k].mutable_grad();
       at::Tensor slot = flat.narrow(0, unit.offsets[k], unit.params[k].numel());
-      if (grad.defined())
+      if (grad.defined() && accumulated)
+        slot.add_(grad.reshape({-1}));
+      else if (grad.defined())
         slot.copy_(grad.reshape({-1}));
-      else
+      else if (!accumulated)
         slot.zero_();
       grad.reset();
     }
     flat.narrow(0, unit.numel, flat.numel() - unit.numel).zero_();
-    Reduction r{u, nullptr, flat, flat};
+    Reduction r{u, nullptr, flat, flat, predivide_factor(flat.scalar_type())};
+    if (r.predivided > 1) flat.div_(r.predivided);
     if (size > 1) {
       r.output = at::empty({unit.shard_numel}, flat.options());
       r.work = group->reduce_scatter(r.output, flat, {ReduceOp::Sum});
@@ -328,7 +389,10 @@ struct FullyShardedDataParallel::Impl : std::enable_shared_from_this<FullySharde
         options.replicate->all_reduce(r.output, {ReduceOp::Sum})->wait();
         stats.bytes_all_reduced += r.output.nbytes();
       }
-      if (divisor > 1) r.output.div_(divisor);
+      if (r.predivided > 1)
+        r.output.div_(static_cast<double>(divisor) / r.predivided);
+      else if (divisor > 1)
+        r.output.div_(divisor);
       at::Tensor& grad = units[r.unit].shard.mutable_grad();
       if (grad.defined())
         grad.add_(r.output);
@@ -342,6 +406,16 @@ struct FullyShardedDataParallel::Impl : std::enable_shared_from_this<FullySharde
 
   at::ScalarType reduce_dtype_of(const Unit& unit) const {
     return options.reduce_dtype.value_or(unit.shard.scalar_type());
+  }
+
+  // A sum over the ranks in fp16 overflows where the average would not (65504 at most): the
+  // gradients are divided by about the square root of the ranks before the sum and by the rest
+  // after, as FSDP2 does (the same factors). fp32, bf16 and fp64 sum first (fp32's exponent range).
+  double predivide_factor(at::ScalarType dtype) const {
+    if (dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kDouble || divisor <= 1) return 1;
+    int64_t pre = 1;
+    while (divisor % pre == 0 && divisor / pre > pre) pre *= 2;
+    return static_cast<double>(pre);
   }
 
   // --- construction -------------------------------------------------------------------------
@@ -482,6 +556,11 @@ FullyShardedDataParallel::FullyShardedDataParallel(torch::nn::Module& root,
     if (f.size > 1) detail::broadcast_tensors(*f.group, all, "parameter broadcast");
   }
   f.assign_units(root, units);
+  if (f.units.empty()) throw InvalidArgumentError(f.where() + ": expected trainable parameters, found none");
+  // The optimizer while every unit is still gathered: a refused one leaves the model whole (its
+  // parameters are views of the gathered buffers, with their values).
+  f.optimizer = detail::adopt_shard_optimizer(make_optimizer(shard_parameters()), shard_parameters(), f.where(),
+                                              "FullyShardedDataParallel");
   at::NoGradGuard no_grad;
   // Frozen parameters compute beside the gathered ones: in param_dtype too (as FSDP2 casts them).
   if (f.options.param_dtype)
@@ -489,11 +568,8 @@ FullyShardedDataParallel::FullyShardedDataParallel(torch::nn::Module& root,
   // A gradient left from before would be reduced with the first backward's.
   for (const auto& unit : f.units)
     for (auto p : unit.params) p.mutable_grad().reset();
-  if (f.units.empty()) throw InvalidArgumentError(f.where() + ": expected trainable parameters, found none");
   f.reshard_all();
   f.install_hooks();
-  f.optimizer = detail::adopt_shard_optimizer(make_optimizer(shard_parameters()), shard_parameters(), f.where(),
-                                              "FullyShardedDataParallel");
 }
 
 FullyShardedDataParallel::~FullyShardedDataParallel() {
@@ -548,14 +624,18 @@ FullyShardedDataParallel::NoSyncGuard::NoSyncGuard(NoSyncGuard&& other) noexcept
 }
 
 void FullyShardedDataParallel::zero_grad() {
+  std::lock_guard<std::recursive_mutex> lock(impl_->mutex);
+  impl_->abandon_failed_backward();
   for (auto& unit : impl_->units) {
     unit.shard.mutable_grad().reset();
+    unit.accumulated.reset();
     for (auto& p : unit.params) p.mutable_grad().reset();
   }
 }
 
 double FullyShardedDataParallel::clip_grad_norm(double max_norm) {
   Impl& f = *impl_;
+  f.abandon_failed_backward();
   if (!f.reduced_since_step)
     throw InvalidArgumentError(f.where("FullyShardedDataParallel::clip_grad_norm") +
                                ": no backward since the last step: expected gradients to clip");
@@ -567,6 +647,7 @@ double FullyShardedDataParallel::clip_grad_norm(double max_norm) {
 
 void FullyShardedDataParallel::step() {
   Impl& f = *impl_;
+  f.abandon_failed_backward();
   if (!f.reduced_since_step)
     throw InvalidArgumentError(f.where("FullyShardedDataParallel::step") +
                                ": no backward since the last step: expected reduced gradients to step with");
@@ -582,6 +663,7 @@ void FullyShardedDataParallel::step() {
 void FullyShardedDataParallel::unshard() {
   Impl& f = *impl_;
   std::lock_guard<std::recursive_mutex> lock(f.mutex);
+  f.abandon_failed_backward();
   for (size_t u = 0; u < f.units.size(); ++u) f.start_gather(u);
   for (size_t u = 0; u < f.units.size(); ++u) f.gather(u);
 }
@@ -627,8 +709,10 @@ ZeroMemory FullyShardedDataParallel::memory() const {
     tensors.push_back(unit.full);  // 0 bytes while resharded
     tensors.insert(tensors.end(), unit.params.begin(), unit.params.end());
   }
-  std::vector<at::Tensor> in_flight;
+  std::vector<at::Tensor> in_flight;  // gradients outside the parameters' .grad
   for (const auto& r : f.reductions) in_flight.insert(in_flight.end(), {r.input, r.output});
+  for (const auto& unit : f.units)
+    if (unit.accumulated.defined()) in_flight.push_back(unit.accumulated);
   return count_training_memory(tensors, in_flight, f.optimizer.get());
 }
 

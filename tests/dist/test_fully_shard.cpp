@@ -9,6 +9,7 @@
 #include <limits>
 #include <optional>
 
+#include <torch/csrc/autograd/custom_function.h>
 #include <torch/nn.h>
 #include <torch/optim.h>
 
@@ -291,13 +292,20 @@ TEST(FullyShard, RefusesModulesThatAreNotUnitsAndOptimizersOverOtherTensors) {
   test::expect_contains(test::rejection([&] { fsdp.forward(*net, at::zeros({1, 12}), FullyShardedDataParallel::UnitForward()); }),
                         "expected the unit's forward function, found an empty one");
   test::expect_contains(test::rejection([&] { fsdp.step(); }), "no backward since the last step");
+  at::manual_seed(9);  // the same values on every rank: the broadcast at construction changes none
   ShardNet other;
+  std::vector<at::Tensor> before;
+  for (auto& p : other->parameters()) before.push_back(p.detach().clone());
   test::expect_contains(test::rejection([&] {
                           FullyShardedDataParallel bad(*other, units_of(other), comm, [&](std::vector<at::Tensor>) {
                             return make(Opt::Adam, other->parameters());
                           });
                         }),
                         "expected the optimizer over exactly the 4 shard tensors");
+  // The refused construction leaves the model whole: every parameter holds its values.
+  const auto after = other->parameters();
+  ASSERT_EQ(after.size(), before.size());
+  for (size_t i = 0; i < after.size(); ++i) EXPECT_TRUE(after[i].equal(before[i])) << "parameter " << i;
 }
 
 TEST(FullyShard, HybridShardingTwoByTwoEqualsDdpOverAllRanks) {
@@ -382,6 +390,38 @@ TEST(FullyShard, PeakHoldsTheRootAndOneUnitTwoWithPrefetchAllWithoutResharding) 
   EXPECT_EQ(plain.peak_unsharded_bytes, root + block);
   EXPECT_EQ(prefetching.peak_unsharded_bytes, root + 2 * block);  // the next block's gather started
   EXPECT_EQ(keeping.peak_unsharded_bytes, root + 3 * block);      // every block kept for backward
+  {
+    // A unit without parameters before each block (an activation, say) moves no prefetch: the
+    // recorded order holds units with parameters only. Inside each block's forward of the second
+    // step the root, the block and the next block (prefetched) are gathered; the last has no next.
+    auto comm = test::world();
+    ShardNet net;
+    torch::nn::Identity activation;
+    auto units = units_of(net);
+    units.push_back(activation.ptr());
+    FullyShardedDataParallel fsdp(*net, units, comm, [](std::vector<at::Tensor> s) { return make(Opt::Adam, s); },
+                                  {.prefetch = true});
+    std::vector<size_t> gathered_inside;
+    for (int step = 0; step < 2; ++step) {
+      fsdp.zero_grad();
+      gathered_inside.clear();
+      auto [x, y] = shard_batch(step, 0, comm->rank());
+      at::Tensor out = fsdp.forward(*net, x, [&](const at::Tensor& x) {
+        at::Tensor h = net->in(x);
+        for (auto& b : net->blocks) {
+          h = fsdp.forward(*activation, h, [&](const at::Tensor& h) { return activation(h); });
+          h = fsdp.forward(*b, h, [&](const at::Tensor& h) {
+            gathered_inside.push_back(fsdp.units_unsharded());
+            return b(h);
+          });
+        }
+        return net->head(h);
+      });
+      torch::mse_loss(out, y).backward();
+      fsdp.step();
+    }
+    EXPECT_EQ(gathered_inside, (std::vector<size_t>{3, 3, 2})) << "units gathered inside each block's forward";
+  }
   // Under no_sync a unit is freed as soon as its gradients are in, though nothing is reduced.
   FullyShardStats accumulating;
   train_fully_sharded(Opt::Adam, {.steps = 2, .micro_batches = 2, .no_sync = true, .options = {.prefetch = false}},
@@ -389,9 +429,12 @@ TEST(FullyShard, PeakHoldsTheRootAndOneUnitTwoWithPrefetchAllWithoutResharding) 
   EXPECT_EQ(accumulating.peak_unsharded_bytes, root + block);
 }
 
-TEST(FullyShard, MixedPrecisionComputesInBf16AndStepsFp32MastersAsTheManualReference) {
-  // The reference, by hand on every rank: a bf16 copy of fp32 master weights computes; its
-  // gradients, in fp32, are all-reduced and averaged; Adam steps the masters; the copy takes them.
+namespace {
+// The reference, by hand on every rank: a bf16 copy of fp32 master weights computes; its gradients
+// are summed over the micro-batches in fp32, all-reduced and averaged; Adam steps the masters; the
+// copy takes them. Against FullyShardedDataParallel with param_dtype bf16, reduce_dtype fp32 and
+// the micro-batches before the last under no_sync(): the same bits.
+void expect_mixed_precision_as_by_hand(int micro_batches) {
   auto comm = test::world();
   const int steps = 10;
   at::manual_seed(5);
@@ -402,13 +445,19 @@ TEST(FullyShard, MixedPrecisionComputesInBf16AndStepsFp32MastersAsTheManualRefer
   auto ref_opt = make(Opt::Adam, masters);
   const auto ref_params = ref->parameters();
   for (int step = 0; step < steps; ++step) {
-    for (auto& p : ref_params) p.mutable_grad().reset();
-    auto [x, y] = shard_batch(step, 0, comm->rank());
-    torch::mse_loss(ref(x.to(at::kBFloat16)).to(at::kFloat), y).backward();
+    std::vector<at::Tensor> sums(masters.size());
+    for (int m = 0; m < micro_batches; ++m) {
+      for (auto& p : ref_params) p.mutable_grad().reset();
+      auto [x, y] = shard_batch(step, m, comm->rank());
+      (torch::mse_loss(ref(x.to(at::kBFloat16)).to(at::kFloat), y) / micro_batches).backward();
+      for (size_t i = 0; i < masters.size(); ++i) {
+        at::Tensor g = ref_params[i].grad().to(at::kFloat);
+        sums[i] = sums[i].defined() ? sums[i].add_(g) : g;
+      }
+    }
     for (size_t i = 0; i < masters.size(); ++i) {
-      at::Tensor g = ref_params[i].grad().to(at::kFloat);
-      comm->all_reduce(g, {ReduceOp::Sum})->wait();
-      masters[i].mutable_grad() = g.div_(comm->size());
+      comm->all_reduce(sums[i], {ReduceOp::Sum})->wait();
+      masters[i].mutable_grad() = sums[i].div_(comm->size());
     }
     ref_opt->step();
     at::NoGradGuard no_grad;
@@ -422,8 +471,11 @@ TEST(FullyShard, MixedPrecisionComputesInBf16AndStepsFp32MastersAsTheManualRefer
   for (const auto& shard : fsdp.shard_parameters()) EXPECT_EQ(shard.scalar_type(), at::kFloat) << "the masters";
   for (int step = 0; step < steps; ++step) {
     fsdp.zero_grad();
-    auto [x, y] = shard_batch(step, 0, comm->rank());
-    torch::mse_loss(sharded_forward(fsdp, net, x.to(at::kBFloat16)).to(at::kFloat), y).backward();
+    for (int m = 0; m < micro_batches; ++m) {
+      auto guard = m + 1 < micro_batches ? std::optional(fsdp.no_sync()) : std::nullopt;
+      auto [x, y] = shard_batch(step, m, comm->rank());
+      (torch::mse_loss(sharded_forward(fsdp, net, x.to(at::kBFloat16)).to(at::kFloat), y) / micro_batches).backward();
+    }
     for (const auto& g : fsdp.shard_gradients()) EXPECT_EQ(g.scalar_type(), at::kFloat);
     fsdp.step();
   }
@@ -433,9 +485,16 @@ TEST(FullyShard, MixedPrecisionComputesInBf16AndStepsFp32MastersAsTheManualRefer
   for (size_t i = 0; i < got.size(); ++i) {
     EXPECT_EQ(got[i].scalar_type(), at::kBFloat16);
     const double diff = (got[i].to(at::kFloat) - ref_params[i].to(at::kFloat)).abs().max().item<double>();
-    EXPECT_EQ(diff, 0.0) << "parameter " << i << " differs from the reference by " << diff;
+    EXPECT_EQ(diff, 0.0) << micro_batches << " micro-batches: parameter " << i << " differs from the reference by "
+                         << diff;
   }
   fsdp.reshard();
+}
+}  // namespace
+
+TEST(FullyShard, MixedPrecisionComputesInBf16AndStepsFp32MastersAsTheManualReference) {
+  expect_mixed_precision_as_by_hand(1);
+  auto comm = test::world();
   test::expect_contains(test::rejection([&] {
                           ShardNet other;
                           FullyShardedDataParallel bad(*other, units_of(other), comm,
@@ -443,6 +502,12 @@ TEST(FullyShard, MixedPrecisionComputesInBf16AndStepsFp32MastersAsTheManualRefer
                                                        {.param_dtype = at::kInt});
                         }),
                         "param_dtype must be a floating-point dtype, found Int");
+}
+
+TEST(FullyShard, MixedPrecisionAccumulatesMicroBatchesInTheReduceDtypeUnderNoSync) {
+  // Three micro-batches, the first two under no_sync: their bf16 gradients add up in fp32, as
+  // the reference's do (in bf16 they would lose bits at every addition).
+  expect_mixed_precision_as_by_hand(3);
 }
 
 namespace {
@@ -547,4 +612,102 @@ TEST(FullyShard, FrozenParametersComputeInTheParamDtypeToo) {
   auto [x, y] = shard_batch(0, 0, comm->rank());
   torch::mse_loss(sharded_forward(fsdp, net, x.to(at::kBFloat16)).to(at::kFloat), y).backward();
   fsdp.step();
+}
+
+namespace {
+// The identity forward; its backward raises while `fail` is set.
+struct RaiseInBackward : torch::autograd::Function<RaiseInBackward> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, bool fail) {
+    ctx->saved_data["fail"] = fail;
+    return x.clone();
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    if (ctx->saved_data["fail"].toBool()) throw std::runtime_error("a backward that raises, on purpose");
+    return {grads[0], at::Tensor()};
+  }
+};
+}  // namespace
+
+TEST(FullyShard, ABackwardThatRaisesIsAbandonedAndTrainingGoesOnAsIfItNeverRan) {
+  // Step 2's backward raises after the last two blocks' gradients went to their reduce-scatters
+  // (the first block's output raises); its step is skipped. The next forward abandons it: the
+  // training then equals DDP's without step 2.
+  auto comm = test::world();
+  const int steps = 5, failing = 2;
+  for (bool prefetch : {false, true}) {
+    at::manual_seed(5);
+    ShardNet reference;
+    DistributedDataParallel<ShardNet> ddp(reference, comm);
+    auto ddp_opt = make(Opt::Adam, ddp->parameters());
+    for (int step = 0; step < steps; ++step) {
+      if (step == failing) continue;
+      ddp.zero_grad();
+      auto [x, y] = shard_batch(step, 0, comm->rank());
+      torch::mse_loss(ddp(x), y).backward();
+      ddp_opt->step();
+    }
+    at::manual_seed(5);
+    ShardNet net;
+    FullyShardedDataParallel fsdp(*net, units_of(net), comm, [](std::vector<at::Tensor> s) { return make(Opt::Adam, s); },
+                                  {.prefetch = prefetch});
+    for (int step = 0; step < steps; ++step) {
+      fsdp.zero_grad();
+      auto [x, y] = shard_batch(step, 0, comm->rank());
+      at::Tensor out = fsdp.forward(*net, x, [&](const at::Tensor& x) {
+        at::Tensor h = net->in(x);
+        for (size_t b = 0; b < net->blocks.size(); ++b) {
+          h = fsdp.forward(*net->blocks[b], h, [&](const at::Tensor& h) { return net->blocks[b](h); });
+          if (b == 0) h = RaiseInBackward::apply(h, step == failing);
+        }
+        return net->head(h);
+      });
+      at::Tensor loss = torch::mse_loss(out, y);
+      if (step == failing) {
+        test::expect_contains(test::rejection([&] { loss.backward(); }), "on purpose");
+        continue;
+      }
+      loss.backward();
+      EXPECT_EQ(fsdp.units_unsharded(), 0u) << "step " << step;
+      fsdp.step();
+    }
+    fsdp.unshard();
+    const auto got = net->parameters(), want = reference->parameters();
+    for (size_t i = 0; i < got.size(); ++i)
+      EXPECT_LE((got[i] - want[i]).abs().max().item<double>(), 1e-6) << "prefetch " << prefetch << ": parameter " << i;
+    fsdp.reshard();
+  }
+}
+
+namespace {
+struct BiasOnlyImpl : torch::nn::Module {
+  BiasOnlyImpl() { bias = register_parameter("bias", torch::zeros({8})); }
+  at::Tensor bias;
+};
+TORCH_MODULE(BiasOnly);
+}  // namespace
+
+TEST(FullyShard, AnFp16ReductionDoesNotOverflowWhereTheAverageFits) {
+  // Every rank's gradient is g, 3/4 of fp16's largest value times the pre-divide factor over N:
+  // its average, g, fits in fp16; a sum over N ranks before dividing would not (N * g > 65504).
+  auto comm = test::world();
+  const int n = comm->size();
+  if (n != 2 && n != 4) GTEST_SKIP() << "the factors below are worked out for 2 and 4 ranks";
+  const double pre = 2;  // FSDP2's pre-divide factor at 2 and at 4 ranks (a power of two near sqrt(N))
+  const double g = std::floor(0.75 * 65504 * pre / n / 32) * 32;  // a multiple of fp16's spacing there
+  ASSERT_GT(g * n, 65504.0) << "the sum must overflow fp16";
+  BiasOnly model;
+  FullyShardedDataParallel fsdp(*model, {}, comm,
+                                [](std::vector<at::Tensor> s) {
+                                  return std::make_unique<torch::optim::SGD>(s, torch::optim::SGDOptions(0.1));
+                                },
+                                {.reduce_dtype = at::kHalf});
+  at::Tensor out = fsdp.forward(*model, at::zeros({1, 8}), [&](const at::Tensor& x) { return x + model->bias; });
+  (out * g).sum().backward();
+  const auto grads = fsdp.shard_gradients();
+  ASSERT_EQ(grads.size(), 1u);
+  const at::Tensor shard = grads[0];
+  const int64_t valid = std::max<int64_t>(0, std::min<int64_t>(shard.numel(), 8 - comm->rank() * shard.numel()));
+  EXPECT_TRUE(shard.isfinite().all().item<bool>()) << "the fp16 reduction overflowed: " << shard;
+  EXPECT_TRUE(shard.narrow(0, 0, valid).eq(g).all().item<bool>()) << "expected every gradient " << g << ", found " << shard;
 }

@@ -42,7 +42,9 @@
 // the first iteration drives the prefetch after it. Gradient accumulation: call backward once per
 // micro-batch; each backward reduce-scatters and adds into the gradient shards (the sum of the
 // micro-batches' averages, as DDP's no_sync gives it), or, under no_sync(), keeps the gradients
-// whole until the last micro-batch's backward reduces them once. Element-wise optimizers only, as for ZeRO
+// whole until the last micro-batch's backward reduces them once. A backward that raises is
+// abandoned by the next forward(), zero_grad() or step(): the reduce-scatters it started are waited
+// for and dropped with every gradient not yet added into the shards. Element-wise optimizers only, as for ZeRO
 // (SGD, Adam, AdamW, RMSprop, Adagrad); one parameter group. Frozen parameters (requires_grad
 // false) stay whole on every rank with rank 0's values. Hybrid sharding: FullyShardOptions::replicate
 // (shard within a node, replicate across nodes); tensor parallelism inside: pass the DP group, the
@@ -87,6 +89,9 @@ struct FullyShardOptions {
   // param_dtype (bf16, fp16; the module's parameters take that dtype) while the shards keep the
   // parameters' own (fp32 masters: what the optimizer steps); gradients are reduced in
   // reduce_dtype (default: the shards' dtype) and added into the shards' gradients in theirs.
+  // Under no_sync() the micro-batches' gradients add up in reduce_dtype too (not in bf16). An fp16
+  // reduce_dtype divides by about sqrt(N) before the sum and by the rest after (FSDP2's factors),
+  // so that a sum over the ranks does not overflow where the average would not.
   std::optional<at::ScalarType> param_dtype;
   std::optional<at::ScalarType> reduce_dtype;
   // Hybrid sharding (HSDP): shard over the group (a node), replicate over this one (the ranks
