@@ -664,7 +664,10 @@ TEST(FullyShard, ABackwardThatRaisesIsAbandonedAndTrainingGoesOnAsIfItNeverRan) 
       });
       at::Tensor loss = torch::mse_loss(out, y);
       if (step == failing) {
+        const uint64_t issued = fsdp.stats().reduce_scatters;
         test::expect_contains(test::rejection([&] { loss.backward(); }), "on purpose");
+        // What the abandon must wait for: the last two blocks' reduce-scatters, still in flight.
+        if (comm->size() > 1) EXPECT_EQ(fsdp.stats().reduce_scatters - issued, 2u) << "prefetch " << prefetch;
         continue;
       }
       loss.backward();
