@@ -43,7 +43,7 @@
 // micro-batch; each backward reduce-scatters and adds into the gradient shards (the sum of the
 // micro-batches' averages, as DDP's no_sync gives it), or, under no_sync(), keeps the gradients
 // whole until the last micro-batch's backward reduces them once. A backward that raises is
-// abandoned by the next forward(), zero_grad() or step(): the reduce-scatters it started are waited
+// abandoned by the next forward(), zero_grad(), step(), clip_grad_norm() or unshard(): the reduce-scatters it started are waited
 // for and dropped with every gradient not yet added into the shards. Element-wise optimizers only, as for ZeRO
 // (SGD, Adam, AdamW, RMSprop, Adagrad); one parameter group. Frozen parameters (requires_grad
 // false) stay whole on every rank with rank 0's values. Hybrid sharding: FullyShardOptions::replicate
