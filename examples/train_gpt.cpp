@@ -591,9 +591,6 @@ void GptRun::refuse_what_fully_sharded_lacks() const {
   if (o_.pp > 1)
     throw refusal("--zero 3 with --pp " + std::to_string(o_.pp) +
                   ": fully sharded units inside pipeline stages are not built yet; use --zero 1 or 2 with --pp");
-  if (!o_.checkpoint_dir.empty())
-    throw refusal("--zero 3 with --checkpoint-dir: fully sharded checkpoints are not written yet (docs/zero.md); "
-                  "use --zero 2 to save checkpoints");
   if (o_.clip_grad_norm > 0 && ps_->tp_degree() > 1)
     throw refusal("--clip-grad-norm with --zero 3 and --tp " + std::to_string(ps_->tp_degree()) +
                   ": the fully sharded clip sums the data-parallel group's shards, not the tensor-parallel slices");
@@ -790,9 +787,12 @@ void GptRun::open_checkpointer() {
   options.directory = o_.checkpoint_dir;
   checkpointer_ = std::make_unique<loom::Checkpointer>(world_, options);  // host-side agreement over MPI
   // The tracker the model draws from (on a GPU its device's: its dropout streams must resume too).
-  // A ZeRO run's checkpoint is in the plain format: it resumes with or without --zero, at any DP size.
+  // A ZeRO or fully sharded run's checkpoint is in the plain format: it resumes with or without
+  // --zero, at any DP size.
   checkpointer_->model(model_).rng(on_gpu_ ? *device_rng_ : loom::rng_tracker()).accumulator(*accumulate_);
-  if (zero_)
+  if (fsdp_)
+    checkpointer_->optimizer(*fsdp_);
+  else if (zero_)
     checkpointer_->optimizer(*zero_);
   else
     checkpointer_->optimizer(*opt_);

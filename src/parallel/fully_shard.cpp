@@ -123,6 +123,8 @@ struct FullyShardedDataParallel::Impl : std::enable_shared_from_this<FullySharde
   std::vector<Unit> units;  // the named units holding trainable parameters, then the root
   std::unordered_map<const torch::nn::Module*, size_t> unit_of;  // kNoUnit: a unit without trainable ones
   std::vector<at::Tensor> frozen;
+  std::vector<at::Tensor> trainable;  // the units' parameters in the root's order, and where each lies
+  std::vector<ZeroOptimizer::Placement> placements;
   std::unique_ptr<torch::optim::Optimizer> optimizer;
   std::vector<AccumulatorPtr> accumulators;
   std::vector<uintptr_t> hook_keys;
@@ -143,6 +145,13 @@ struct FullyShardedDataParallel::Impl : std::enable_shared_from_this<FullySharde
   std::recursive_mutex mutex;  // hooks may run on autograd's device threads
 
   std::string where(const char* what = "FullyShardedDataParallel") const { return group->context(what).prefix(); }
+
+  const Unit& unit_at(size_t u, const char* what) const {
+    if (u >= units.size())
+      throw InvalidArgumentError(where(what) + ": expected a unit below " + std::to_string(units.size()) + ", found " +
+                                 std::to_string(u));
+    return units[u];
+  }
 
   // --- gathering and resharding -------------------------------------------------------------
   void start_gather(size_t u) {
@@ -485,6 +494,12 @@ void FullyShardedDataParallel::Impl::assign_units(torch::nn::Module& root,
     units.push_back(std::move(unit));
   }
   unit_of[&root] = units.empty() || !units.back().is_root ? kNoUnit : units.size() - 1;
+  std::unordered_map<const void*, ZeroOptimizer::Placement> placed;
+  for (size_t u = 0; u < units.size(); ++u)
+    for (size_t k = 0; k < units[u].params.size(); ++k)
+      placed[units[u].params[k].unsafeGetTensorImpl()] = {u, units[u].offsets[k], units[u].params[k].numel()};
+  this->trainable = trainable;
+  for (const auto& p : trainable) placements.push_back(placed.at(p.unsafeGetTensorImpl()));
 }
 
 // The unit's flat buffer, its parameters re-seated in it, this rank's shard copied out.
@@ -686,14 +701,17 @@ std::vector<at::Tensor> FullyShardedDataParallel::shard_parameters() const {
   return shards;
 }
 
+const std::vector<at::Tensor>& FullyShardedDataParallel::parameters() const { return impl_->trainable; }
+const std::vector<ZeroOptimizer::Placement>& FullyShardedDataParallel::placements() const { return impl_->placements; }
+int64_t FullyShardedDataParallel::shard_numel(size_t unit) const {
+  return impl_->unit_at(unit, "FullyShardedDataParallel::shard_numel").shard_numel;
+}
+
 torch::optim::Optimizer& FullyShardedDataParallel::optimizer() { return *impl_->optimizer; }
 Communicator& FullyShardedDataParallel::group() const { return *impl_->group; }
 size_t FullyShardedDataParallel::units() const { return impl_->units.size(); }
 int64_t FullyShardedDataParallel::unit_numel(size_t unit) const {
-  if (unit >= impl_->units.size())
-    throw InvalidArgumentError(impl_->where("FullyShardedDataParallel::unit_numel") + ": expected a unit below " +
-                               std::to_string(impl_->units.size()) + ", found " + std::to_string(unit));
-  return impl_->units[unit].numel;
+  return impl_->unit_at(unit, "FullyShardedDataParallel::unit_numel").numel;
 }
 
 size_t FullyShardedDataParallel::units_unsharded() const {

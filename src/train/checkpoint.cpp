@@ -347,11 +347,16 @@ Checkpointer& Checkpointer::model(torch::nn::Module& module) {
 }
 Checkpointer& Checkpointer::optimizer(torch::optim::Optimizer& optimizer) {
   impl_->built_in<OptimizerState>("optimizer").set(&optimizer);
-  impl_->built_in<ZeroOptimizerState>("zero").set(nullptr);
+  impl_->built_in<ZeroOptimizerState>("zero").set(static_cast<ZeroOptimizer*>(nullptr));
   return *this;
 }
 Checkpointer& Checkpointer::optimizer(ZeroOptimizer& zero) {
   impl_->built_in<ZeroOptimizerState>("zero").set(&zero);
+  impl_->built_in<OptimizerState>("optimizer").set(nullptr);
+  return *this;
+}
+Checkpointer& Checkpointer::optimizer(FullyShardedDataParallel& fsdp) {
+  impl_->built_in<ZeroOptimizerState>("zero").set(&fsdp);
   impl_->built_in<OptimizerState>("optimizer").set(nullptr);
   return *this;
 }

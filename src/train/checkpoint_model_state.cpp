@@ -40,6 +40,14 @@ std::unordered_map<const c10::TensorImpl*, std::string> ModelState::parameter_na
   return names;
 }
 
+std::set<std::string> ModelState::handed_over_names() const {
+  std::set<std::string> names;
+  if (model_ == nullptr || handed_over_.empty()) return names;
+  for (const auto& item : model_->named_parameters(/*recurse=*/true))
+    if (handed_over_.count(item.value().unsafeGetTensorImpl())) names.insert(item.key());
+  return names;
+}
+
 void ModelState::collect(int /*rank*/, SaveState& out) {
   if (model_ == nullptr) return;
   std::unordered_map<const c10::TensorImpl*, tp::ShardInfo> shards;
@@ -67,9 +75,11 @@ void ModelState::plan(const LoadContext& context, std::vector<Need>& needs, std:
   if (model_ == nullptr) return;
   std::vector<std::string> missing, unexpected, mismatched;
   std::set<std::string> live_names;
+  const auto handed_over = handed_over_names();
   for (const auto& t : context.live.tensors) {
     if (t.name.rfind("model/", 0) != 0) continue;
     live_names.insert(t.name);
+    if (handed_over.count(t.name.substr(6))) continue;
     auto it = context.manifest.tensors.find(t.name);
     if (it == context.manifest.tensors.end()) {
       missing.push_back(t.name);
@@ -100,8 +110,9 @@ void ModelState::plan(const LoadContext& context, std::vector<Need>& needs, std:
 
 void ModelState::apply(const LoadContext& context, const LoadedTensors& data) {
   if (model_ == nullptr) return;
+  const auto handed_over = handed_over_names();
   for (const auto& t : context.live.tensors) {
-    if (t.name.rfind("model/", 0) != 0) continue;
+    if (t.name.rfind("model/", 0) != 0 || handed_over.count(t.name.substr(6))) continue;
     at::Tensor live = t.tensor;
     copy_into(live, data.at(t.name));
   }

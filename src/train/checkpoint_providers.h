@@ -8,7 +8,9 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <set>
 #include <unordered_map>
+#include <unordered_set>
 #include <utility>
 #include <vector>
 
@@ -25,6 +27,7 @@ class GradScaler;
 class RngTracker;
 class GradientAccumulator;
 class ZeroOptimizer;
+class FullyShardedDataParallel;
 }  // namespace loom
 
 namespace loom::detail::ckpt {
@@ -36,13 +39,19 @@ class ModelState final : public StateProvider {
   torch::nn::Module* model() const { return model_; }
   // Parameter TensorImpl -> name (for the optimizer's state, saved by parameter name).
   std::unordered_map<const c10::TensorImpl*, std::string> parameter_names() const;
+  // Parameters whose values another provider writes and reads (a fully sharded model's, whose
+  // values live in shards): still described at collect, as the layout the optimizer's state
+  // follows, but neither planned nor applied here. Empty: none.
+  void hand_over(std::unordered_set<const c10::TensorImpl*> params) { handed_over_ = std::move(params); }
 
   void collect(int rank, SaveState& out) override;
   void plan(const LoadContext& context, std::vector<Need>& needs, std::vector<std::string>& problems) override;
   void apply(const LoadContext& context, const LoadedTensors& data) override;
 
  private:
+  std::set<std::string> handed_over_names() const;
   torch::nn::Module* model_ = nullptr;
+  std::unordered_set<const c10::TensorImpl*> handed_over_;
 };
 
 // Tensors registered by name (extra/<name>), whole or as this rank's slice of a global tensor;
@@ -114,23 +123,32 @@ class OptimizerState final : public StateProvider {
   torch::optim::Optimizer* optimizer_ = nullptr;
 };
 
-// A ZeRO optimizer's sharded state, in OptimizerState's format (checkpoint_zero_state.cpp): the
-// same checkpoint loads with or without ZeRO, at any data-parallel size.
+// A sharded optimizer's state, ZeRO's or a fully sharded model's, in OptimizerState's format
+// (checkpoint_zero_state.cpp): the same checkpoint loads with or without sharding, at any
+// data-parallel size. A fully sharded model's parameters are written and read here too (from and
+// into its shards): the model provider hands them over.
+struct FlatShards;
 class ZeroOptimizerState final : public StateProvider {
  public:
-  explicit ZeroOptimizerState(const ModelState& model);
+  explicit ZeroOptimizerState(ModelState& model);
   ~ZeroOptimizerState() override;
-  void set(ZeroOptimizer* zero) { zero_ = zero; }
+  // One or the other (setting one clears the other).
+  void set(ZeroOptimizer* zero);
+  void set(FullyShardedDataParallel* fsdp);
   void collect(int rank, SaveState& out) override;
   void plan(const LoadContext& context, std::vector<Need>& needs, std::vector<std::string>& problems) override;
   void apply(const LoadContext& context, const LoadedTensors& data) override;
 
  private:
-  using json = nlohmann::json;
-  const ModelState& model_;
+  std::optional<FlatShards> flat_shards() const;
+  void plan_parameters(const FlatShards& f, const LoadContext& context, std::vector<Need>& needs,
+                       std::vector<std::string>& problems);
+  ModelState& model_;
   ZeroOptimizer* zero_ = nullptr;
+  FullyShardedDataParallel* fsdp_ = nullptr;
   std::unique_ptr<torch::optim::Optimizer> view_;  // the whole model's optimizer, while saving or loading
   OptimizerState full_;                            // over view_
+  std::map<size_t, std::string> sources_;          // fully sharded: parameter -> the saved tensor read (plan)
 };
 
 // GradScaler::state_dict() as the "scaler" section.

@@ -1,7 +1,8 @@
 """train_gpt -> checkpoint -> export --format hf-gpt2 -> transformers: the same loss.
 
 Trains examples/train_gpt briefly at TP 2 (2 ranks, so the exported weights are joined from
-slices), and again at PP 2 (each stage's checkpoint holds only its own layers), on its corpus, with a checkpoint at the end and --score on the corpus's held-out tail (the
+slices), again at PP 2 (each stage's checkpoint holds only its own layers), and fully sharded
+(--zero 3: each parameter written by the rank holding its first element), on its corpus, with a checkpoint at the end and --score on the corpus's held-out tail (the
 last 10%, never trained on: the fp32 mean next-byte loss over contiguous windows, computed by
 train_gpt's own model); exports the checkpoint with
 `python -m torchloom.checkpoint export --format hf-gpt2`; loads the directory with transformers'
@@ -36,7 +37,7 @@ def main():
     with open(held_out, "wb") as f:
         f.write(corpus[len(corpus) - int(0.1 * len(corpus)):])
     failed = 0
-    for layout in (["--tp", "2"], ["--tp", "1", "--pp", "2"]):
+    for layout in (["--tp", "2"], ["--tp", "1", "--pp", "2"], ["--tp", "1", "--zero", "3"]):
         print(" ".join(layout) + ":")
         failed += check_layout(args, layout, os.path.join(args.work, "".join(layout).replace("-", "")), held_out)
     return 1 if failed else 0

@@ -170,6 +170,12 @@ class FullyShardedDataParallel {
   // This rank's gradient shard and parameter shard of each unit (the tensors the optimizer steps).
   std::vector<at::Tensor> shard_gradients() const;
   std::vector<at::Tensor> shard_parameters() const;
+  // The trainable parameters it shards, in the root's named_parameters() order, and where each
+  // lies: its unit (as `bucket`) and offset in the unit's flat layout; rank r's shard of unit u
+  // holds elements [r * shard_numel(u), (r + 1) * shard_numel(u)). What a checkpoint reads.
+  const std::vector<at::Tensor>& parameters() const;
+  const std::vector<ZeroOptimizer::Placement>& placements() const;
+  int64_t shard_numel(size_t unit) const;
   torch::optim::Optimizer& optimizer();
   Communicator& group() const;
   // Units holding trainable parameters, the root last; and each one's parameter count (unpadded).

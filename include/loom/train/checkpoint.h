@@ -76,6 +76,7 @@ class GradScaler;
 class RngTracker;
 class GradientAccumulator;
 class ZeroOptimizer;
+class FullyShardedDataParallel;
 
 struct CheckpointOptions {
   // Holds step_<N>/ directories and the `latest` pointer; created when missing.
@@ -138,6 +139,13 @@ class Checkpointer {
   // data-parallel size, with or without ZeRO, and a plain checkpoint loads into ZeRO. Saving
   // all-gathers the state over the ZeRO group one bucket and key at a time.
   Checkpointer& optimizer(ZeroOptimizer& zero);
+  // A fully sharded model (loom/parallel/fully_shard.h): its parameters (kept as shards) and its
+  // optimizer's state, in the same plain format, each rank writing the parameters whose first
+  // element lies in its shards (gathered one unit at a time, copied to host memory). Register the
+  // model too (its buffers and frozen parameters, and the names everything is saved by):
+  //   ckpt.model(*model).optimizer(fsdp);
+  // The checkpoint loads at another size, into DDP or ZeRO, and theirs load into it.
+  Checkpointer& optimizer(FullyShardedDataParallel& fsdp);
   Checkpointer& scaler(GradScaler& scaler);
   // The tracker's streams (call once per tracker: one per device type, e.g. the CPU tracker and
   // loom::rng_tracker(cuda_device)); the default CPU generator and, where a GPU is visible, the
