@@ -591,9 +591,6 @@ void GptRun::refuse_what_fully_sharded_lacks() const {
   if (o_.pp > 1)
     throw refusal("--zero 3 with --pp " + std::to_string(o_.pp) +
                   ": fully sharded units inside pipeline stages are not built yet; use --zero 1 or 2 with --pp");
-  if (o_.clip_grad_norm > 0 && ps_->tp_degree() > 1)
-    throw refusal("--clip-grad-norm with --zero 3 and --tp " + std::to_string(ps_->tp_degree()) +
-                  ": the fully sharded clip sums the data-parallel group's shards, not the tensor-parallel slices");
 }
 
 // Pipeline parallelism (--pp): this rank keeps the stages it computes (global stage c x pp + its
@@ -884,16 +881,17 @@ double GptRun::train_step(int64_t step) {
 }
 
 // Clipping by the global norm over every stage and TP slice (after unscaling: the norm is the true
-// gradients'). ZeRO clips its shards over the DP group itself (one stage: refused with --pp).
+// gradients'). ZeRO and FSDP clip their shards over the DP group and the TP slices over the TP
+// group (one stage: refused with --pp).
 void GptRun::clip_gradients() {
   if (fsdp_) {
     if (scaler_) scaler_->unscale_(*fsdp_);
-    fsdp_->clip_grad_norm(o_.clip_grad_norm);
+    fsdp_->clip_grad_norm(o_.clip_grad_norm, *model_, ps_->tp_group());
     return;
   }
   if (zero_) {
     if (scaler_) scaler_->unscale_(*zero_);
-    zero_->clip_grad_norm(o_.clip_grad_norm);
+    zero_->clip_grad_norm(o_.clip_grad_norm, *model_, ps_->tp_group());
     return;
   }
   if (scaler_) scaler_->unscale_(*opt_);

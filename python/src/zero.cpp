@@ -43,7 +43,8 @@ void bind_zero(py::module_& m) {
            py::arg("names") = std::vector<std::string>{}, py::arg("master_weights") = true,
            py::arg("overlap_param_gather") = false)
       .def("zero_grad", &loom::ZeroOptimizer::zero_grad)
-      .def("clip_grad_norm", &loom::ZeroOptimizer::clip_grad_norm, py::arg("max_norm"), release_gil())
+      .def("clip_grad_norm", py::overload_cast<double>(&loom::ZeroOptimizer::clip_grad_norm), py::arg("max_norm"),
+           release_gil())
       .def("begin_step", &loom::ZeroOptimizer::begin_step)
       .def("gather_parameters", &loom::ZeroOptimizer::gather_parameters, release_gil())
       .def("set_sync", [](loom::ZeroOptimizer& z, bool enabled) { z.reducer().set_sync(enabled); }, py::arg("enabled"))

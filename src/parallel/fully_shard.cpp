@@ -146,6 +146,16 @@ struct FullyShardedDataParallel::Impl : std::enable_shared_from_this<FullySharde
 
   std::string where(const char* what = "FullyShardedDataParallel") const { return group->context(what).prefix(); }
 
+  void check_clip(double max_norm) {
+    abandon_failed_backward();
+    if (!reduced_since_step)
+      throw InvalidArgumentError(where("FullyShardedDataParallel::clip_grad_norm") +
+                                 ": no backward since the last step: expected gradients to clip");
+    if (!(max_norm > 0))
+      throw InvalidArgumentError(where("FullyShardedDataParallel::clip_grad_norm") +
+                                 ": max_norm must be positive, found " + std::to_string(max_norm));
+  }
+
   const Unit& unit_at(size_t u, const char* what) const {
     if (u >= units.size())
       throw InvalidArgumentError(where(what) + ": expected a unit below " + std::to_string(units.size()) + ", found " +
@@ -649,15 +659,24 @@ void FullyShardedDataParallel::zero_grad() {
 }
 
 double FullyShardedDataParallel::clip_grad_norm(double max_norm) {
+  impl_->check_clip(max_norm);
+  return detail::clip_sharded_gradients(shard_gradients(), *impl_->group, max_norm);
+}
+
+double FullyShardedDataParallel::clip_grad_norm(double max_norm, const torch::nn::Module& model,
+                                                const std::shared_ptr<Communicator>& tensor_parallel) {
   Impl& f = *impl_;
-  f.abandon_failed_backward();
-  if (!f.reduced_since_step)
-    throw InvalidArgumentError(f.where("FullyShardedDataParallel::clip_grad_norm") +
-                               ": no backward since the last step: expected gradients to clip");
-  if (!(max_norm > 0))
-    throw InvalidArgumentError(f.where("FullyShardedDataParallel::clip_grad_norm") +
-                               ": max_norm must be positive, found " + std::to_string(max_norm));
-  return detail::clip_sharded_gradients(shard_gradients(), *f.group, max_norm);
+  f.check_clip(max_norm);
+  if (!tensor_parallel || tensor_parallel->size() == 1)
+    return detail::clip_sharded_gradients(shard_gradients(), *f.group, max_norm);
+  std::vector<int64_t> shard_numel;
+  std::vector<at::Tensor> grads;  // one per unit (undefined where a unit has none), as the layout counts them
+  for (const auto& unit : f.units) {
+    shard_numel.push_back(unit.shard_numel);
+    grads.push_back(unit.shard.grad());
+  }
+  const auto tp = detail::tensor_parallel_norm(model, *tensor_parallel, f.trainable, f.placements, shard_numel, f.rank);
+  return detail::clip_sharded_gradients(grads, *f.group, max_norm, &tp);
 }
 
 void FullyShardedDataParallel::step() {

@@ -7,10 +7,16 @@
 
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
+
+#include "loom/parallel/zero.h"
 
 namespace torch::optim {
 class Optimizer;
+}
+namespace torch::nn {
+class Module;
 }
 
 namespace loom {
@@ -26,9 +32,26 @@ std::unique_ptr<torch::optim::Optimizer> adopt_shard_optimizer(std::unique_ptr<t
                                                                const std::vector<at::Tensor>& shards,
                                                                const std::string& where, const std::string& sharded_by);
 
-// The L2 norm of every rank's gradient shards (summed in double over `group`), and when it exceeds
-// max_norm every shard scaled by max_norm / (norm + 1e-6), as torch::nn::utils::clip_grad_norm_
-// does. Returns the norm before clipping. A collective over `group`.
-double clip_sharded_gradients(const std::vector<at::Tensor>& shard_gradients, Communicator& group, double max_norm);
+// With tensor parallelism inside a sharded model, which elements of this rank's shards count toward
+// the global norm: a parameter that is a TP slice counts on every TP rank, one replicated over the
+// TP group (a layernorm's weight, the bias after a row-parallel layer) on TP rank 0 only, so that
+// the sum over the TP group counts it once.
+struct TensorParallelNorm {
+  Communicator* tensor_parallel = nullptr;
+  std::vector<std::vector<std::pair<int64_t, int64_t>>> counted;  // per bucket: [begin, end) of the shard
+};
+// From `model`'s tp::ShardedModules and the shards' layout: `params` and where each lies (bucket or
+// unit, offset), each bucket's shard size, this rank's place in the sharding group.
+TensorParallelNorm tensor_parallel_norm(const torch::nn::Module& model, Communicator& tensor_parallel,
+                                        const std::vector<at::Tensor>& params,
+                                        const std::vector<ZeroOptimizer::Placement>& placements,
+                                        const std::vector<int64_t>& shard_numel, int shard_rank);
+
+// The L2 norm of every rank's gradient shards (summed in double over `group`, and over the TP group
+// where `tp` says), and when it exceeds max_norm every shard scaled by max_norm / (norm + 1e-6), as
+// torch::nn::utils::clip_grad_norm_ does. Undefined gradients (a bucket without one) are skipped.
+// Returns the norm before clipping. A collective over `group` (and the TP group).
+double clip_sharded_gradients(const std::vector<at::Tensor>& shard_gradients, Communicator& group, double max_norm,
+                              const TensorParallelNorm* tp = nullptr);
 
 }  // namespace loom::detail

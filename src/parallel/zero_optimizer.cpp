@@ -156,6 +156,16 @@ struct ZeroOptimizer::Impl {
     return master_grads;
   }
 
+  void check_clip(double max_norm) {
+    reducer->require_synchronized("ZeroOptimizer::clip_grad_norm");
+    if (!reduced_since_step)
+      throw InvalidArgumentError(where("ZeroOptimizer::clip_grad_norm") +
+                                 ": no synchronised backward since the last step: expected gradients to clip");
+    if (!(max_norm > 0))
+      throw InvalidArgumentError(where("ZeroOptimizer::clip_grad_norm") + ": max_norm must be positive, found " +
+                                 std::to_string(max_norm));
+  }
+
   bool has_masters() const {
     return std::any_of(master_shards.begin(), master_shards.end(), [](const at::Tensor& m) { return m.defined(); });
   }
@@ -330,15 +340,20 @@ void ZeroOptimizer::zero_grad() {
 }
 
 double ZeroOptimizer::clip_grad_norm(double max_norm) {
+  impl_->check_clip(max_norm);
+  return detail::clip_sharded_gradients(impl_->step_gradients(), *impl_->group, max_norm);
+}
+
+double ZeroOptimizer::clip_grad_norm(double max_norm, const torch::nn::Module& model,
+                                     const std::shared_ptr<Communicator>& tensor_parallel) {
   Impl& z = *impl_;
-  z.reducer->require_synchronized("ZeroOptimizer::clip_grad_norm");
-  if (!z.reduced_since_step)
-    throw InvalidArgumentError(z.where("ZeroOptimizer::clip_grad_norm") +
-                               ": no synchronised backward since the last step: expected gradients to clip");
-  if (!(max_norm > 0))
-    throw InvalidArgumentError(z.where("ZeroOptimizer::clip_grad_norm") + ": max_norm must be positive, found " +
-                               std::to_string(max_norm));
-  return detail::clip_sharded_gradients(z.step_gradients(), *z.group, max_norm);
+  z.check_clip(max_norm);
+  if (!tensor_parallel || tensor_parallel->size() == 1)
+    return detail::clip_sharded_gradients(z.step_gradients(), *z.group, max_norm);
+  std::vector<int64_t> shard_numel;
+  for (size_t b = 0; b < z.step_gradients().size(); ++b) shard_numel.push_back(this->shard_numel(b));
+  const auto tp = detail::tensor_parallel_norm(model, *tensor_parallel, z.params, z.placements, shard_numel, z.group->rank());
+  return detail::clip_sharded_gradients(z.step_gradients(), *z.group, max_norm, &tp);
 }
 
 void ZeroOptimizer::step() {

@@ -5,6 +5,7 @@
 // counted (two gathers and one reduce-scatter per unit and step; one gather without resharding).
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <optional>
@@ -16,6 +17,7 @@
 #include "loom/amp/grad_scaler.h"
 #include "loom/parallel/data_parallel.h"
 #include "loom/parallel/fully_shard.h"
+#include "loom/parallel/grad_clip.h"
 #include "loom/parallel/tensor_parallel.h"
 #include "shard_net.h"
 #include "test_optimizers.h"
@@ -299,7 +301,8 @@ TORCH_MODULE(ShardTpNet);
 
 TEST(FullyShard, TensorParallel2xFullyShardedDataParallel2EqualsDdpOverTheDataParallelGroup) {
   // FSDP shards each TP rank's slices over the DP group; the TP layers' all-reduces run over the TP
-  // group inside the units' forward and backward.
+  // group inside the units' forward and backward. Clipped too: the global norm sums the TP slices
+  // over the TP group and counts the replicated row bias once, as loom::clip_grad_norm does for DDP.
   auto world = test::world();
   if (world->size() != 4) GTEST_SKIP() << "TP 2 x FSDP 2 needs 4 ranks";
   ParallelState ps(world, 2);
@@ -308,35 +311,53 @@ TEST(FullyShard, TensorParallel2xFullyShardedDataParallel2EqualsDdpOverTheDataPa
     ps.seed(3);
     return ShardTpNet(ps.tp_group());
   };
-  auto train = [&](const std::function<at::Tensor(ShardTpNet&, const at::Tensor&)>& forward,
-                   const std::function<void(at::Tensor)>& step_fn, ShardTpNet& net) {
-    for (int step = 0; step < 20; ++step) {
-      auto [x, y] = shard_batch(step, 0, ps.dp_rank());  // the same on both ranks of a TP group
-      step_fn(torch::mse_loss(forward(net, x), y));
-    }
-  };
-  ShardTpNet ddp_net = build();
-  GradientReducer reducer(ddp_net->parameters(), ps.dp_group());
-  auto ddp_opt = make(Opt::Adam, ddp_net->parameters());
-  train([](ShardTpNet& n, const at::Tensor& x) { return n->row(torch::tanh(n->col(x))); },
-        [&](at::Tensor loss) { reducer.zero_grad(); loss.backward(); ddp_opt->step(); }, ddp_net);
+  for (double clip : {0.0, 0.05}) {
+    std::vector<double> norms, ddp_norms;
+    auto train = [&](const std::function<at::Tensor(ShardTpNet&, const at::Tensor&)>& forward,
+                     const std::function<void(at::Tensor)>& step_fn, ShardTpNet& net) {
+      for (int step = 0; step < 20; ++step) {
+        auto [x, y] = shard_batch(step, 0, ps.dp_rank());  // the same on both ranks of a TP group
+        step_fn(torch::mse_loss(forward(net, x), y));
+      }
+    };
+    ShardTpNet ddp_net = build();
+    GradientReducer reducer(ddp_net->parameters(), ps.dp_group());
+    auto ddp_opt = make(Opt::Adam, ddp_net->parameters());
+    train([](ShardTpNet& n, const at::Tensor& x) { return n->row(torch::tanh(n->col(x))); },
+          [&](at::Tensor loss) {
+            reducer.zero_grad();
+            loss.backward();
+            if (clip > 0) ddp_norms.push_back(loom::clip_grad_norm(*ddp_net, clip, ps.tp_group(), nullptr));
+            ddp_opt->step();
+          },
+          ddp_net);
 
-  ShardTpNet net = build();
-  FullyShardedDataParallel fsdp(*net, {net->col.ptr(), net->row.ptr()}, ps.dp_group(),
-                                [](std::vector<at::Tensor> s) { return make(Opt::Adam, s); }, {.prefetch = true});
-  auto unit = [&](auto& layer, const at::Tensor& h) {
-    return fsdp.forward(*layer, h, [&](const at::Tensor& h) { return layer(h); });
-  };
-  train([&](ShardTpNet& n, const at::Tensor& x) {
-          return fsdp.forward(*n, x, [&](const at::Tensor& x) { return unit(n->row, torch::tanh(unit(n->col, x))); });
-        },
-        [&](at::Tensor loss) { fsdp.zero_grad(); loss.backward(); fsdp.step(); }, net);
-  fsdp.unshard();
-  const auto got = net->parameters(), want = ddp_net->parameters();
-  ASSERT_EQ(got.size(), want.size());
-  for (size_t i = 0; i < got.size(); ++i)
-    EXPECT_LE((got[i] - want[i]).abs().max().item<double>(), 1e-6) << "parameter " << i;
-  fsdp.reshard();
+    ShardTpNet net = build();
+    FullyShardedDataParallel fsdp(*net, {net->col.ptr(), net->row.ptr()}, ps.dp_group(),
+                                  [](std::vector<at::Tensor> s) { return make(Opt::Adam, s); }, {.prefetch = true});
+    auto unit = [&](auto& layer, const at::Tensor& h) {
+      return fsdp.forward(*layer, h, [&](const at::Tensor& h) { return layer(h); });
+    };
+    train([&](ShardTpNet& n, const at::Tensor& x) {
+            return fsdp.forward(*n, x, [&](const at::Tensor& x) { return unit(n->row, torch::tanh(unit(n->col, x))); });
+          },
+          [&](at::Tensor loss) {
+            fsdp.zero_grad();
+            loss.backward();
+            if (clip > 0) norms.push_back(fsdp.clip_grad_norm(clip, *net, ps.tp_group()));
+            fsdp.step();
+          },
+          net);
+    fsdp.unshard();
+    const auto got = net->parameters(), want = ddp_net->parameters();
+    ASSERT_EQ(got.size(), want.size());
+    for (size_t i = 0; i < got.size(); ++i)
+      EXPECT_LE((got[i] - want[i]).abs().max().item<double>(), 1e-6) << "clip " << clip << ": parameter " << i;
+    fsdp.reshard();
+    ASSERT_EQ(norms.size(), ddp_norms.size());
+    for (size_t k = 0; k < norms.size(); ++k) EXPECT_NEAR(norms[k], ddp_norms[k], 1e-5 * ddp_norms[k]) << "step " << k;
+    if (clip > 0) EXPECT_GT(*std::max_element(ddp_norms.begin(), ddp_norms.end()), clip) << "no step was clipped";
+  }
 }
 
 TEST(FullyShard, PeakHoldsTheRootAndOneUnitTwoWithPrefetchAllWithoutResharding) {

@@ -20,6 +20,7 @@
 #include "loom/amp/grad_scaler.h"
 #include "loom/comm/agreement.h"
 #include "loom/parallel/data_parallel.h"
+#include "loom/parallel/grad_clip.h"
 #include "loom/parallel/optimizer_state.h"
 #include "loom/parallel/tensor_parallel.h"
 #include "loom/parallel/zero.h"
@@ -208,6 +209,8 @@ TORCH_MODULE(TpNet);
 
 TEST(Zero, TensorParallel2xDataParallel2EqualsDdpOverTheDataParallelGroup) {
   // ZeRO shards inside each DP group; the TP layers' own all-reduces run over the TP group as before.
+  // Clipped too: the global norm sums the TP slices over the TP group and counts replicated
+  // parameters once, as loom::clip_grad_norm does for DDP.
   auto world = test::world();
   if (world->size() != 4) GTEST_SKIP() << "TP 2 x DP 2 needs 4 ranks";
   ParallelState ps(world, 2);
@@ -222,28 +225,49 @@ TEST(Zero, TensorParallel2xDataParallel2EqualsDdpOverTheDataParallelGroup) {
       step_fn(torch::mse_loss(net(x), y));
     }
   };
-  TpNet ddp_net = build();
-  ReducerOptions small;
-  small.bucket_cap_bytes = 512;
-  small.first_bucket_cap_bytes = 256;
-  GradientReducer reducer(ddp_net->parameters(), ps.dp_group(), small);
-  auto ddp_opt = make(Opt::Adam, ddp_net->parameters());
-  train([&](at::Tensor loss) { reducer.zero_grad(); loss.backward(); ddp_opt->step(); }, ddp_net);
+  for (double clip : {0.0, 0.05}) {
+    std::vector<double> ddp_norms;
+    TpNet ddp_net = build();
+    ReducerOptions small;
+    small.bucket_cap_bytes = 512;
+    small.first_bucket_cap_bytes = 256;
+    GradientReducer reducer(ddp_net->parameters(), ps.dp_group(), small);
+    auto ddp_opt = make(Opt::Adam, ddp_net->parameters());
+    train([&](at::Tensor loss) {
+            reducer.zero_grad();
+            loss.backward();
+            if (clip > 0) ddp_norms.push_back(loom::clip_grad_norm(*ddp_net, clip, ps.tp_group(), nullptr));
+            ddp_opt->step();
+          },
+          ddp_net);
+    if (clip > 0) EXPECT_GT(*std::max_element(ddp_norms.begin(), ddp_norms.end()), clip) << "no step was clipped";
 
-  for (int stage : {1, 2}) {
-    TpNet net = build();
-    ZeroOptions options;
-    options.stage = stage;
-    options.bucket_cap_bytes = 512;
-    options.first_bucket_cap_bytes = 256;
-    ZeroOptimizer zero(net->parameters(), ps.dp_group(), [](std::vector<at::Tensor> shard) { return make(Opt::Adam, shard); },
-                       options);
-    train([&](at::Tensor loss) { zero.zero_grad(); loss.backward(); zero.step(); }, net);
-    auto a = net->parameters(), b = ddp_net->parameters();
-    for (size_t i = 0; i < a.size(); ++i) {
-      const double diff = (a[i] - b[i]).abs().max().item<double>();
-      EXPECT_LE(diff, 1e-6) << "stage " << stage << ": parameter " << i << " (tp rank " << ps.tp_rank() << ", dp rank "
-                            << ps.dp_rank() << ") differs from DDP's by " << diff;
+    for (int stage : {1, 2}) {
+      std::vector<double> norms;
+      TpNet net = build();
+      ZeroOptions options;
+      options.stage = stage;
+      options.bucket_cap_bytes = 512;
+      options.first_bucket_cap_bytes = 256;
+      ZeroOptimizer zero(net->parameters(), ps.dp_group(),
+                         [](std::vector<at::Tensor> shard) { return make(Opt::Adam, shard); }, options);
+      train([&](at::Tensor loss) {
+              zero.zero_grad();
+              loss.backward();
+              if (clip > 0) norms.push_back(zero.clip_grad_norm(clip, *net, ps.tp_group()));
+              zero.step();
+            },
+            net);
+      zero.wait_parameters();
+      auto a = net->parameters(), b = ddp_net->parameters();
+      for (size_t i = 0; i < a.size(); ++i) {
+        const double diff = (a[i] - b[i]).abs().max().item<double>();
+        EXPECT_LE(diff, 1e-6) << "stage " << stage << ", clip " << clip << ": parameter " << i << " (tp rank "
+                              << ps.tp_rank() << ", dp rank " << ps.dp_rank() << ") differs from DDP's by " << diff;
+      }
+      ASSERT_EQ(norms.size(), ddp_norms.size());
+      for (size_t k = 0; k < norms.size(); ++k)
+        EXPECT_NEAR(norms[k], ddp_norms[k], 1e-5 * ddp_norms[k]) << "stage " << stage << ", step " << k;
     }
   }
 }

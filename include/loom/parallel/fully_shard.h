@@ -159,6 +159,13 @@ class FullyShardedDataParallel {
   // The global L2 norm of the gradients (all shards, agreed over the group), and when it exceeds
   // max_norm every shard scaled by max_norm / (norm + 1e-6). Returns the norm before clipping.
   double clip_grad_norm(double max_norm);
+  // The same with tensor parallelism inside (the group is the data-parallel one): `model`'s
+  // tp::ShardedModules say which parameters are this rank's slices (their squares are summed over
+  // `tensor_parallel` too) and which are replicated over it (counted once), as loom::clip_grad_norm
+  // does for a model that is not sharded. Every rank of both groups scales by the same coefficient.
+  //   fsdp.clip_grad_norm(1.0, *model, ps.tp_group());
+  double clip_grad_norm(double max_norm, const torch::nn::Module& model,
+                        const std::shared_ptr<Communicator>& tensor_parallel);
   // Steps this rank's shards. InvalidArgumentError when no backward ran since the last step.
   void step();
 
