@@ -67,8 +67,18 @@ void run_final_step(const std::string& reason) {
 
 }  // namespace
 
+namespace {
+std::atomic<bool> g_ending_normally{false};
+}  // namespace
+
+void note_ending_normally() { g_ending_normally.store(true); }
+
 void abort_job_after(std::chrono::milliseconds grace, const std::string& reason,
                      std::chrono::milliseconds steps_bound) {
+  if (g_ending_normally.load()) {
+    LOOM_LOG(warn, "not ending the job for an error while it finalizes: " << reason);
+    return;
+  }
   if (g_started.exchange(true)) return;
   LOOM_LOG(error, "ending the job in " << grace.count() / 1000.0 << " s (LOOM_ON_ERROR=abort): " << reason);
   std::thread([grace, reason] {

@@ -27,4 +27,9 @@ void set_final_abort_step(std::function<void(const std::string& reason)> step);
 void abort_job_after(std::chrono::milliseconds grace, const std::string& reason,
                      std::chrono::milliseconds steps_bound = std::chrono::seconds(10));
 
+// The program is ending normally (loom::finalize() runs): from now on abort_job_after does nothing.
+// Operations still pending on communicators the program kept fail then, and aborting the job for
+// them would end a program that is finishing (and call MPI_Abort after MPI_Finalize).
+void note_ending_normally();
+
 }  // namespace loom::detail

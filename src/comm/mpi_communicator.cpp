@@ -12,7 +12,9 @@
 #include <deque>
 #include <mutex>
 #include <optional>
+#include <set>
 #include <thread>
+#include <vector>
 
 #include "comm/fingerprint.h"
 #include "comm/mpi_check.h"
@@ -27,6 +29,11 @@
 
 namespace loom::mpi {
 namespace {
+
+class MpiCommunicator;
+// Every MPI communicator alive: loom::finalize() stops their progress threads before MPI_Finalize.
+std::mutex g_live_mutex;
+std::set<MpiCommunicator*> g_live;
 
 using Clock = std::chrono::steady_clock;
 
@@ -64,30 +71,21 @@ class MpiCommunicator final : public Communicator {
         band_(band_comm_, kInBandMaxBytes) {
     MPI_Comm_set_errhandler(comm_, MPI_ERRORS_RETURN);
     thread_ = std::thread([this] { progress_loop(); });
+    std::lock_guard<std::mutex> lock(g_live_mutex);
+    g_live.insert(this);
   }
 
   ~MpiCommunicator() override {
+    {
+      std::lock_guard<std::mutex> lock(g_live_mutex);
+      g_live.erase(this);
+    }
     LOOM_LOG(debug, "communicator " << name() << ": " << ran_by_waiter_.load() << " operations run by their waiter, "
                                     << ran_by_progress_thread_.load() << " by the progress thread");
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      stop_ = true;
-    }
-    wake_.notify_all();
-    // A timed-out operation may still complete late (the missing peer arrives); give it a moment.
-    for (int i = 0; i < kStuckGraceMs && is_broken() && busy_.load(); ++i)
-      std::this_thread::sleep_for(std::chrono::milliseconds(1));
-    if (is_broken() && busy_.load()) {
-      // The progress thread is inside an MPI call that timed out and may never return (a peer
-      // never joined): joining would hang the caller. Leave thread and communicator to the
-      // process's end. (A healthy communicator's thread always finishes its operation: join.)
+    if (!stop_progress_thread("communicator destroyed first", /*any_stuck_call=*/false)) {
       LOOM_LOG(warn, "communicator " << name() << " destroyed while an operation is stuck in MPI");
-      detail::mpi_state::stuck_threads.fetch_add(1);
-      detail::mpi_state::end_at_exit_without_teardown();
-      thread_.detach();
       return;
     }
-    thread_.join();
     if (initialized()) {
       MPI_Comm_free(&band_comm_);
       MPI_Comm_free(&comm_);
@@ -95,6 +93,18 @@ class MpiCommunicator final : public Communicator {
   }
 
   const char* backend() const override { return "mpi"; }
+
+  // MPI_Finalize is next, with this communicator still alive (a Python process group not yet
+  // destroyed, a group the program kept): its progress thread must not call MPI from now on (one
+  // polling a timed-out receive during MPI_Finalize crashed the process). Its operations not yet
+  // run fail, and later ones are refused. False when the thread is stuck inside an MPI call.
+  bool stop_for_finalize() {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      finalized_ = true;
+    }
+    return stop_progress_thread("loom::finalize() ran first", /*any_stuck_call=*/true);
+  }
 
   ProgressCounters counters() const {
     return {ran_by_waiter_.load(), ran_by_progress_thread_.load(), submission_wakeups_.load()};
@@ -107,6 +117,12 @@ class MpiCommunicator final : public Communicator {
 
  protected:
   void issue(detail::Op& op, const std::shared_ptr<Work>& work) override {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (finalized_)
+        throw CommError(op.info.describe() + ": expected MPI still running, found it finalized (loom::finalize() "
+                                             "ran; communicators kept past it can no longer communicate)");
+    }
     for (const auto& t : op.inputs) element_count(t, op);
     for (const auto& t : op.outputs) element_count(t, op);
     const OpType type = op.info.type;
@@ -243,6 +259,33 @@ class MpiCommunicator final : public Communicator {
     if (notify) wake_.notify_one();
   }
 
+  // Stops and joins the progress thread; its unfinished operations fail with `why`. False when the
+  // thread is inside an MPI call that does not return within kStuckGraceMs (a peer never joined):
+  // joining would hang the caller, so thread and communicator are left to the process's end. A
+  // healthy communicator's call always returns: only a broken one's is waited for that little,
+  // unless `any_stuck_call` (MPI_Finalize is next, and would hang under any call still running).
+  bool stop_progress_thread(const char* why, bool any_stuck_call) {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      stop_ = true;
+      stop_reason_ = why;
+    }
+    wake_.notify_all();
+    if (!thread_.joinable()) return !abandoned_;
+    // A timed-out operation may still complete late (the missing peer arrives); give it a moment.
+    auto may_be_stuck = [&] { return (any_stuck_call || is_broken()) && busy_.load(); };
+    for (int i = 0; i < kStuckGraceMs && may_be_stuck(); ++i) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    if (may_be_stuck()) {
+      detail::mpi_state::stuck_threads.fetch_add(1);
+      detail::mpi_state::end_at_exit_without_teardown();
+      thread_.detach();
+      abandoned_ = true;
+      return false;
+    }
+    thread_.join();
+    return true;
+  }
+
   void progress_loop() {
     for (;;) {
       std::optional<Task> task;
@@ -305,8 +348,8 @@ class MpiCommunicator final : public Communicator {
         MPI_Cancel(&leg.request);
         MPI_Request_free(&leg.request);
       }
-      fail(p.work, std::make_exception_ptr(CommError(p.op.info.describe() + ": communicator destroyed first")),
-           p.op.info.describe() + ": communicator destroyed first");
+      const std::string message = p.op.info.describe() + ": " + stop_reason_;
+      fail(p.work, std::make_exception_ptr(CommError(message)), message);
     }
     pending_.clear();
   }
@@ -582,6 +625,9 @@ class MpiCommunicator final : public Communicator {
   std::vector<Leg> draining_;        // legs of failed operations MPI has not finished (same thread)
   bool stop_ = false;
   bool running_ = false;  // an operation is executing (on the progress thread or a waiter)
+  const char* stop_reason_ = "";  // why stop_ was set: what the operations it leaves fail with
+  bool finalized_ = false;        // MPI_Finalize ran or is next: nothing more is issued
+  bool abandoned_ = false;        // the progress thread was left stuck in MPI (detached)
   bool sleeping_ = false;  // the progress thread waits on wake_
   bool deep_ = false;      // ... without a deadline: every submission must wake it
   bool woken_ = false;     // it was woken and has not looked at the queue since
@@ -596,6 +642,26 @@ class MpiCommunicator final : public Communicator {
 };
 
 }  // namespace
+}  // namespace loom::mpi
+
+namespace loom::detail::mpi_state {
+int stop_live_communicators() {
+  // Held while stopping (not the registry's lock: an operation failing on the way may run a
+  // callback that releases a communicator, whose destructor takes that lock).
+  std::vector<std::shared_ptr<Communicator>> live;
+  {
+    std::lock_guard<std::mutex> lock(loom::mpi::g_live_mutex);
+    for (auto* communicator : loom::mpi::g_live)
+      if (auto held = communicator->weak_from_this().lock()) live.push_back(std::move(held));
+  }
+  int stuck = 0;
+  for (const auto& communicator : live)
+    if (!static_cast<loom::mpi::MpiCommunicator&>(*communicator).stop_for_finalize()) ++stuck;
+  return stuck;
+}
+}  // namespace loom::detail::mpi_state
+
+namespace loom::mpi {
 
 std::shared_ptr<Communicator> world_communicator(const CommunicatorOptions& options) {
   initialize();

@@ -93,6 +93,8 @@ void finalize() {
   if (!initialized() || !g_we_initialized) return;
   if (loom::detail::abort_started()) return;  // MPI_Abort is on its way
   loom::detail::mpi_status::stop();
+  loom::detail::note_ending_normally();
+  loom::detail::mpi_state::stop_live_communicators();  // their stuck threads count in stuck_threads
   if (loom::detail::mpi_state::stuck_threads.load() > 0) {
     // A thread is still inside a collective that will never complete; MPI_Finalize would hang.
     LOOM_LOG(error, "not calling MPI_Finalize: " << loom::detail::mpi_state::stuck_threads.load()

@@ -15,4 +15,10 @@ inline std::atomic<int> stuck_threads{0};
 // under the stuck thread, which then crashed (exit 139 instead of the program's code).
 void end_at_exit_without_teardown();
 
+// Stops the progress thread of every MPI communicator still alive, before MPI_Finalize: none may
+// call MPI during or after it (mpi_communicator.cpp). Their unfinished operations fail and later
+// ones are refused. Returns how many threads are stuck inside an MPI call (then MPI_Finalize is
+// skipped: it would hang).
+int stop_live_communicators();
+
 }  // namespace loom::detail::mpi_state
