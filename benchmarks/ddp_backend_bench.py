@@ -8,7 +8,9 @@ torchrun); the reference is a new_group(backend="gloo") over the same ranks. Two
 one model (same initial weights, same batches) train in rounds of --steps steps, loom and gloo
 alternating which goes first; a round starts after a barrier and its time is the slowest rank's
 (barrier and max on a third gloo group, so neither timed group does other work). A step is
-forward, backward (DDP's bucketed all-reduce overlapping it) and SGD. With --wrapper fsdp each Linear
+forward, backward (DDP's bucketed all-reduce overlapping it) and SGD (or --optimizer adam; the model's
+shape, loss and optimizer can be zero_bench's, so that its fully sharded step compares with FSDP2's:
+--input 1024 --layers 3 --classes 10 --loss cross-entropy --optimizer adam --batch 64). With --wrapper fsdp each Linear
 is a fully_shard unit and the model the root (FSDP2's all-gathers and reduce-scatters instead; Gloo
 has no AVG reduce-scatter, so both sides sum and divide, as FSDP2's set_force_sum_reduction_for_comms
 makes them; target for FSDP2: loom <= 0.8 of gloo).
@@ -33,6 +35,10 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--width", type=int, default=1024, help="hidden width of the MLP")
     p.add_argument("--layers", type=int, default=4, help="hidden layers")
+    p.add_argument("--input", type=int, default=256, help="input features")
+    p.add_argument("--classes", type=int, default=16, help="outputs (targets of the MSE, or classes)")
+    p.add_argument("--loss", choices=["mse", "cross-entropy"], default="mse")
+    p.add_argument("--optimizer", choices=["sgd", "adam"], default="sgd")
     p.add_argument("--batch", type=int, default=32, help="samples per rank and step")
     p.add_argument("--steps", type=int, default=5, help="steps per timed round")
     p.add_argument("--rounds", type=int, default=10, help="timed rounds per backend")
@@ -67,10 +73,10 @@ def main():
 
     def model():
         torch.manual_seed(0)
-        layers = [nn.Linear(256, args.width), nn.ReLU()]
+        layers = [nn.Linear(args.input, args.width), nn.ReLU()]
         for _ in range(args.layers):
             layers += [nn.Linear(args.width, args.width), nn.ReLU()]
-        layers.append(nn.Linear(args.width, 16))
+        layers.append(nn.Linear(args.width, args.classes))
         return nn.Sequential(*layers)
 
     def wrapped(group):
@@ -88,14 +94,18 @@ def main():
         return net
 
     sides = {"loom": wrapped(dist.group.WORLD), "gloo": wrapped(gloo)}
-    optimizers = {name: torch.optim.SGD(m.parameters(), lr=1e-3) for name, m in sides.items()}
+    optimizer = torch.optim.Adam if args.optimizer == "adam" else torch.optim.SGD
+    optimizers = {name: optimizer(m.parameters(), lr=1e-3) for name, m in sides.items()}
     params = sum(p.numel() for p in model().parameters())
     steps_done = {name: 0 for name in sides}
 
     def step(name):
         g = torch.Generator().manual_seed(1000 * steps_done[name] + rank)
-        x, y = torch.randn(args.batch, 256, generator=g), torch.randn(args.batch, 16, generator=g)
-        loss = nn.functional.mse_loss(sides[name](x), y)
+        x = torch.randn(args.batch, args.input, generator=g)
+        if args.loss == "mse":
+            loss = nn.functional.mse_loss(sides[name](x), torch.randn(args.batch, args.classes, generator=g))
+        else:
+            loss = nn.functional.cross_entropy(sides[name](x), torch.randint(args.classes, (args.batch,), generator=g))
         optimizers[name].zero_grad()
         loss.backward()
         optimizers[name].step()
@@ -131,6 +141,8 @@ def main():
         "loom_host_backend": comm.backend,
         "ranks": size,
         "parameters": params,
+        "model": {"input": args.input, "width": args.width, "layers": args.layers, "classes": args.classes,
+                  "loss": args.loss, "optimizer": args.optimizer},
         "gradient_bytes": params * 4,
         "batch_per_rank": args.batch,
         "steps_per_round": args.steps,

@@ -132,6 +132,9 @@ if [[ " $BENCHMARKS " == *" python "* ]]; then
   echo "== PyTorch FSDP2 (fully_shard) over backend loom vs gloo, 2 ranks"
   PYTHONPATH="build/python${PYTHONPATH:+:$PYTHONPATH}" mpirun -np 2 $LOOM_MPIRUN_FLAGS "$PYTHON" \
     benchmarks/ddp_backend_bench.py --wrapper fsdp --json "$RESULTS/fsdp_backend_np2.json"
+  # torchloom's FullyShardedDataParallel (zero_bench) against FSDP2 over gloo on zero_bench's model.
+  echo "== FullyShardedDataParallel against PyTorch FSDP2 over gloo, same model, 2 ranks"
+  "$PYTHON" benchmarks/fsdp_vs_fsdp2.py --np 2 --runs 3 --json "$RESULTS/fsdp_vs_fsdp2_np2.json"
 fi
 if [[ " $BENCHMARKS " == *" tp "* ]]; then
   echo "== tensor-parallel MLP, TP=2 against TP=1, 2 ranks"
