@@ -114,6 +114,7 @@ struct Options {
   bool recompute = false;
   int zero = 0;  // ZeRO stage over the DP group (0: plain data parallelism)
   bool zero_overlap = false;  // ZeRO's parameter all-gather overlapping the next forward
+  int hsdp = 0;  // with --zero 3: shard within groups of this many DP ranks, replicate across (0: all)
   double bucket_cap_mb = 25;  // gradient buckets (PyTorch DDP's default); the first is 1 MB or this
   std::string checkpoint_dir;
   int64_t save_every = 0;
@@ -544,9 +545,21 @@ void GptRun::build_model_and_optimizer() {
   if (o_.zero == 3) {
     std::vector<std::shared_ptr<torch::nn::Module>> units;
     for (auto& block : model_->blocks) units.push_back(block.ptr());
+    // Hybrid sharding: shards within groups of --hsdp consecutive DP ranks (a node's, as ranks are
+    // placed), replicated across the groups (each unit's gradient shard all-reduced over them).
+    std::shared_ptr<loom::Communicator> shard_group = ps.dp_group();
+    loom::FullyShardOptions fsdp_options;
+    if (o_.hsdp > 0) {
+      if (ps.dp_degree() % o_.hsdp != 0)
+        throw refusal("--hsdp " + std::to_string(o_.hsdp) + " must divide the data-parallel degree " +
+                      std::to_string(ps.dp_degree()));
+      shard_group = ps.dp_group()->split(ps.dp_rank() / o_.hsdp, ps.dp_rank(), "hsdp-shard");
+      fsdp_options.replicate = ps.dp_group()->split(ps.dp_rank() % o_.hsdp, ps.dp_rank(), "hsdp-replicate");
+    }
     fsdp_ = std::make_unique<loom::FullyShardedDataParallel>(
-        *model_, units, ps.dp_group(),
-        [&](std::vector<torch::Tensor> shards) { return std::make_unique<torch::optim::AdamW>(shards, adamw); });
+        *model_, units, shard_group,
+        [&](std::vector<torch::Tensor> shards) { return std::make_unique<torch::optim::AdamW>(shards, adamw); },
+        fsdp_options);
     model_->fsdp = fsdp_.get();
   } else if (o_.zero > 0) {
     loom::ZeroOptions zero_options;
@@ -1056,7 +1069,9 @@ void GptRun::report_memory() const {
   if (log_)
     std::printf("training state per rank (%s over %d replicas, %.2f M parameters on this rank): parameters %.1f MB, "
                 "gradients %.1f MB, optimizer state %.1f MB; %.2f bytes per parameter\n",
-                fsdp_   ? "fully sharded data parallelism (ZeRO stage 3)"
+                fsdp_ && o_.hsdp > 0 ? ("hybrid sharded data parallelism (shards over " + std::to_string(o_.hsdp) +
+                                         " ranks)").c_str()
+                : fsdp_ ? "fully sharded data parallelism (ZeRO stage 3)"
                 : zero_ ? ("ZeRO stage " + std::to_string(o_.zero)).c_str()
                         : "plain data parallelism",
                 ps_->dp_degree(),
@@ -1196,6 +1211,10 @@ void add_run_options(CLI::App& app, Options& o) {
       ->check(CLI::Range(0, 3));
   app.add_option("--bucket-cap-mb", o.bucket_cap_mb, "gradient bucket size (the first bucket: 1 MB or this)")
       ->check(CLI::Range(0.001, 1024.0));
+  app.add_option("--hsdp", o.hsdp,
+                 "with --zero 3: hybrid sharding, each parameter sharded over groups of this many data-parallel "
+                 "ranks (a node's) and replicated across the groups; 0: sharded over all")
+      ->check(CLI::NonNegativeNumber);
   app.add_flag("--zero-overlap", o.zero_overlap,
                "with --zero: step() leaves the parameter all-gathers running; each layer waits for its own in forward");
   app.add_flag("--sequence-parallel", o.sequence_parallel, "layernorm and dropout on sequence shards");
@@ -1224,6 +1243,10 @@ int main(int argc, char** argv) {
   CLI11_PARSE(app, argc, argv);
   if (o.resume && o.checkpoint_dir.empty()) {
     std::fprintf(stderr, "train_gpt: --resume needs --checkpoint-dir\n");
+    return 2;
+  }
+  if (o.hsdp > 0 && o.zero != 3) {
+    std::fprintf(stderr, "train_gpt: --hsdp needs --zero 3\n");
     return 2;
   }
   if (o.zero_overlap && (o.zero == 0 || o.zero == 3)) {

@@ -31,6 +31,7 @@ CASES = [
      "--clip-grad-norm with --zero and --pp 2: ZeRO's clip_grad_norm sums over its DP group"),
     ("--tp 1 --pp 2 --batch 16 --accumulate 4 --zero 3",
      "--zero 3 with --pp 2: fully sharded units inside pipeline stages are not built yet"),
+    ("--tp 1 --batch 16 --zero 3 --hsdp 3", "--hsdp 3 must divide the data-parallel degree 2"),
 ]
 
 
