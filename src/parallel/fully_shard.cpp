@@ -675,7 +675,8 @@ double FullyShardedDataParallel::clip_grad_norm(double max_norm, const torch::nn
     shard_numel.push_back(unit.shard_numel);
     grads.push_back(unit.shard.grad());
   }
-  const auto tp = detail::tensor_parallel_norm(model, *tensor_parallel, f.trainable, f.placements, shard_numel, f.rank);
+  const auto tp = detail::tensor_parallel_norm(model, *tensor_parallel, f.trainable, f.placements, shard_numel, f.rank,
+                                                  f.where("FullyShardedDataParallel::clip_grad_norm"));
   return detail::clip_sharded_gradients(grads, *f.group, max_norm, &tp);
 }
 

@@ -41,7 +41,18 @@ std::unique_ptr<torch::optim::Optimizer> adopt_shard_optimizer(std::unique_ptr<t
 TensorParallelNorm tensor_parallel_norm(const torch::nn::Module& model, Communicator& tensor_parallel,
                                         const std::vector<at::Tensor>& params,
                                         const std::vector<ZeroOptimizer::Placement>& placements,
-                                        const std::vector<int64_t>& shard_numel, int shard_rank) {
+                                        const std::vector<int64_t>& shard_numel, int shard_rank,
+                                        const std::string& where) {
+  // A model that does not hold the sharded parameters would say nothing of their slices: every
+  // one would count as replicated, and the norm would be wrong without a word.
+  std::unordered_set<const c10::TensorImpl*> held;
+  for (const auto& p : model.parameters()) held.insert(p.unsafeGetTensorImpl());
+  const auto missing = std::count_if(params.begin(), params.end(),
+                                     [&](const at::Tensor& p) { return !held.count(p.unsafeGetTensorImpl()); });
+  if (missing > 0)
+    throw InvalidArgumentError(where + ": expected the model whose parameters are sharded, found one that holds " +
+                               std::to_string(params.size() - missing) + " of the " + std::to_string(params.size()) +
+                               " sharded parameters");
   std::unordered_set<const c10::TensorImpl*> slices;
   for (const auto& item : model.named_modules()) {
     const auto* sharded = dynamic_cast<const tp::ShardedModule*>(item.value().get());

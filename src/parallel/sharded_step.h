@@ -42,10 +42,12 @@ struct TensorParallelNorm {
 };
 // From `model`'s tp::ShardedModules and the shards' layout: `params` and where each lies (bucket or
 // unit, offset), each bucket's shard size, this rank's place in the sharding group.
+// InvalidArgumentError (prefixed by `where`) when `model` does not hold every one of `params`.
 TensorParallelNorm tensor_parallel_norm(const torch::nn::Module& model, Communicator& tensor_parallel,
                                         const std::vector<at::Tensor>& params,
                                         const std::vector<ZeroOptimizer::Placement>& placements,
-                                        const std::vector<int64_t>& shard_numel, int shard_rank);
+                                        const std::vector<int64_t>& shard_numel, int shard_rank,
+                                        const std::string& where);
 
 // The L2 norm of every rank's gradient shards (summed in double over `group`, and over the TP group
 // where `tp` says), and when it exceeds max_norm every shard scaled by max_norm / (norm + 1e-6), as

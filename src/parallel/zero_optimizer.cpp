@@ -352,7 +352,8 @@ double ZeroOptimizer::clip_grad_norm(double max_norm, const torch::nn::Module& m
     return detail::clip_sharded_gradients(z.step_gradients(), *z.group, max_norm);
   std::vector<int64_t> shard_numel;
   for (size_t b = 0; b < z.step_gradients().size(); ++b) shard_numel.push_back(this->shard_numel(b));
-  const auto tp = detail::tensor_parallel_norm(model, *tensor_parallel, z.params, z.placements, shard_numel, z.group->rank());
+  const auto tp = detail::tensor_parallel_norm(model, *tensor_parallel, z.params, z.placements, shard_numel, z.group->rank(),
+                                                  z.where("ZeroOptimizer::clip_grad_norm"));
   return detail::clip_sharded_gradients(z.step_gradients(), *z.group, max_norm, &tp);
 }
 

@@ -306,6 +306,11 @@ void ZeroOptimizerState::plan(const LoadContext& context, std::vector<Need>& nee
   std::optional<FlatShards> flat = flat_shards();
   if (!flat) return;
   const FlatShards& f = *flat;
+  if (model_.model() == nullptr) {
+    problems.push_back(std::string("the ") + f.what + " state is loaded by parameter name: register the model too "
+                       "(Checkpointer::model)");
+    return;
+  }
   const OptimizerKind kind = *optimizer_kind(f.optimizer);
   view_ = make_optimizer(kind, f.params, f.optimizer.param_groups()[0].options());
   full_.set(view_.get());

@@ -354,6 +354,16 @@ TEST(FullyShard, TensorParallel2xFullyShardedDataParallel2EqualsDdpOverTheDataPa
     for (size_t i = 0; i < got.size(); ++i)
       EXPECT_LE((got[i] - want[i]).abs().max().item<double>(), 1e-6) << "clip " << clip << ": parameter " << i;
     fsdp.reshard();
+    if (clip > 0) {
+      // Another model says nothing of these parameters' slices: refused, not a wrong norm.
+      auto [x, y] = shard_batch(20, 0, ps.dp_rank());
+      fsdp.zero_grad();
+      torch::mse_loss(fsdp.forward(*net, x, [&](const at::Tensor& x) { return unit(net->row, torch::tanh(unit(net->col, x))); }),
+                      y)
+          .backward();
+      test::expect_contains(test::rejection([&] { fsdp.clip_grad_norm(clip, *ddp_net, ps.tp_group()); }),
+                            "expected the model whose parameters are sharded, found one that holds 0 of the 4");
+    }
     ASSERT_EQ(norms.size(), ddp_norms.size());
     for (size_t k = 0; k < norms.size(); ++k) EXPECT_NEAR(norms[k], ddp_norms[k], 1e-5 * ddp_norms[k]) << "step " << k;
     if (clip > 0) EXPECT_GT(*std::max_element(ddp_norms.begin(), ddp_norms.end()), clip) << "no step was clipped";

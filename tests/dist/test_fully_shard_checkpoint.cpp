@@ -88,8 +88,8 @@ class Trainer {
     }
   }
 
-  void register_with(Checkpointer& ckpt) {
-    ckpt.model(*net_);
+  void register_with(Checkpointer& ckpt, bool with_the_model = true) {
+    if (with_the_model) ckpt.model(*net_);
     if (fsdp_) ckpt.optimizer(*fsdp_);
     if (zero_) ckpt.optimizer(*zero_);
     if (optimizer_) ckpt.optimizer(*optimizer_);
@@ -125,14 +125,6 @@ class Trainer {
   std::unique_ptr<ZeroOptimizer> zero_;
 };
 
-// The first half of the world's ranks (null on the others), or the world alone.
-std::shared_ptr<Communicator> first_half_of_the_world() {
-  auto world = test::world();
-  if (world->size() == 1) return world;
-  const bool in = world->rank() < world->size() / 2;
-  return world->split(in ? 0 : -1, world->rank(), "first half");
-}
-
 struct Resume {
   Method saved_by;
   Method resumed_by;
@@ -151,7 +143,7 @@ void expect_resume_equals_the_uninterrupted_run(const Resume& r, const std::vect
     saving.register_with(ckpt);
     ckpt.save({.step = 10});
   }
-  if (auto group = r.at_half_size ? first_half_of_the_world() : world) {
+  if (auto group = r.at_half_size ? test::first_half_of_the_world() : world) {
     Trainer resumed(r.resumed_by, group, 99);  // other weights: all must come from the checkpoint
     Checkpointer ckpt(group, {.directory = dir});
     resumed.register_with(ckpt);
@@ -189,4 +181,31 @@ TEST(FullyShardCheckpoint, Bf16ComputeResumesFromItsFp32ShardsAsTheUninterrupted
   uninterrupted.steps(0, 20);
   expect_resume_equals_the_uninterrupted_run({Method::FullyShardBf16, Method::FullyShardBf16, false},
                                              uninterrupted.parameters());
+}
+
+TEST(FullyShardCheckpoint, WithoutTheModelSaveAndLoadAreRefusedByNameChangingNothing) {
+  // The parameters and their state are saved and found by the model's parameter names.
+  if (test::gloo_bootstrap()) GTEST_SKIP() << "checkpoints are tested under mpirun";
+  auto world = test::world();
+  const std::string dir = test::shared_dir("fully_sharded_no_model");
+  Trainer trainer(Method::FullyShard, world, 3);
+  trainer.steps(0, 2);
+  {
+    Checkpointer ckpt(world, {.directory = dir, .async = false});
+    trainer.register_with(ckpt, /*with_the_model=*/false);
+    test::expect_contains(test::rejection([&] { ckpt.save({.step = 2}); }),
+                          "the fully sharded state is saved by parameter name: register the model too");
+    Checkpointer complete(world, {.directory = dir, .async = false});
+    trainer.register_with(complete);
+    complete.save({.step = 2});
+  }
+  trainer.steps(2, 3);
+  const auto before = trainer.parameters();
+  Checkpointer ckpt(world, {.directory = dir});
+  trainer.register_with(ckpt, /*with_the_model=*/false);
+  test::expect_contains(test::rejection([&] { ckpt.load_latest(); }),
+                        "the fully sharded state is loaded by parameter name: register the model too");
+  const auto after = trainer.parameters();
+  for (size_t i = 0; i < before.size(); ++i) EXPECT_TRUE(after[i].equal(before[i])) << "parameter " << i << " changed";
+  test::cleanup(dir);
 }

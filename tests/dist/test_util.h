@@ -64,6 +64,15 @@ inline void expect_contains(const std::string& text, const std::string& part) {
 
 inline std::shared_ptr<Communicator> world() { return loom::init()->world_comm(); }
 
+// A smaller data-parallel group for resuming at another size: the first half of the world's ranks
+// (null on the others), or the world alone at one rank. Collective over the world.
+inline std::shared_ptr<Communicator> first_half_of_the_world() {
+  auto all = world();
+  if (all->size() == 1) return all;
+  const bool in = all->rank() < all->size() / 2;
+  return all->split(in ? 0 : -1, all->rank(), "first half");
+}
+
 inline const std::vector<at::ScalarType>& all_dtypes() {
   static const std::vector<at::ScalarType> dtypes = {at::kFloat, at::kDouble, at::kHalf, at::kBFloat16, at::kChar,
                                                      at::kByte,  at::kInt,    at::kLong, at::kBool};

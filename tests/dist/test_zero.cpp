@@ -446,13 +446,6 @@ void expect_params(Net& net, const std::vector<at::Tensor>& want, const std::str
   }
 }
 
-// The ranks of a smaller data-parallel group (the first half of the world), or the world alone.
-std::shared_ptr<Communicator> smaller_group() {
-  auto world = test::world();
-  if (world->size() == 1) return world;
-  const bool in = world->rank() < world->size() / 2;
-  return world->split(in ? 0 : -1, world->rank(), "half");
-}
 
 }  // namespace
 
@@ -471,7 +464,7 @@ TEST(ZeroCheckpoint, ResumedAtAnotherDataParallelSizeEqualsTheUninterruptedRun) 
     ckpt.model(net).optimizer(*zero);
     ckpt.save({.step = 10});
   }
-  if (auto group = smaller_group()) {
+  if (auto group = test::first_half_of_the_world()) {
     Net net = fresh_net(99);  // other weights: all must come from the checkpoint
     auto zero = zero_over(net, group, 1);
     Checkpointer ckpt(group, {.directory = dir});

@@ -163,6 +163,8 @@ class FullyShardedDataParallel {
   // tp::ShardedModules say which parameters are this rank's slices (their squares are summed over
   // `tensor_parallel` too) and which are replicated over it (counted once), as loom::clip_grad_norm
   // does for a model that is not sharded. Every rank of both groups scales by the same coefficient.
+  // InvalidArgumentError when `model` does not hold every sharded parameter (it would say nothing of
+  // their slices).
   //   fsdp.clip_grad_norm(1.0, *model, ps.tp_group());
   double clip_grad_norm(double max_norm, const torch::nn::Module& model,
                         const std::shared_ptr<Communicator>& tensor_parallel);
